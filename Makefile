@@ -1,0 +1,24 @@
+# Entry points for a fresh machine. `make test` installs dependencies, builds and runs every test.
+PRESET ?= release
+JOBS ?= $(shell nproc)
+
+.PHONY: deps build test test-asan bench clean
+
+deps:
+	bash scripts/install-deps.sh
+
+build: deps
+	cmake --preset $(PRESET)
+	cmake --build --preset $(PRESET) -j $(JOBS)
+
+test: build
+	ctest --preset $(PRESET) -j $(JOBS)
+
+test-asan:
+	$(MAKE) test PRESET=asan
+
+bench: build
+	bash scripts/run-bench.sh build/$(PRESET)
+
+clean:
+	rm -rf build
