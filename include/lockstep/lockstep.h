@@ -4,6 +4,7 @@
 #include "lockstep/autograd/engine.h"
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/autograd/gradcheck.h"
+#include "lockstep/autograd/node.h"
 #include "lockstep/error.h"
 #include "lockstep/ops/elementwise.h"
 #include "lockstep/ops/linalg.h"

@@ -497,7 +497,6 @@ Tensor masked_fill(const Tensor& a, const Tensor& mask, double value) {
            a.shape().str());
   Tensor v = full({}, value, a.dtype());
   Tensor m = mask.dtype() == kBool ? mask : ne(mask, 0.0);
-  autograd::NoGradGuard no_grad;
   return where(m, v, a);
 }
 

@@ -1,0 +1,68 @@
+// Shared test helpers: random inputs, naive strided reads, and message matchers.
+#pragma once
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "lockstep/lockstep.h"
+
+namespace lockstep::testing {
+
+// Row-major multi-index for a flat position.
+inline Dims unravel(int64_t flat, const Dims& shape) {
+  Dims idx = Dims::filled(shape.size(), 0);
+  for (int64_t d = shape.size() - 1; d >= 0; --d) {
+    idx[d] = flat % shape[d];
+    flat /= shape[d];
+  }
+  return idx;
+}
+
+// Values of `t` read one element at a time through at() (a reference independent of kernels).
+inline std::vector<double> values(const Tensor& t) {
+  std::vector<double> v(static_cast<size_t>(t.numel()));
+  for (int64_t i = 0; i < t.numel(); ++i) v[i] = t.at(unravel(i, t.shape()));
+  return v;
+}
+
+// Builds a tensor of `shape` whose element i is f(i), in dtype `dt`.
+inline Tensor make(const Dims& shape, const std::function<double(int64_t)>& f, DType dt = kFloat32) {
+  Tensor t = empty(shape, dt);
+  for (int64_t i = 0; i < t.numel(); ++i) t.set_at(unravel(i, shape), f(i));
+  return t;
+}
+
+// The same values as `t` but laid out transposed in memory (a non-contiguous view).
+inline Tensor non_contiguous(const Tensor& t) {
+  if (t.dim() < 2) {
+    Tensor big = empty({t.numel() * 2}, t.dtype());
+    Tensor v = big.slice(0, 0, t.numel() * 2, 2).view(t.shape());
+    v.copy_(t);
+    return v;
+  }
+  Tensor tt = t.transpose(0, t.dim() - 1).contiguous();
+  return tt.transpose(0, t.dim() - 1);
+}
+
+// Expects `fn` to throw lockstep::Error whose message contains every string in `parts`.
+inline void expect_error(const std::function<void()>& fn, const std::vector<std::string>& parts) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected lockstep::Error";
+  } catch (const Error& e) {
+    for (const auto& p : parts) EXPECT_THAT(std::string(e.what()), ::testing::HasSubstr(p));
+  }
+}
+
+inline void expect_gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& fn,
+                             const std::vector<Tensor>& inputs,
+                             autograd::GradcheckOptions opts = {}) {
+  auto r = autograd::gradcheck(fn, inputs, opts);
+  EXPECT_TRUE(r.ok) << r.message;
+}
+
+}  // namespace lockstep::testing
