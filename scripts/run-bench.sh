@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Runs every benchmark program in a build tree, prints its table and writes JSON to
+# bench/results/<name>.json. Usage: scripts/run-bench.sh [build-dir] [extra benchmark flags]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${1:-build/release}
+shift || true
+mkdir -p bench/results
+for exe in "$build"/bench/*_bench; do
+  [ -x "$exe" ] || continue
+  name=$(basename "$exe")
+  echo "== $name ($(nproc) cores, $(date -u +%Y-%m-%d))"
+  "$exe" --benchmark_repetitions=5 --benchmark_report_aggregates_only=true \
+    --benchmark_out="bench/results/$name.json" --benchmark_out_format=json "$@"
+done
