@@ -41,6 +41,7 @@ Tensor reduce_grad(const Tensor& g, const Tensor& x) {
 template <typename Op>
 Tensor binary_arith(const char* name, const Tensor& a, const Tensor& b, const Op& op,
                     bool floating_only = false) {
+  autograd::NoGradGuard no_grad;  // internal views and casts are not part of the graph
   detail::check_cpu(a, name);
   detail::check_cpu(b, name);
   DType dt = promote_types(a.dtype(), b.dtype());
@@ -58,6 +59,7 @@ Tensor binary_arith(const char* name, const Tensor& a, const Tensor& b, const Op
 
 template <typename Op>
 Tensor binary_compare(const char* name, const Tensor& a, const Tensor& b, const Op& op) {
+  autograd::NoGradGuard no_grad;  // internal views and casts are not part of the graph
   detail::check_cpu(a, name);
   detail::check_cpu(b, name);
   DType dt = promote_types(a.dtype(), b.dtype());
@@ -82,6 +84,7 @@ DType scalar_result_dtype(const Tensor& a, double s) {
 template <typename Op>
 Tensor scalar_arith(const char* name, const Tensor& a, double s, const Op& op,
                     bool floating_only = false) {
+  autograd::NoGradGuard no_grad;  // internal views and casts are not part of the graph
   detail::check_cpu(a, name);
   DType dt = scalar_result_dtype(a, s);
   if (floating_only && !is_floating(dt)) dt = kFloat32;
@@ -97,6 +100,7 @@ Tensor scalar_arith(const char* name, const Tensor& a, double s, const Op& op,
 
 template <typename Op>
 Tensor scalar_compare(const char* name, const Tensor& a, double s, const Op& op) {
+  autograd::NoGradGuard no_grad;  // internal views and casts are not part of the graph
   detail::check_cpu(a, name);
   Tensor ac = is_half(a.dtype()) || a.dtype() == kBool ? a.to(kFloat64) : a;
   Tensor out = empty(a.shape(), kBool);
@@ -109,6 +113,7 @@ Tensor scalar_compare(const char* name, const Tensor& a, double s, const Op& op)
 // Unary math in floating point (integer inputs are promoted to f32).
 template <typename Op>
 Tensor unary_float(const char* name, const Tensor& a, const Op& op) {
+  autograd::NoGradGuard no_grad;  // internal views and casts are not part of the graph
   detail::check_cpu(a, name);
   if (!is_floating(a.dtype())) return unary_float(name, a.to(kFloat32), op);
   return detail::map1_float(name, a, op);
@@ -117,6 +122,7 @@ Tensor unary_float(const char* name, const Tensor& a, const Op& op) {
 // Unary op keeping the input's numeric dtype.
 template <typename Op>
 Tensor unary_numeric(const char* name, const Tensor& a, const Op& op) {
+  autograd::NoGradGuard no_grad;  // internal views and casts are not part of the graph
   detail::check_cpu(a, name);
   if (is_half(a.dtype())) return unary_numeric(name, a.to(kFloat32), op).to(a.dtype());
   Tensor ac = a.dtype() == kBool ? a.to(kUInt8) : a;
@@ -474,13 +480,16 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   const Dims shape =
       broadcast_shapes(cond.shape(), broadcast_shapes(a.shape(), b.shape(), "where"), "where");
   const DType dt = promote_types(a.dtype(), b.dtype());
-  Tensor c = (cond.dtype() == kBool ? cond : ne(cond, 0.0)).expand(shape);
-  Tensor ae = (a.dtype() == dt ? a : a.to(dt)).expand(shape);
-  Tensor be = (b.dtype() == dt ? b : b.to(dt)).expand(shape);
-  Tensor out = empty(shape, dt);
-  cpu::dispatch_all(dt, "where", [&]<typename T>() {
-    cpu::ternary_loop<T, bool, T, T>(out, c, ae, be, [](bool m, T x, T y) { return m ? x : y; });
-  });
+  Tensor c, out = empty(shape, dt);
+  {
+    autograd::NoGradGuard no_grad;
+    c = (cond.dtype() == kBool ? cond : ne(cond, 0.0)).expand(shape);
+    Tensor ae = (a.dtype() == dt ? a : a.to(dt)).expand(shape);
+    Tensor be = (b.dtype() == dt ? b : b.to(dt)).expand(shape);
+    cpu::dispatch_all(dt, "where", [&]<typename T>() {
+      cpu::ternary_loop<T, bool, T, T>(out, c, ae, be, [](bool m, T x, T y) { return m ? x : y; });
+    });
+  }
   Tensor cond_b = c;
   record("WhereBackward", {a, b}, out, [a, b, cond_b](const TensorList& g) {
     Tensor zero = zeros({}, g[0].dtype());

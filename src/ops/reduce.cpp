@@ -116,6 +116,7 @@ inline double sum_run(const T* p, int64_t s, int64_t n) {
 
 // Sum (mean when `divide`) without autograd.
 Tensor sum_impl(const Tensor& a, const Dims& dims, bool keepdim, bool divide, const char* op) {
+  autograd::NoGradGuard no_grad;  // internal views and casts are not part of the graph
   detail::check_cpu(a, op);
   if (is_half(a.dtype())) return sum_impl(a.to(kFloat32), dims, keepdim, divide, op).to(a.dtype());
   ReducePlan p = make_plan(a, dims, keepdim, op);
@@ -161,6 +162,7 @@ constexpr int64_t kAllDims = std::numeric_limits<int64_t>::min();
 // Values and indices along one dim (or over everything when dim < 0).
 std::pair<Tensor, Tensor> extreme(const Tensor& a, int64_t dim, bool keepdim, bool is_max,
                                   const char* op) {
+  autograd::NoGradGuard no_grad;  // internal views and casts are not part of the graph
   detail::check_cpu(a, op);
   LS_CHECK(a.numel() > 0, op, ": cannot reduce an empty tensor (shape ", a.shape().str(), ")");
   if (is_half(a.dtype())) {
