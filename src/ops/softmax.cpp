@@ -34,8 +34,10 @@ void softmax_forward(const Tensor& x, const Tensor& y, int64_t dim, bool log) {
     double sum = 0;
     if (log) {
       for (int64_t i = 0; i < n; ++i) sum += std::exp(xr[i * sx] - mx);
-      const T lse = mx + static_cast<T>(std::log(sum));
-      for (int64_t i = 0; i < n; ++i) yr[i * sy] = xr[i * sx] - lse;
+      // (x - max) - log(sum) rather than x - (max + log(sum)): x - max is exact, so large
+      // logits keep their precision.
+      const T log_sum = static_cast<T>(std::log(sum));
+      for (int64_t i = 0; i < n; ++i) yr[i * sy] = (xr[i * sx] - mx) - log_sum;
     } else {
       for (int64_t i = 0; i < n; ++i) {
         const T e = std::exp(xr[i * sx] - mx);
