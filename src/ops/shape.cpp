@@ -113,6 +113,52 @@ struct Lines {
   }
 };
 
+// gi (outer, n, inner) += g (outer, k, inner) with row i of g going to row idx[i].
+template <typename T>
+void index_add_rows(const T* g, T* gi, const std::vector<int64_t>& idx, int64_t outer, int64_t n,
+                    int64_t inner) {
+  const int64_t k = idx.size();
+  auto rows = [&](int64_t oi, int64_t j0, int64_t j1) {
+    for (int64_t i = 0; i < k; ++i) {
+      const T* from = g + (oi * k + i) * inner;
+      T* to = gi + (oi * n + idx[i]) * inner;
+      for (int64_t j = j0; j < j1; ++j) to[j] += from[j];
+    }
+  };
+  // Repeated indices collide within one outer slice, so threads split the outer slices (or,
+  // when there is only one, the columns of the inner rows).
+  if (outer > 1) {
+    parallel_units(outer, k * inner, [&](int64_t b, int64_t e) {
+      for (int64_t oi = b; oi < e; ++oi) rows(oi, 0, inner);
+    });
+  } else {
+    parallel_units(inner, k, [&](int64_t b, int64_t e) { rows(0, b, e); });
+  }
+}
+
+// gi (contiguous, in_shape) at [.., index[p], ..] += g[p] for every position p of the
+// contiguous `index` (gather's adjoint).
+template <typename T>
+void gather_add(const T* g, const Tensor& index, T* gi, const Dims& in_shape, int64_t d) {
+  const Lines lines(index.shape(), d);
+  const Dims idx_strides = contiguous_strides(index.shape());
+  const Dims in_strides = contiguous_strides(in_shape);
+  const int64_t len = index.shape()[d], step = idx_strides[d];
+  cpu::dispatch_index(index.dtype(), "gather backward", [&]<typename I>() {
+    const I* ip = static_cast<const I*>(index.data_ptr());
+    // Two lines never share an input element (they differ outside `d`), so lines can run on
+    // different threads.
+    parallel_units(lines.count, len, [&](int64_t b, int64_t e) {
+      for (int64_t l = b; l < e; ++l) {
+        const int64_t io = lines.offset(l, idx_strides);
+        T* dst = gi + lines.offset(l, in_strides);
+        for (int64_t j = 0; j < len; ++j)
+          dst[static_cast<int64_t>(ip[io + j * step]) * in_strides[d]] += g[io + j * step];
+      }
+    });
+  });
+}
+
 }  // namespace
 
 // ---- cat / stack / split ----
@@ -260,28 +306,11 @@ Tensor index_select(const Tensor& t, int64_t dim, const Tensor& index) {
   const Dims in_shape = t.shape();
   const DType dtype = t.dtype();
   autograd::record("IndexSelectBackward", {t}, out,
-                   [idx, in_shape, dtype, d, outer, inner, n](const TensorList& g) {
-                     const int64_t k = idx.size();
-                     Tensor gi = scatter_grad(
-                         g[0], in_shape, dtype, "index_select backward",
-                         [&]<typename T>(const T* gp, T* gip) {
-                           // Repeated indices collide within one outer slice, so threads split the
-                           // outer slices (or, with a single one, the columns of the inner rows).
-                           auto body = [&](int64_t oi, int64_t j0, int64_t j1) {
-                             for (int64_t i = 0; i < k; ++i) {
-                               const T* from = gp + (oi * k + i) * inner;
-                               T* to = gip + (oi * n + idx[i]) * inner;
-                               for (int64_t j = j0; j < j1; ++j) to[j] += from[j];
-                             }
-                           };
-                           if (outer > 1) {
-                             parallel_units(outer, k * inner, [&](int64_t b, int64_t e) {
-                               for (int64_t oi = b; oi < e; ++oi) body(oi, 0, inner);
-                             });
-                           } else {
-                             parallel_units(inner, k, [&](int64_t b, int64_t e) { body(0, b, e); });
-                           }
-                         });
+                   [idx, in_shape, dtype, outer, inner, n](const TensorList& g) {
+                     Tensor gi = scatter_grad(g[0], in_shape, dtype, "index_select backward",
+                                              [&]<typename T>(const T* gp, T* gip) {
+                                                index_add_rows(gp, gip, idx, outer, n, inner);
+                                              });
                      return TensorList{gi};
                    });
   return out;
@@ -297,9 +326,7 @@ Tensor gather(const Tensor& t, int64_t dim, const Tensor& index) {
   LS_CHECK(t.dim() > 0, "gather: input must have at least one dimension, got shape ",
            t.shape().str());
   LS_CHECK(index.dim() == t.dim(), "gather: index ", index.shape().str(),
-           " must have as many "
-           "dimensions as the input ",
-           t.shape().str());
+           " must have as many dimensions as the input ", t.shape().str());
   const int64_t d = detail::normalize_dim(dim, t.dim(), "gather");
   for (int64_t k = 0; k < t.dim(); ++k) {
     LS_CHECK(k == d || index.shape()[k] <= t.shape()[k], "gather: index ", index.shape().str(),
@@ -336,30 +363,12 @@ Tensor gather(const Tensor& t, int64_t dim, const Tensor& index) {
 
   const Dims in_shape = t.shape();
   const DType dtype = t.dtype();
-  autograd::record(
-      "GatherBackward", {t}, out, [idx_t, in_shape, dtype, d, len, step](const TensorList& g) {
-        const Lines lines(idx_t.shape(), d);
-        const Dims idx_strides = contiguous_strides(idx_t.shape());
-        const Dims in_strides = contiguous_strides(in_shape);
-        Tensor gi = scatter_grad(
-            g[0], in_shape, dtype, "gather backward", [&]<typename T>(const T* gp, T* gip) {
-              cpu::dispatch_index(idx_t.dtype(), "gather backward", [&]<typename I>() {
-                const I* ip = static_cast<const I*>(idx_t.data_ptr());
-                // Two lines never share an input element (they differ outside `dim`), so lines can
-                // run on different threads.
-                parallel_units(lines.count, len, [&](int64_t b, int64_t e) {
-                  for (int64_t l = b; l < e; ++l) {
-                    const int64_t io = lines.offset(l, idx_strides);
-                    T* dst = gip + lines.offset(l, in_strides);
-                    for (int64_t j = 0; j < len; ++j)
-                      dst[static_cast<int64_t>(ip[io + j * step]) * in_strides[d]] +=
-                          gp[io + j * step];
-                  }
-                });
-              });
-            });
-        return TensorList{gi};
-      });
+  autograd::record("GatherBackward", {t}, out, [idx_t, in_shape, dtype, d](const TensorList& g) {
+    Tensor gi = scatter_grad(
+        g[0], in_shape, dtype, "gather backward",
+        [&]<typename T>(const T* gp, T* gip) { gather_add(gp, idx_t, gip, in_shape, d); });
+    return TensorList{gi};
+  });
   return out;
 }
 
