@@ -1,0 +1,38 @@
+// safetensors files: the tensor container the Python ecosystem loads with
+// safetensors.torch.load_file. Layout: 8-byte little-endian header length N, N bytes of JSON
+// ({name: {dtype, shape, data_offsets}, "__metadata__": {str: str}}), then the raw data.
+#pragma once
+
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "lockstep/tensor/tensor.h"
+
+namespace lockstep::io {
+
+using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
+using Metadata = std::map<std::string, std::string>;
+
+struct SafetensorsContents {
+  NamedTensors tensors;  // in file order (by data offset)
+  Metadata metadata;
+};
+
+// Writes to a temporary file beside `path` and renames it into place, so a crash never leaves a
+// half-written file under `path`. Names must be unique; tensors are written contiguous,
+// little-endian, in the given order.
+void save_safetensors(const std::string& path, const NamedTensors& tensors,
+                      const Metadata& metadata = {});
+
+// Reads and validates the whole file: header length, JSON, dtypes, shapes against byte ranges,
+// ranges inside the data and covering it without gaps or overlaps. Any problem is an Error that
+// names the file and what was expected.
+SafetensorsContents load_safetensors(const std::string& path);
+
+// The safetensors dtype string ("F32", "BF16", ...) for a DType, and back.
+std::string safetensors_dtype(DType t);
+DType parse_safetensors_dtype(const std::string& s);
+
+}  // namespace lockstep::io

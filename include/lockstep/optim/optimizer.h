@@ -1,0 +1,103 @@
+// Optimizers over parameter groups: SGD and AdamW with PyTorch's update rules, per-parameter
+// state that exports and imports as named tensors.
+#pragma once
+
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "lockstep/tensor/tensor.h"
+
+namespace lockstep::optim {
+
+using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
+
+// A set of parameters sharing hyperparameters. Options not set here come from the optimizer's.
+struct ParamGroup {
+  std::vector<Tensor> params;
+  double lr = -1.0;            // < 0: the optimizer's default
+  double weight_decay = -1.0;  // < 0: the optimizer's default
+};
+
+class Optimizer {
+ public:
+  virtual ~Optimizer() = default;
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
+
+  // Updates every parameter that has a gradient (parameters without one are skipped).
+  virtual void step() = 0;
+  // Drops gradients (set_to_none) or zeroes them in place.
+  void zero_grad(bool set_to_none = true);
+
+  std::vector<ParamGroup>& param_groups() { return groups_; }
+  const std::vector<ParamGroup>& param_groups() const { return groups_; }
+  // Sets every group's learning rate.
+  void set_lr(double lr);
+  int64_t num_params() const;
+
+  // Per-parameter state as named tensors "<param index>.<field>" (indices count across groups
+  // in order), plus "step" and one "group.<g>.lr" per group (0-dim f64), ready for a
+  // safetensors checkpoint.
+  NamedTensors state_dict() const;
+  // Restores what state_dict() produced; checks names, shapes and the parameter count.
+  void load_state_dict(const NamedTensors& state);
+  int64_t steps() const { return steps_; }
+
+ protected:
+  Optimizer(std::vector<ParamGroup> groups, double default_lr, double default_weight_decay,
+            const char* name);
+  // State field `field` of parameter `index`, created as zeros like the parameter if absent.
+  Tensor& state(int64_t index, const std::string& field, const Tensor& like);
+  const char* name_;
+  std::vector<ParamGroup> groups_;
+  std::vector<std::map<std::string, Tensor>> state_;  // by parameter index
+  int64_t steps_ = 0;
+};
+
+struct SGDOptions {
+  double lr = 0.01;
+  double momentum = 0.0;
+  double dampening = 0.0;
+  double weight_decay = 0.0;
+  bool nesterov = false;
+};
+
+// torch.optim.SGD: g += wd p; buf = g (first step) else momentum buf + (1 - dampening) g;
+// g = nesterov ? g + momentum buf : buf; p -= lr g.
+class SGD : public Optimizer {
+ public:
+  SGD(std::vector<ParamGroup> groups, SGDOptions opts);
+  SGD(const std::vector<Tensor>& params, SGDOptions opts) : SGD({ParamGroup{params}}, opts) {}
+  void step() override;
+
+ private:
+  SGDOptions opts_;
+};
+
+struct AdamWOptions {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 1e-2;
+};
+
+// torch.optim.AdamW: p *= 1 - lr wd; m, v moments with bias correction; p -= lr m^ / (sqrt(v^)+eps).
+class AdamW : public Optimizer {
+ public:
+  AdamW(std::vector<ParamGroup> groups, AdamWOptions opts);
+  AdamW(const std::vector<Tensor>& params, AdamWOptions opts) : AdamW({ParamGroup{params}}, opts) {}
+  void step() override;
+
+ private:
+  AdamWOptions opts_;
+};
+
+// Scales gradients in place so that their global norm is at most max_norm; returns the norm
+// before clipping. A non-finite norm is returned and nothing is scaled (a GradScaler will skip
+// that step anyway). norm_type 2 (Euclidean) or infinity.
+double clip_grad_norm(const std::vector<Tensor>& params, double max_norm, double norm_type = 2.0);
+
+}  // namespace lockstep::optim

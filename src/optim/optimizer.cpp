@@ -1,0 +1,242 @@
+// Optimizer base, SGD, AdamW and clip_grad_norm; updates are fused per-parameter loops.
+#include "lockstep/optim/optimizer.h"
+
+#include <cmath>
+
+#include "lockstep/autograd/grad_mode.h"
+#include "lockstep/ops/elementwise.h"
+#include "ops/cpu/dispatch.h"
+#include "ops/cpu/parallel.h"
+
+namespace lockstep::optim {
+
+namespace {
+// Updates touch a handful of floats per element; below this they run on one thread.
+constexpr int64_t kUpdateGrain = 16384;
+
+void check_param(const Tensor& p, const char* name) {
+  LS_CHECK(p.defined() && p.is_leaf(), name, ": parameters must be leaf tensors");
+  LS_CHECK(p.dtype() == kFloat32 || p.dtype() == kFloat64, name,
+           ": parameters must be f32 or f64, got ", dtype_name(p.dtype()));
+  LS_CHECK(p.is_contiguous() && p.device().is_cpu(), name,
+           ": parameters must be contiguous CPU tensors, got shape ", p.shape().str(),
+           " strides ", p.strides().str());
+}
+
+// A contiguous gradient of the parameter's dtype (copies only in unusual cases).
+Tensor grad_of(const Tensor& p) {
+  Tensor g = p.grad();
+  if (g.dtype() != p.dtype()) g = g.to(p.dtype());
+  return g.contiguous();
+}
+}  // namespace
+
+Optimizer::Optimizer(std::vector<ParamGroup> groups, double default_lr,
+                     double default_weight_decay, const char* name)
+    : name_(name), groups_(std::move(groups)) {
+  LS_CHECK(!groups_.empty(), name, ": no parameter groups");
+  int64_t n = 0;
+  for (auto& g : groups_) {
+    if (g.lr < 0) g.lr = default_lr;
+    if (g.weight_decay < 0) g.weight_decay = default_weight_decay;
+    for (const Tensor& p : g.params) check_param(p, name);
+    n += static_cast<int64_t>(g.params.size());
+  }
+  LS_CHECK(n > 0, name, ": got an empty parameter list");
+  state_.resize(static_cast<size_t>(n));
+}
+
+void Optimizer::zero_grad(bool set_to_none) {
+  autograd::NoGradGuard no_grad;
+  for (auto& g : groups_)
+    for (Tensor& p : g.params) {
+      if (set_to_none) p.set_grad(Tensor());
+      else if (p.grad().defined()) p.grad().zero_();
+    }
+}
+
+void Optimizer::set_lr(double lr) {
+  for (auto& g : groups_) g.lr = lr;
+}
+
+int64_t Optimizer::num_params() const { return static_cast<int64_t>(state_.size()); }
+
+Tensor& Optimizer::state(int64_t index, const std::string& field, const Tensor& like) {
+  Tensor& t = state_[static_cast<size_t>(index)][field];
+  if (!t.defined()) t = zeros(like.shape(), like.dtype());
+  return t;
+}
+
+NamedTensors Optimizer::state_dict() const {
+  NamedTensors out;
+  out.emplace_back("step", full({}, static_cast<double>(steps_), kInt64));
+  for (size_t g = 0; g < groups_.size(); ++g)
+    out.emplace_back("group." + std::to_string(g) + ".lr", full({}, groups_[g].lr, kFloat64));
+  for (size_t i = 0; i < state_.size(); ++i)
+    for (const auto& [field, t] : state_[i]) out.emplace_back(std::to_string(i) + "." + field, t);
+  return out;
+}
+
+void Optimizer::load_state_dict(const NamedTensors& state) {
+  std::vector<std::map<std::string, Tensor>> fresh(state_.size());
+  std::vector<const Tensor*> params;
+  for (auto& g : groups_)
+    for (const Tensor& p : g.params) params.push_back(&p);
+  bool have_step = false;
+  for (const auto& [name, t] : state) {
+    if (name == "step") {
+      steps_ = static_cast<int64_t>(t.item());
+      have_step = true;
+      continue;
+    }
+    if (name.rfind("group.", 0) == 0) {
+      const size_t dot = name.find('.', 6);
+      const size_t g = std::stoul(name.substr(6, dot - 6));
+      LS_CHECK(g < groups_.size(), name_, ": state has group ", g, " but the optimizer has ",
+               groups_.size(), " groups");
+      groups_[g].lr = t.item();
+      continue;
+    }
+    const size_t dot = name.find('.');
+    LS_CHECK(dot != std::string::npos && dot > 0, name_, ": malformed state key '", name, "'");
+    size_t idx = 0;
+    try {
+      idx = std::stoul(name.substr(0, dot));
+    } catch (const std::exception&) {
+      LS_THROW(name_, ": malformed state key '", name, "'");
+    }
+    LS_CHECK(idx < params.size(), name_, ": state for parameter ", idx, " but the optimizer has ",
+             params.size(), " parameters");
+    const std::string field = name.substr(dot + 1);
+    if (field == "step") {  // a per-parameter counter, not a tensor like the parameter
+      fresh[idx][field] = t.to(kFloat64).clone();
+      continue;
+    }
+    LS_CHECK(t.shape() == params[idx]->shape(), name_, ": state '", name, "' has shape ",
+             t.shape().str(), " but parameter ", idx, " has shape ", params[idx]->shape().str());
+    fresh[idx][field] = t.to(params[idx]->dtype()).clone();
+  }
+  LS_CHECK(have_step, name_, ": state has no 'step' entry");
+  state_ = std::move(fresh);
+}
+
+// ---- SGD ----
+
+SGD::SGD(std::vector<ParamGroup> groups, SGDOptions opts)
+    : Optimizer(std::move(groups), opts.lr, opts.weight_decay, "SGD"), opts_(opts) {
+  LS_CHECK(opts.lr >= 0, "SGD: lr must be >= 0, got ", opts.lr);
+  LS_CHECK(opts.momentum >= 0, "SGD: momentum must be >= 0, got ", opts.momentum);
+  LS_CHECK(!opts.nesterov || (opts.momentum > 0 && opts.dampening == 0),
+           "SGD: nesterov needs momentum > 0 and dampening = 0");
+}
+
+void SGD::step() {
+  autograd::NoGradGuard no_grad;
+  int64_t index = 0;
+  for (auto& group : groups_) {
+    for (Tensor& p : group.params) {
+      const int64_t i = index++;
+      if (!p.grad().defined()) continue;
+      Tensor g = grad_of(p);
+      const bool first = !state_[i].count("momentum_buffer");
+      Tensor buf = opts_.momentum != 0 ? state(i, "momentum_buffer", p) : Tensor();
+      const double lr = group.lr, wd = group.weight_decay, mom = opts_.momentum;
+      const double damp = opts_.dampening;
+      const bool nesterov = opts_.nesterov;
+      cpu::dispatch_float(p.dtype(), "SGD", [&]<typename T>() {
+        T* pp = p.data<T>();
+        const T* gp = g.data<T>();
+        T* bp = buf.defined() ? buf.data<T>() : nullptr;
+        cpu::parallel_for(0, p.numel(), kUpdateGrain, [&](int64_t b, int64_t e) {
+          for (int64_t k = b; k < e; ++k) {
+            T d = gp[k];
+            if (wd != 0) d += static_cast<T>(wd) * pp[k];
+            if (bp) {
+              bp[k] = first ? d : static_cast<T>(mom) * bp[k] + static_cast<T>(1 - damp) * d;
+              d = nesterov ? d + static_cast<T>(mom) * bp[k] : bp[k];
+            }
+            pp[k] -= static_cast<T>(lr) * d;
+          }
+        });
+      });
+    }
+  }
+  ++steps_;
+}
+
+// ---- AdamW ----
+
+AdamW::AdamW(std::vector<ParamGroup> groups, AdamWOptions opts)
+    : Optimizer(std::move(groups), opts.lr, opts.weight_decay, "AdamW"), opts_(opts) {
+  LS_CHECK(opts.lr >= 0, "AdamW: lr must be >= 0, got ", opts.lr);
+  LS_CHECK(opts.beta1 >= 0 && opts.beta1 < 1 && opts.beta2 >= 0 && opts.beta2 < 1,
+           "AdamW: betas must be in [0, 1), got (", opts.beta1, ", ", opts.beta2, ")");
+  LS_CHECK(opts.eps >= 0, "AdamW: eps must be >= 0, got ", opts.eps);
+}
+
+void AdamW::step() {
+  autograd::NoGradGuard no_grad;
+  ++steps_;
+  int64_t index = 0;
+  for (auto& group : groups_) {
+    for (Tensor& p : group.params) {
+      const int64_t i = index++;
+      if (!p.grad().defined()) continue;
+      Tensor g = grad_of(p);
+      Tensor m = state(i, "exp_avg", p), v = state(i, "exp_avg_sq", p);
+      // Per-parameter step count, as PyTorch keeps it (a parameter may skip steps).
+      Tensor& st = state_[i]["step"];
+      if (!st.defined()) st = zeros({}, kFloat64);
+      st.fill_(st.item() + 1);
+      const double t = st.item();
+      const double lr = group.lr, wd = group.weight_decay;
+      const double b1 = opts_.beta1, b2 = opts_.beta2, eps = opts_.eps;
+      const double bc1 = 1 - std::pow(b1, t), bc2 = 1 - std::pow(b2, t);
+      const double step_size = lr / bc1, bc2_sqrt = std::sqrt(bc2);
+      cpu::dispatch_float(p.dtype(), "AdamW", [&]<typename T>() {
+        T* pp = p.data<T>();
+        const T* gp = g.data<T>();
+        T* mp = m.data<T>();
+        T* vp = v.data<T>();
+        cpu::parallel_for(0, p.numel(), kUpdateGrain, [&](int64_t b, int64_t e) {
+          for (int64_t k = b; k < e; ++k) {
+            pp[k] *= static_cast<T>(1 - lr * wd);
+            mp[k] = static_cast<T>(b1) * mp[k] + static_cast<T>(1 - b1) * gp[k];
+            vp[k] = static_cast<T>(b2) * vp[k] + static_cast<T>(1 - b2) * gp[k] * gp[k];
+            const T denom = std::sqrt(vp[k]) / static_cast<T>(bc2_sqrt) + static_cast<T>(eps);
+            pp[k] -= static_cast<T>(step_size) * mp[k] / denom;
+          }
+        });
+      });
+    }
+  }
+}
+
+// ---- clip_grad_norm ----
+
+double clip_grad_norm(const std::vector<Tensor>& params, double max_norm, double norm_type) {
+  LS_CHECK(max_norm >= 0, "clip_grad_norm: max_norm must be >= 0, got ", max_norm);
+  LS_CHECK(norm_type == 2.0 || std::isinf(norm_type), "clip_grad_norm: norm_type must be 2 or "
+           "infinity, got ", norm_type);
+  autograd::NoGradGuard no_grad;
+  double acc = 0;
+  for (const Tensor& p : params) {
+    Tensor g = p.grad();
+    if (!g.defined()) continue;
+    for (double x : g.contiguous().to_vector<double>()) {
+      if (std::isinf(norm_type)) acc = std::max(acc, std::abs(x));
+      else acc += x * x;
+      if (std::isnan(x)) acc = NAN;
+    }
+  }
+  const double total = std::isinf(norm_type) ? acc : std::sqrt(acc);
+  if (!std::isfinite(total)) return total;
+  const double coef = max_norm / (total + 1e-6);
+  if (coef < 1.0) {
+    for (const Tensor& p : params)
+      if (p.grad().defined()) p.grad().mul_(coef);
+  }
+  return total;
+}
+
+}  // namespace lockstep::optim

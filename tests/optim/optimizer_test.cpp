@@ -1,0 +1,166 @@
+// Optimizers against updates computed by hand, state round trips, schedules, clipping.
+#include <cmath>
+
+#include "lockstep/optim/optimizer.h"
+#include "lockstep/optim/schedule.h"
+#include "testing.h"
+
+using namespace lockstep;
+using namespace lockstep::optim;
+using lockstep::testing::expect_error;
+using lockstep::testing::values;
+
+namespace {
+// A parameter with a fixed gradient pattern for each step.
+Tensor param(std::vector<double> v) {
+  return from_vector<double>(v, {static_cast<int64_t>(v.size())}).requires_grad_();
+}
+void set_grad(Tensor& p, std::vector<double> g) {
+  p.set_grad(from_vector<double>(g, {static_cast<int64_t>(g.size())}));
+}
+}  // namespace
+
+TEST(SGD, PlainMomentumNesterovWeightDecayByHand) {
+  // p = 1, grads 0.5, -1, 2; lr 0.1, momentum 0.9, weight decay 0.01, dampening 0.
+  {
+    Tensor p = param({1.0});
+    SGD opt({p}, {.lr = 0.1, .momentum = 0.9, .weight_decay = 0.01});
+    double pv = 1.0, buf = 0;
+    const double grads[] = {0.5, -1.0, 2.0};
+    for (int s = 0; s < 3; ++s) {
+      set_grad(p, {grads[s]});
+      opt.step();
+      const double d = grads[s] + 0.01 * pv;
+      buf = s == 0 ? d : 0.9 * buf + d;
+      pv -= 0.1 * buf;
+      EXPECT_NEAR(p.at({0}), pv, 1e-12) << "step " << s;
+    }
+  }
+  {
+    Tensor p = param({1.0, -2.0});
+    SGD opt({p}, {.lr = 0.05, .momentum = 0.5, .nesterov = true});
+    set_grad(p, {1.0, 1.0});
+    opt.step();  // buf = 1, d = 1 + 0.5 = 1.5
+    EXPECT_NEAR(p.at({0}), 1.0 - 0.075, 1e-12);
+    set_grad(p, {2.0, 0.0});
+    opt.step();  // buf = 0.5 + 2 = 2.5, d = 2 + 1.25 = 3.25
+    EXPECT_NEAR(p.at({0}), 0.925 - 0.1625, 1e-12);
+    EXPECT_NEAR(p.at({1}), -2.0 - 0.075 - 0.05 * 0.25, 1e-12);  // buf 0.5, d = 0 + 0.25
+  }
+  {
+    Tensor p = param({0.0});
+    SGD opt({p}, {.lr = 1.0, .momentum = 0.9, .dampening = 0.5});
+    set_grad(p, {1.0});
+    opt.step();  // buf = 1
+    set_grad(p, {1.0});
+    opt.step();  // buf = 0.9 + 0.5 = 1.4
+    EXPECT_NEAR(p.at({0}), -2.4, 1e-12);
+  }
+}
+
+TEST(SGD, SkipsParametersWithoutGradientAndGroupsHaveOwnLr) {
+  Tensor a = param({1.0}), b = param({1.0});
+  SGD opt({ParamGroup{{a}, 0.5}, ParamGroup{{b}}}, {.lr = 0.1});
+  set_grad(a, {1.0});
+  opt.step();
+  EXPECT_NEAR(a.at({0}), 0.5, 1e-12);
+  EXPECT_EQ(b.at({0}), 1.0);
+  set_grad(b, {1.0});
+  opt.step();
+  EXPECT_NEAR(b.at({0}), 0.9, 1e-12);
+  opt.zero_grad();
+  EXPECT_FALSE(a.grad().defined());
+  expect_error([] { SGD bad({param({1.0})}, {.lr = -1}); }, {"lr must be >= 0"});
+  expect_error([] { SGD bad({param({1.0})}, {.lr = 0.1, .nesterov = true}); }, {"nesterov"});
+}
+
+TEST(AdamW, MatchesHandComputedSteps) {
+  Tensor p = param({0.5, -1.0});
+  AdamWOptions o{.lr = 0.01, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-8, .weight_decay = 0.1};
+  AdamW opt({p}, o);
+  double pv[2] = {0.5, -1.0}, m[2] = {0, 0}, v[2] = {0, 0};
+  const double grads[3][2] = {{0.2, -0.3}, {0.1, 0.4}, {-0.5, 0.0}};
+  for (int s = 0; s < 3; ++s) {
+    set_grad(p, {grads[s][0], grads[s][1]});
+    opt.step();
+    const int t = s + 1;
+    for (int k = 0; k < 2; ++k) {
+      const double g = grads[s][k];
+      pv[k] *= 1 - 0.01 * 0.1;
+      m[k] = 0.9 * m[k] + 0.1 * g;
+      v[k] = 0.99 * v[k] + 0.01 * g * g;
+      const double mh = m[k] / (1 - std::pow(0.9, t)), vh = v[k] / (1 - std::pow(0.99, t));
+      pv[k] -= 0.01 * mh / (std::sqrt(vh) + 1e-8);
+      EXPECT_NEAR(p.at({k}), pv[k], 1e-12) << "step " << s << " elem " << k;
+    }
+  }
+}
+
+TEST(Optimizer, StateRoundTripContinuesIdentically) {
+  auto run = [](bool reload) {
+    Tensor p = param({1.0, 2.0, 3.0});
+    AdamW opt({p}, {.lr = 0.1});
+    for (int s = 0; s < 5; ++s) {
+      set_grad(p, {0.1 * s, -0.2, 0.3});
+      opt.step();
+      if (reload && s == 2) {
+        auto st = opt.state_dict();
+        Tensor q = p.detach().clone().requires_grad_();
+        AdamW fresh({q}, {.lr = 0.1});
+        fresh.load_state_dict(st);
+        EXPECT_EQ(fresh.steps(), 3);
+        opt.load_state_dict(fresh.state_dict());
+      }
+    }
+    return values(p);
+  };
+  EXPECT_EQ(run(false), run(true));
+  Tensor p = param({1.0});
+  SGD opt({p}, {.lr = 0.1, .momentum = 0.9});
+  set_grad(p, {1.0});
+  opt.step();
+  auto st = opt.state_dict();
+  st.back().second = zeros({2}, kFloat64);
+  expect_error([&] { opt.load_state_dict(st); }, {"0.momentum_buffer", "[2]", "[1]"});
+}
+
+TEST(Schedule, ShapesOfSchedules) {
+  auto w = linear_warmup(4);
+  EXPECT_DOUBLE_EQ(w(0), 0.25);
+  EXPECT_DOUBLE_EQ(w(3), 1.0);
+  EXPECT_DOUBLE_EQ(w(10), 1.0);
+  auto c = cosine_decay(10, 0.1);
+  EXPECT_DOUBLE_EQ(c(0), 1.0);
+  EXPECT_NEAR(c(5), 0.55, 1e-12);
+  EXPECT_DOUBLE_EQ(c(10), 0.1);
+  auto s = step_decay(3, 0.5);
+  EXPECT_DOUBLE_EQ(s(2), 1.0);
+  EXPECT_DOUBLE_EQ(s(3), 0.5);
+  EXPECT_DOUBLE_EQ(s(7), 0.25);
+  auto wc = warmup_cosine(2, 12);
+  EXPECT_DOUBLE_EQ(wc(0), 0.5);
+  EXPECT_DOUBLE_EQ(wc(2), 1.0);
+  EXPECT_NEAR(wc(7), 0.5, 1e-12);
+  Tensor p = param({1.0});
+  SGD opt({p}, {.lr = 0.2});
+  LRScheduler sched(opt, linear_warmup(2));
+  EXPECT_DOUBLE_EQ(sched.last_lr(), 0.1);
+  sched.step();
+  EXPECT_DOUBLE_EQ(opt.param_groups()[0].lr, 0.2);
+}
+
+TEST(ClipGradNorm, ScalesToMaxNormAndReturnsTotal) {
+  Tensor a = param({0, 0}), b = param({0});
+  set_grad(a, {3.0, 0.0});
+  set_grad(b, {4.0});
+  EXPECT_NEAR(clip_grad_norm({a, b}, 1.0), 5.0, 1e-12);
+  EXPECT_NEAR(a.grad().at({0}), 0.6, 1e-6);
+  EXPECT_NEAR(b.grad().at({0}), 0.8, 1e-6);
+  EXPECT_NEAR(clip_grad_norm({a, b}, 10.0), 1.0, 1e-5);  // under the limit: unchanged
+  EXPECT_NEAR(b.grad().at({0}), 0.8, 1e-6);
+  set_grad(b, {NAN});
+  EXPECT_TRUE(std::isnan(clip_grad_norm({a, b}, 1.0)));
+  EXPECT_NEAR(a.grad().at({0}), 0.6, 1e-6);
+  set_grad(b, {-7.0});
+  EXPECT_NEAR(clip_grad_norm({a, b}, 100.0, INFINITY), 7.0, 1e-12);
+}
