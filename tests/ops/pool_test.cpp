@@ -210,3 +210,18 @@ TEST(Pool2d, Errors) {
       },
       {"max_pool2d: stride must be non-negative"});
 }
+
+TEST(Pool2d, ParallelPlanesMatchReference) {
+  const int prev = get_num_threads();
+  set_num_threads(4);
+  Generator gen(25);
+  Tensor x = randn({4, 16, 64, 63}, gen);
+  for (bool is_max : {true, false}) {
+    const auto opts = Pool2dOptions::square(3, 2, 1);
+    const NaivePool want = naive_pool(values(x), x.shape(), opts, is_max);
+    Tensor y = is_max ? max_pool2d(x, opts) : avg_pool2d(x, opts);
+    ASSERT_EQ(y.shape(), want.shape);
+    expect_close(values(y), want.out, 1e-6, is_max ? "max" : "avg");
+  }
+  set_num_threads(prev);
+}

@@ -399,3 +399,67 @@ TEST(Gather, Errors) {
       },
       {"gather: index must be i64 or i32, got f32"});
 }
+
+// ---- sizes large enough for the kernels' thread-parallel paths ----
+
+namespace {
+// Runs the enclosing test with 4 kernel threads (even on fewer cores) and restores the count.
+class ThreadCount {
+ public:
+  explicit ThreadCount(int n) : prev_(get_num_threads()) { set_num_threads(n); }
+  ~ThreadCount() { set_num_threads(prev_); }
+
+ private:
+  int prev_;
+};
+}  // namespace
+
+TEST(IndexOps, ParallelPathsMatchReference) {
+  ThreadCount threads(4);
+  Generator gen(41);
+  // index_select along the last dim (many short rows) and dim 0 (one outer slice, long rows).
+  Tensor t = randn({64, 1023}, gen, kFloat64).requires_grad_();
+  Tensor idx = randint(0, 1023, {700}, gen);
+  Tensor y = index_select(t, 1, idx);
+  const auto tv = values(t), yv = values(y);
+  const auto iv = ints(idx);
+  for (int64_t r = 0; r < 64; ++r)
+    for (int64_t i = 0; i < 700; ++i) ASSERT_EQ(yv[r * 700 + i], tv[r * 1023 + iv[i]]);
+  Tensor gy = randn(y.shape(), gen, kFloat64);
+  y.backward(gy);
+  std::vector<double> want(tv.size(), 0.0);
+  const auto gv = values(gy);
+  for (int64_t r = 0; r < 64; ++r)
+    for (int64_t i = 0; i < 700; ++i) want[r * 1023 + iv[i]] += gv[r * 700 + i];
+  const auto got = values(t.grad());
+  for (size_t i = 0; i < want.size(); ++i) ASSERT_NEAR(got[i], want[i], 1e-12) << i;
+
+  Tensor u = randn({7, 8192}, gen, kFloat64).requires_grad_();
+  Tensor rows = from_vector<int64_t>({6, 0, 6, 3, 6, 1, 2}, {7});
+  Tensor z = index_select(u, 0, rows);
+  z.backward(ones_like(z));
+  EXPECT_EQ(z.at({4, 8000}), u.at({6, 8000}));
+  EXPECT_EQ(u.grad().at({6, 8191}), 3.0);
+  EXPECT_EQ(u.grad().at({4, 5}), 0.0);
+
+  // gather over 64 lines of 1023 and its scatter-add.
+  Tensor gi = randint(0, 1023, {64, 1023}, gen);
+  Tensor gt = randn({64, 1023}, gen, kFloat64).requires_grad_();
+  Tensor go = gather(gt, 1, gi);
+  go.backward(ones_like(go));
+  const auto giv = ints(gi);
+  const auto gtv = values(gt), gov = values(go);
+  std::vector<double> counts(gtv.size(), 0.0);
+  for (int64_t r = 0; r < 64; ++r)
+    for (int64_t j = 0; j < 1023; ++j) {
+      ASSERT_EQ(gov[r * 1023 + j], gtv[r * 1023 + giv[r * 1023 + j]]);
+      counts[r * 1023 + giv[r * 1023 + j]] += 1;
+    }
+  EXPECT_EQ(values(gt.grad()), counts);
+
+  // cat of pieces bigger than the elementwise grain.
+  Tensor a = randn({300, 129}, gen), b = randn({300, 1023}, gen);
+  Dims s;
+  EXPECT_EQ(values(cat({a, b}, 1)),
+            naive_cat({values(a), values(b)}, {a.shape(), b.shape()}, 1, s));
+}
