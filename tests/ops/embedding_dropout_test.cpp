@@ -130,6 +130,23 @@ TEST(Dropout, MaskStatisticsAndScale) {
   }
 }
 
+TEST(Dropout, OddSizesAndStridedInputs) {
+  Generator gen(68);
+  for (const Dims& shape : {Dims{1}, Dims{7}, Dims{3, 1023}}) {
+    Tensor base = randn(shape, gen, kFloat64);
+    std::vector<Tensor> inputs = {base, non_contiguous(base)};
+    if (shape.size() == 2) inputs.push_back(randn({3, 2046}, gen, kFloat64).slice(1, 0, 2046, 2));
+    for (const Tensor& x : inputs) {
+      Tensor y = dropout(x, 0.25, true, gen);
+      ASSERT_EQ(y.shape(), shape);
+      std::vector<double> xv = values(x), yv = values(y);
+      for (size_t i = 0; i < xv.size(); ++i) {
+        if (yv[i] != 0.0) ASSERT_NEAR(yv[i], xv[i] / 0.75, 1e-12) << shape << " " << i;
+      }
+    }
+  }
+}
+
 TEST(Dropout, ProbabilityOneGivesZerosAndZeroGradient) {
   Generator gen(63);
   Tensor x = randn({3, 7}, gen, kFloat64).requires_grad_();
