@@ -20,12 +20,15 @@ using autograd::TensorList;
 namespace {
 
 // Note [Conv threading]
-// OpenMP and OpenBLAS must not multiply: this build links the pthreads OpenBLAS, which starts
-// its own threads for every call, so per-sample GEMMs inside an OpenMP loop would run
-// threads x threads. Instead a batch chunk is laid out as one column matrix (K, n * Ho * Wo):
-// im2col and col2im (memory-bound, independent per sample and channel) run in OpenMP loops,
-// and each group's product is a single large GEMM issued from the calling thread, where
-// OpenBLAS uses all its threads on a matrix wide enough to keep them busy.
+// OpenMP and OpenBLAS threads must not multiply. A GEMM per sample inside an OpenMP loop either
+// starts BLAS's own threads from every OpenMP thread (OpenBLAS's pthreads build: threads x
+// threads) or runs single-threaded there (its OpenMP build), where one small product per thread
+// uses the cores worse than one wide product does. So the work is split by kind: a batch chunk
+// is laid out as one column matrix (K, n * Ho * Wo); im2col, col2im and the layout copies
+// (memory-bound, independent per sample and channel) run in OpenMP loops; and each group's
+// product is a single large GEMM issued from the calling thread, outside any parallel region,
+// where BLAS spreads a matrix wide enough to keep every thread busy (see Note [OpenMP BLAS] in
+// CMakeLists.txt for why BLAS should share OpenMP's team).
 //
 // The column matrix of a whole batch can be large (C * kh * kw * N * Ho * Wo elements), so the
 // batch is processed in chunks whose columns fit in this budget.
