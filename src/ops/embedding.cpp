@@ -49,8 +49,7 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
   detail::check_cpu(weight, "embedding");
   detail::check_cpu(indices, "embedding");
   LS_CHECK(weight.dim() == 2,
-           "embedding: weight must be 2-D (num_embeddings, embedding_dim), got "
-           "shape ",
+           "embedding: weight must be 2-D (num_embeddings, embedding_dim), got shape ",
            weight.shape().str());
   LS_CHECK(indices.dtype() == kInt64 || indices.dtype() == kInt32,
            "embedding: indices must be i64 or i32, got ", dtype_name(indices.dtype()));

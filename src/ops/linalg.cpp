@@ -105,17 +105,13 @@ void check_matmul_args(const Tensor& a, const Tensor& b, const char* op) {
   detail::check_cpu(a, op);
   detail::check_cpu(b, op);
   detail::check_same_device(a, b, op);
-  LS_CHECK(a.dim() >= 1 && b.dim() >= 1, op,
-           ": both arguments need at least 1 dimension, got "
-           "shapes ",
+  LS_CHECK(a.dim() >= 1 && b.dim() >= 1, op, ": both arguments need at least 1 dimension, got ",
            a.shape().str(), " and ", b.shape().str());
   LS_CHECK(a.dtype() == b.dtype(), op, ": dtypes ", dtype_name(a.dtype()), " and ",
            dtype_name(b.dtype()), " differ (shapes ", a.shape().str(), " and ", b.shape().str(),
            "); convert one with .to()");
   LS_CHECK(is_floating(a.dtype()), op,
-           ": expected floating-point tensors (f32, f64, bf16, f16), "
-           "got ",
-           dtype_name(a.dtype()));
+           ": expected floating-point tensors (f32, f64, bf16, f16), got ", dtype_name(a.dtype()));
   const int64_t ka = a.size(-1), kb = b.dim() == 1 ? b.size(0) : b.size(-2);
   LS_CHECK(ka == kb, op, ": shapes ", a.shape().str(), " and ", b.shape().str(),
            " cannot be multiplied (", ka, " != ", kb, ")");

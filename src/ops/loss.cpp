@@ -221,8 +221,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const CrossEnt
            "cross_entropy: targets must be class indices (i64 or i32), got ",
            dtype_name(targets.dtype()));
   LS_CHECK(logits.dim() >= 2,
-           "cross_entropy: expected logits of shape (N, C) or (N, C, d1, ...), "
-           "got ",
+           "cross_entropy: expected logits of shape (N, C) or (N, C, d1, ...), got ",
            logits.shape().str());
   LS_CHECK(opts.label_smoothing >= 0.0 && opts.label_smoothing <= 1.0,
            "cross_entropy: label_smoothing must be in [0, 1], got ", opts.label_smoothing);
