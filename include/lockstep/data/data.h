@@ -1,0 +1,8 @@
+// The data layer in one include: datasets, transforms, IDX/MNIST readers, samplers, DataLoader.
+#pragma once
+
+#include "lockstep/data/dataloader.h"
+#include "lockstep/data/dataset.h"
+#include "lockstep/data/idx.h"
+#include "lockstep/data/mnist.h"
+#include "lockstep/data/sampler.h"
