@@ -41,4 +41,13 @@ void set_num_threads(int n) {
 
 int get_num_threads() { return threads().load(std::memory_order_relaxed); }
 
+const char* blas_threading() {
+  switch (openblas_get_parallel()) {
+    case 0: return "sequential";
+    case 1: return "pthreads";
+    case 2: return "openmp";
+  }
+  return "unknown";
+}
+
 }  // namespace lockstep

@@ -261,3 +261,13 @@ TEST(Elementwise, GradientsMatchFiniteDifferences) {
   expect_gradcheck([](V x) { return x[0].to(kFloat32).to(kFloat64); }, {a},
                    {.eps = 1e-3, .atol = 1e-3, .rtol = 1e-2});
 }
+
+TEST(Threads, BlasSharesTheOpenMPTeam) {
+  // See Note [OpenMP BLAS] in CMakeLists.txt: a pthreads OpenBLAS fights our OpenMP threads.
+  EXPECT_STREQ(blas_threading(), "openmp");
+  const int saved = get_num_threads();
+  set_num_threads(1);
+  EXPECT_EQ(get_num_threads(), 1);
+  set_num_threads(saved);
+  EXPECT_THROW(set_num_threads(0), Error);
+}

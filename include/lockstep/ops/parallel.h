@@ -8,4 +8,8 @@ namespace lockstep {
 void set_num_threads(int n);
 int get_num_threads();
 
+// How the linked OpenBLAS runs in parallel: "openmp" (what lockstep is built for, sharing
+// one thread team with the kernels), "pthreads" or "sequential".
+const char* blas_threading();
+
 }  // namespace lockstep
