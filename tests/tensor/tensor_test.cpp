@@ -206,3 +206,9 @@ TEST(Tensor, CudaWithoutSupportIsAClearError) {
 TEST(Tensor, TooManyDimensions) {
   expect_error([] { (void)Dims({1, 1, 1, 1, 1, 1, 1, 1, 1}); }, {"at most 8 dimensions"});
 }
+
+TEST(Tensor, FromVectorOfBool) {
+  Tensor b = from_vector<bool>({true, false, true}, {3});
+  EXPECT_EQ(b.dtype(), kBool);
+  EXPECT_EQ(values(b), (std::vector<double>{1, 0, 1}));
+}

@@ -6,6 +6,7 @@
 #include <iosfwd>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "lockstep/error.h"
@@ -161,7 +162,12 @@ template <typename T>
 Tensor from_vector(const std::vector<T>& values, const Dims& shape) {
   LS_CHECK(static_cast<int64_t>(values.size()) == shape.numel(), "from_vector: ", values.size(),
            " values cannot fill shape ", shape.str(), " (", shape.numel(), " elements)");
-  return from_buffer(values.data(), shape, dtype_of<T>::value);
+  if constexpr (std::is_same_v<T, bool>) {  // std::vector<bool> is packed: widen to bytes
+    std::vector<uint8_t> bytes(values.begin(), values.end());
+    return from_buffer(bytes.data(), shape, DType::b8);
+  } else {
+    return from_buffer(values.data(), shape, dtype_of<T>::value);
+  }
 }
 // Wraps memory the caller owns and keeps alive; no copy.
 Tensor borrow(void* data, const Dims& shape, DType dtype, Device device = kCPU);
