@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Checks examples/train_fashion_mnist end to end on the real Fashion-MNIST data: a shortened run
+# of each model must learn (test accuracy far above chance), bad input must exit with code 2 and
+# say why, and --save must write a loadable safetensors file.
+# Usage: train_fashion_mnist_test.sh <path-to-train_fashion_mnist> <case>
+set -uo pipefail
+exe=$1
+case_name=$2
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+fail() { echo "FAIL: $*"; exit 1; }
+
+# Runs the example, expects exit code $1 and stderr/stdout to contain $2.
+expect_exit() {
+  local want=$1 pattern=$2
+  shift 2
+  "$exe" "$@" > "$work/out" 2>&1
+  local rc=$?
+  [ "$rc" -eq "$want" ] || { cat "$work/out"; fail "'$*' exited $rc, expected $want"; }
+  grep -q -- "$pattern" "$work/out" || { cat "$work/out"; fail "'$*' output lacks '$pattern'"; }
+}
+
+# Runs a short training and checks the final line's accuracy against a floor.
+train_check() {
+  local floor=$1
+  shift
+  "$exe" --log-every 0 "$@" > "$work/out" 2>&1 || { cat "$work/out"; fail "training run failed"; }
+  cat "$work/out"
+  local last acc
+  last=$(tail -n 1 "$work/out")
+  [[ "$last" =~ ^final\ test_accuracy=([0-9.]+)\ train_loss=([0-9.]+)\ steps=([0-9]+)\ samples_per_s=([0-9.]+)$ ]] \
+    || fail "last line is not machine-readable: $last"
+  acc=${BASH_REMATCH[1]}
+  awk -v a="$acc" -v f="$floor" 'BEGIN { exit !(a >= f) }' || fail "test accuracy $acc below $floor"
+}
+
+case "$case_name" in
+  mlp) train_check 0.75 --model mlp --max-steps 250 --threads 2 ;;
+  cnn) train_check 0.70 --model cnn --max-steps 150 --threads 2 ;;
+  usage)
+    expect_exit 2 "bogus" --bogus
+    expect_exit 2 "batch-size must be a positive integer" --batch-size 0
+    expect_exit 2 "not a directory" --data "$work/does-not-exist"
+    expect_exit 2 "model" --model resnet
+    expect_exit 0 "--max-steps" --help
+    ;;
+  save)
+    "$exe" --log-every 0 --max-steps 3 --no-eval --save "$work/model.safetensors" > "$work/out" 2>&1 \
+      || { cat "$work/out"; fail "run with --save failed"; }
+    [ -s "$work/model.safetensors" ] || fail "no file written"
+    grep -a -q '"1.weight"' "$work/model.safetensors" || fail "parameter names missing from header"
+    grep -q "final test_accuracy=-1" "$work/out" || fail "--no-eval still evaluated"
+    ;;
+  *) fail "unknown case $case_name" ;;
+esac
+echo PASS
