@@ -6,9 +6,11 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstring>
 #include <vector>
 
 #include "lockstep/autograd/node.h"
+#include "lockstep/ops/parallel.h"
 #include "ops/common.h"
 #include "ops/cpu/dispatch.h"
 #include "ops/cpu/parallel.h"
@@ -86,6 +88,20 @@ void gemm(int64_t m, int64_t n, int64_t k, const Matrix& a, const Matrix& b, T b
     cblas_dgemm(CblasRowMajor, a.trans, b.trans, M, N, K, 1.0, static_cast<const double*>(a.data),
                 lda, static_cast<const double*>(b.data), ldb, beta, c, static_cast<blasint>(ldc));
   }
+}
+
+// Note [Batched GEMM threading]
+// A batch of small products (attention: one 64 x 64 matrix per head) leaves BLAS's threads
+// without enough work in any one of them, so such a batch is spread over OpenMP threads, one
+// whole gemm per entry: OpenBLAS's OpenMP build runs a gemm called inside a parallel region on
+// the calling thread. Larger products go one at a time from the calling thread, where BLAS
+// threads each of them. OpenBLAS's pthreads build would start its own threads from every OpenMP
+// thread, so with it the batch always runs serially (see Note [OpenMP BLAS] in CMakeLists.txt).
+constexpr int64_t kSmallGemmFlops = int64_t{1} << 21;  // m * n * k of a "small" product
+
+bool blas_runs_serially_in_parallel_regions() {
+  static const bool serial = std::strcmp(blas_threading(), "pthreads") != 0;
+  return serial;
 }
 
 // Leading (batch) dims of a tensor of at least 2 dims.
@@ -174,23 +190,32 @@ Tensor bmm_kernel(Tensor a, Tensor b, const char* op) {
       return out;
     }
   }
-  // One gemm per batch entry; BLAS threads each one (calling BLAS from several OpenMP threads
-  // at once would oversubscribe the cores).
-  Matrix ma;
-  blas_layout(a, &ma);
+  // One gemm per batch entry (Note [Batched GEMM threading]).
+  Matrix ma0;
+  blas_layout(a, &ma0);
   const T* pa = a.data<T>();
   const T* pb = b.data<T>();
-  for (int64_t i = 0; i < nb; ++i) {
-    int64_t oa = 0, ob = 0, rem = i;
-    for (int64_t d = batch.size() - 1; d >= 0; --d) {
-      const int64_t idx = rem % batch[d];
-      rem /= batch[d];
-      oa += idx * a.stride(d);
-      ob += idx * b.stride(d);
+  auto run = [&](int64_t begin, int64_t end) {
+    Matrix ma = ma0, mbi = mb;
+    for (int64_t i = begin; i < end; ++i) {
+      int64_t oa = 0, ob = 0, rem = i;
+      for (int64_t d = batch.size() - 1; d >= 0; --d) {
+        const int64_t idx = rem % batch[d];
+        rem /= batch[d];
+        oa += idx * a.stride(d);
+        ob += idx * b.stride(d);
+      }
+      ma.data = pa + oa;
+      mbi.data = pb + ob;
+      gemm<T>(m, n, k, ma, mbi, T(0), c + i * m * n, n);
     }
-    ma.data = pa + oa;
-    mb.data = pb + ob;
-    gemm<T>(m, n, k, ma, mb, T(0), c + i * m * n, n);
+  };
+  const int64_t flops = m * n * k;
+  if (flops < kSmallGemmFlops && blas_runs_serially_in_parallel_regions()) {
+    cpu::parallel_for(0, nb, std::max<int64_t>(1, kSmallGemmFlops / std::max<int64_t>(flops, 1)),
+                      run);
+  } else {
+    run(0, nb);
   }
   return out;
 }

@@ -239,6 +239,32 @@ TEST(Matmul, BatchedWithBroadcasting) {
   }
 }
 
+// Enough small products that the batch is split across threads (Note [Batched GEMM threading]).
+TEST(Matmul, ManySmallBatchedProducts) {
+  Generator gen(13);
+  const int64_t nb = 600, m = 17, k = 32, n = 31;
+  for (bool transposed : {false, true}) {
+    Tensor a = transposed ? randn({nb, k, m}, gen, kFloat64).transpose(1, 2)
+                          : randn({nb, m, k}, gen, kFloat64);
+    Tensor b = randn({nb, k, n}, gen, kFloat64);
+    std::vector<double> av = a.contiguous().to_vector<double>(), bv = b.to_vector<double>();
+    std::vector<double> want;
+    for (int64_t i = 0; i < nb; ++i) {
+      std::vector<double> am(av.begin() + i * m * k, av.begin() + (i + 1) * m * k);
+      std::vector<double> bm(bv.begin() + i * k * n, bv.begin() + (i + 1) * k * n);
+      std::vector<double> cm = naive_mm(am, bm, m, k, n);
+      want.insert(want.end(), cm.begin(), cm.end());
+    }
+    for (int threads : {1, 2}) {
+      const int prev = get_num_threads();
+      set_num_threads(threads);
+      Tensor c = matmul(a, b);
+      set_num_threads(prev);
+      expect_values(c, {nb, m, n}, want, 1e-12, "threads " + std::to_string(threads));
+    }
+  }
+}
+
 TEST(Matmul, HalfTypesComputeInFloat) {
   Generator gen(5);
   for (DType dt : {DType::bf16, DType::f16}) {
