@@ -147,16 +147,16 @@ void BM_TinyAddNoGrad(benchmark::State& state) {
 
 }  // namespace
 
-BENCHMARK(BM_RawSgemm)->Args({784, 1024})->Args({1024, 1024})->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_Linear)->Args({784, 1024})->Args({1024, 1024})->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_LinearForwardBackward)->Args({784, 1024})->Args({1024, 1024})->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_Conv2d)->Args({1, 32, 28})->Args({32, 64, 13})->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_CrossEntropy)->Args({64, 10})->Args({512, 1000})->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_LayerNorm)->Args({64, 1024})->Args({4096, 768})->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_Memcpy)->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_MulScalarLarge)->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_AddLarge)->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_TinyAddWithAutograd);
-BENCHMARK(BM_TinyAddNoGrad);
+BENCHMARK(BM_RawSgemm)->Args({784, 1024})->Args({1024, 1024})->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_Linear)->Args({784, 1024})->Args({1024, 1024})->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_LinearForwardBackward)->Args({784, 1024})->Args({1024, 1024})->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_Conv2d)->Args({1, 32, 28})->Args({32, 64, 13})->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_CrossEntropy)->Args({64, 10})->Args({512, 1000})->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_LayerNorm)->Args({64, 1024})->Args({4096, 768})->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_Memcpy)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_MulScalarLarge)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_AddLarge)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_TinyAddWithAutograd)->UseRealTime();
+BENCHMARK(BM_TinyAddNoGrad)->UseRealTime();
 
 BENCHMARK_MAIN();

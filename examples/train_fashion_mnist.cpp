@@ -17,6 +17,7 @@
 #include "lockstep/lockstep.h"
 #include "lockstep/nn/layers.h"
 #include "lockstep/optim/optimizer.h"
+#include "fashion_mnist_models.h"
 
 using namespace lockstep;
 
@@ -43,27 +44,6 @@ struct Config {
   std::string save;
 };
 
-std::shared_ptr<nn::Module> build_model(const std::string& kind, Generator& gen) {
-  using namespace nn;
-  if (kind == "mlp") {
-    // 784-1024-1024-10 with ReLU.
-    return std::make_shared<Sequential>(std::initializer_list<std::shared_ptr<Module>>{
-        std::make_shared<Flatten>(), std::make_shared<Linear>(784, 1024, gen),
-        std::make_shared<ReLU>(), std::make_shared<Linear>(1024, 1024, gen),
-        std::make_shared<ReLU>(), std::make_shared<Linear>(1024, 10, gen)});
-  }
-  // conv 1->32 3x3, ReLU, maxpool 2, conv 32->64 3x3, ReLU, maxpool 2, flatten,
-  // linear 1600->128, ReLU, linear 128->10.          (B,1,28,28) -> (B,10)
-  return std::make_shared<Sequential>(std::initializer_list<std::shared_ptr<Module>>{
-      std::make_shared<Conv2d>(1, 32, 3, gen), std::make_shared<ReLU>(),   // (B,32,26,26)
-      std::make_shared<MaxPool2d>(2),                                      // (B,32,13,13)
-      std::make_shared<Conv2d>(32, 64, 3, gen), std::make_shared<ReLU>(),  // (B,64,11,11)
-      std::make_shared<MaxPool2d>(2),                                      // (B,64,5,5)
-      std::make_shared<Flatten>(),                                         // (B,1600)
-      std::make_shared<Linear>(1600, 128, gen), std::make_shared<ReLU>(),
-      std::make_shared<Linear>(128, 10, gen)});
-}
-
 double evaluate(nn::Module& model, const data::MnistDataset& test) {
   NoGradGuard no_grad;
   model.eval();
@@ -87,7 +67,7 @@ int run(const Config& cfg) {
   auto test = cfg.eval ? data::load_mnist(cfg.data, data::Split::kTest, mopts) : nullptr;
 
   Generator gen(cfg.seed);
-  auto model = build_model(cfg.model, gen);
+  auto model = examples::build_fashion_mnist_model(cfg.model, gen);
   optim::SGD opt(model->parameters(), {.lr = cfg.lr, .momentum = cfg.momentum,
                                        .weight_decay = cfg.weight_decay});
   // One process for now: a world of one. The distributed runtime plugs in rank and world size.
