@@ -169,7 +169,16 @@ SafetensorsContents load_safetensors(const std::string& path) {
   });
   uint64_t expect = 0;
   for (const Entry& e : entries) {
-    const uint64_t need = static_cast<uint64_t>(e.shape.numel() * dtype_size(e.dtype));
+    uint64_t need = 0;
+    try {
+      int64_t bytes = 0;
+      LS_CHECK(!__builtin_mul_overflow(e.shape.numel(), dtype_size(e.dtype), &bytes),
+               "byte size overflows");
+      need = static_cast<uint64_t>(bytes);
+    } catch (const Error&) {
+      LS_THROW("load_safetensors: ", path, ": tensor '", e.name, "' has shape ", e.shape.str(),
+               " whose size does not fit in 64 bits (corrupt header?)");
+    }
     LS_CHECK(e.end >= e.begin && e.end - e.begin == need, "load_safetensors: ", path, ": tensor '",
              e.name, "' of dtype ", safetensors_dtype(e.dtype), " and shape ", e.shape.str(),
              " needs ", need, " bytes but its data_offsets [", e.begin, ", ", e.end, "] hold ",

@@ -532,8 +532,37 @@ void check_inplace(const Tensor& self, const char* op) {
   LS_CHECK(!(autograd::grad_enabled() && self.requires_grad()), op, ": in-place operation on a "
            "tensor that requires grad; run it under NoGradGuard (as an optimizer step does) or on "
            "a detach()ed tensor");
+  // An expanded destination has elements that alias each other: a write to one is a write to
+  // all, and parallel writers would race.
+  for (int64_t d = 0; d < self.dim(); ++d)
+    LS_CHECK(self.shape()[d] <= 1 || self.strides()[d] != 0, op, ": the destination of shape ",
+             self.shape().str(), " has strides ", self.strides().str(), " (an expanded view: "
+             "several elements share memory); write into a clone() or contiguous() copy instead");
 }
 }  // namespace detail
+
+namespace {
+// Last element's offset + 1 (elements), for a tensor with non-negative strides.
+int64_t extent_of(const Tensor& t) {
+  int64_t e = t.offset() + 1;
+  for (int64_t d = 0; d < t.dim(); ++d) e += (t.shape()[d] - 1) * t.strides()[d];
+  return e;
+}
+
+// `src` (already expanded to dst's shape), or a copy of it when it shares memory with `dst` in
+// another layout: an in-place loop would otherwise read elements it has already overwritten.
+Tensor unaliased_source(const Tensor& src, const Tensor& dst) {
+  if (src.storage() != dst.storage() || src.numel() == 0) return src;
+  if (src.dtype() == dst.dtype() && src.offset() == dst.offset() && src.strides() == dst.strides())
+    return src;  // the same elements in the same order: each is read before it is written
+  const int64_t es = src.element_size(), ed = dst.element_size();
+  const bool disjoint = extent_of(src) * es <= dst.offset() * ed ||
+                        extent_of(dst) * ed <= src.offset() * es;
+  if (disjoint) return src;
+  autograd::NoGradGuard no_grad;
+  return src.clone();
+}
+}  // namespace
 
 Tensor& Tensor::zero_() {
   detail::check_inplace(*this, "zero_");
@@ -564,7 +593,7 @@ Tensor& Tensor::fill_(double value) {
 Tensor& Tensor::copy_(const Tensor& src) {
   detail::check_inplace(*this, "copy_");
   detail::check_cpu(src, "copy_");
-  Tensor s = src.expand(shape());
+  Tensor s = unaliased_source(src.expand(shape()), *this);
   cpu::dispatch_all(dtype(), "copy_", [&]<typename To>() {
     cpu::dispatch_all(s.dtype(), "copy_", [&]<typename From>() {
       cpu::unary_loop<To, From>(*this, s, [](From v) { return cpu::convert<To>(v); });
@@ -576,7 +605,7 @@ Tensor& Tensor::copy_(const Tensor& src) {
 Tensor& Tensor::add_(const Tensor& other, double alpha) {
   detail::check_inplace(*this, "add_");
   detail::check_cpu(other, "add_");
-  Tensor o = (other.dtype() == dtype() ? other : other.to(dtype())).expand(shape());
+  Tensor o = unaliased_source((other.dtype() == dtype() ? other : other.to(dtype())).expand(shape()), *this);
   cpu::dispatch_all(dtype(), "add_", [&]<typename T>() {
     if constexpr (std::is_same_v<T, bool>) {
       LS_THROW("add_: not defined for bool tensors");
@@ -603,7 +632,7 @@ Tensor& Tensor::add_(double value) {
 Tensor& Tensor::mul_(const Tensor& other) {
   detail::check_inplace(*this, "mul_");
   detail::check_cpu(other, "mul_");
-  Tensor o = (other.dtype() == dtype() ? other : other.to(dtype())).expand(shape());
+  Tensor o = unaliased_source((other.dtype() == dtype() ? other : other.to(dtype())).expand(shape()), *this);
   cpu::dispatch_all(dtype(), "mul_", [&]<typename T>() {
     if constexpr (cpu::is_half_type_v<T>) {
       cpu::binary_loop<T, T, T>(*this, *this, o, [](T x, T y) {

@@ -50,7 +50,12 @@ void Dims::resize(int64_t n, int64_t value) {
 
 int64_t Dims::numel() const {
   int64_t p = 1;
-  for (int64_t i = 0; i < n_; ++i) p *= d_[i];
+  for (int64_t i = 0; i < n_; ++i) {
+    // A corrupt file or a wrong flag can name a shape whose product wraps around; that must be
+    // an error, not a small tensor with a huge shape.
+    LS_CHECK(!__builtin_mul_overflow(p, d_[i], &p), "shape ", str(),
+             " has more elements than fit in 64 bits");
+  }
   return p;
 }
 

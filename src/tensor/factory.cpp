@@ -18,9 +18,14 @@ Allocator* allocator_for(Device d) {
   return &cpu_allocator();
 }
 
-void check_shape(const Dims& shape, const char* op) {
+// Validates a shape and returns its size in bytes for `dtype`, refusing overflow.
+size_t checked_nbytes(const Dims& shape, DType dtype, const char* op) {
   for (int64_t s : shape)
     LS_CHECK(s >= 0, op, ": negative dimension in shape ", shape.str());
+  int64_t bytes = 0;
+  LS_CHECK(!__builtin_mul_overflow(shape.numel(), dtype_size(dtype), &bytes), op, ": shape ",
+           shape.str(), " of ", dtype_name(dtype), " needs more bytes than fit in 64 bits");
+  return static_cast<size_t>(bytes);
 }
 
 // Fills `t` (contiguous) with f(i) for flat index i, in parallel.
@@ -35,8 +40,7 @@ void fill_indexed(Tensor& t, const F& f) {
 }  // namespace
 
 Tensor empty(const Dims& shape, TensorOptions opts) {
-  check_shape(shape, "empty");
-  const size_t nbytes = static_cast<size_t>(shape.numel() * dtype_size(opts.dtype));
+  const size_t nbytes = checked_nbytes(shape, opts.dtype, "empty");
   auto storage = std::make_shared<StorageImpl>(nbytes, allocator_for(opts.device));
   Tensor t(std::make_shared<TensorImpl>(std::move(storage), shape, contiguous_strides(shape), 0,
                                         opts.dtype));
@@ -45,9 +49,10 @@ Tensor empty(const Dims& shape, TensorOptions opts) {
 }
 
 Tensor empty_strided(const Dims& shape, const Dims& strides, TensorOptions opts) {
-  check_shape(shape, "empty_strided");
+  checked_nbytes(shape, opts.dtype, "empty_strided");
   LS_CHECK(shape.size() == strides.size(), "empty_strided: shape ", shape.str(), " and strides ",
            strides.str(), " differ in length");
+  for (int64_t st : strides) LS_CHECK(st >= 0, "empty_strided: negative stride in ", strides.str());
   int64_t extent = shape.numel() == 0 ? 0 : 1;
   for (int64_t d = 0; d < shape.size() && extent; ++d) extent += (shape[d] - 1) * strides[d];
   auto storage = std::make_shared<StorageImpl>(static_cast<size_t>(extent * dtype_size(opts.dtype)),
@@ -107,17 +112,18 @@ Tensor from_buffer(const void* data, const Dims& shape, DType dtype) {
 }
 
 Tensor borrow(void* data, const Dims& shape, DType dtype, Device device) {
-  check_shape(shape, "borrow");
+  const size_t nbytes = checked_nbytes(shape, dtype, "borrow");
   LS_CHECK(data != nullptr || shape.numel() == 0, "borrow: null data for shape ", shape.str());
-  auto storage = std::make_shared<StorageImpl>(
-      data, static_cast<size_t>(shape.numel() * dtype_size(dtype)), device);
+  auto storage = std::make_shared<StorageImpl>(data, nbytes, device);
   return Tensor(std::make_shared<TensorImpl>(std::move(storage), shape, contiguous_strides(shape),
                                              0, dtype));
 }
 
 // Note [Random tensors]
-// Element i of a draw takes lane i % 4 of Philox block (start + i / 4), so the values depend only
-// on the generator state, never on how the fill was split across threads.
+// A 32-bit draw (f32/f16/bf16 rand, randn's halves) gives element i lane i % 4 of Philox block
+// start + i / 4; a 64-bit draw (f64 rand, randint) gives element i its own two lanes, 2 (i % 2)
+// and 2 (i % 2) + 1, of block start + i / 2, so neighbours share no bits. Either way the values
+// depend only on the generator state, never on how the fill was split across threads.
 
 Tensor rand(const Dims& shape, Generator& gen, TensorOptions opts, double low, double high) {
   LS_CHECK(is_floating(opts.dtype), "rand: dtype must be floating, got ", dtype_name(opts.dtype));
@@ -125,15 +131,18 @@ Tensor rand(const Dims& shape, Generator& gen, TensorOptions opts, double low, d
   bool rg = opts.requires_grad;
   opts.requires_grad = false;
   Tensor t = empty(shape, opts);
-  const uint64_t seed = gen.seed(), start = gen.reserve(t.numel());
+  const bool wide = opts.dtype == kFloat64;
+  const uint64_t seed = gen.seed(), start = gen.reserve(wide ? 2 * t.numel() : t.numel());
   const double span = high - low;
   cpu::dispatch_all(opts.dtype, "rand", [&]<typename T>() {
     fill_indexed<T>(t, [&](int64_t i) {
-      auto b = Generator::philox(seed, start + static_cast<uint64_t>(i / 4));
       double u;
       if constexpr (std::is_same_v<T, double>) {
-        u = Generator::to_unit_double(b[i % 4], b[(i + 1) % 4]);
+        auto b = Generator::philox(seed, start + static_cast<uint64_t>(i / 2));
+        const int lane = 2 * static_cast<int>(i % 2);
+        u = Generator::to_unit_double(b[lane], b[lane + 1]);
       } else {
+        auto b = Generator::philox(seed, start + static_cast<uint64_t>(i / 4));
         u = Generator::to_unit_float(b[i % 4]);
       }
       double v = low + span * u;
@@ -170,12 +179,13 @@ Tensor randn(const Dims& shape, Generator& gen, TensorOptions opts, double mean,
 Tensor randint(int64_t low, int64_t high, const Dims& shape, Generator& gen, TensorOptions opts) {
   LS_CHECK(low < high, "randint: expected low < high, got [", low, ", ", high, ")");
   Tensor t = empty(shape, opts);
-  const uint64_t seed = gen.seed(), start = gen.reserve(t.numel());
+  const uint64_t seed = gen.seed(), start = gen.reserve(2 * t.numel());
   const uint64_t span = static_cast<uint64_t>(high - low);
   cpu::dispatch_all(opts.dtype, "randint", [&]<typename T>() {
     fill_indexed<T>(t, [&](int64_t i) {
-      auto b = Generator::philox(seed, start + static_cast<uint64_t>(i / 4));
-      uint64_t r = static_cast<uint64_t>(b[i % 4]) << 32 | b[(i + 1) % 4];
+      auto b = Generator::philox(seed, start + static_cast<uint64_t>(i / 2));
+      const int lane = 2 * static_cast<int>(i % 2);
+      uint64_t r = static_cast<uint64_t>(b[lane]) << 32 | b[lane + 1];
       return cpu::convert<T>(low + static_cast<int64_t>(r % span));
     });
   });

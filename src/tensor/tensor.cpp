@@ -30,13 +30,17 @@ Dims contiguous_strides(const Dims& shape) {
   return s;
 }
 
-int64_t Tensor::size(int64_t d) const {
-  return shape()[normalize_dim(d, dim(), "size")];
+namespace {
+// Unlike reductions, size() and stride() have nothing to return for a 0-dim tensor.
+int64_t checked_dim(int64_t d, int64_t ndim, const char* op) {
+  LS_CHECK(ndim > 0, op, "(", d, "): a 0-dim tensor has no dimensions");
+  return normalize_dim(d, ndim, op);
 }
+}  // namespace
 
-int64_t Tensor::stride(int64_t d) const {
-  return strides()[normalize_dim(d, dim(), "stride")];
-}
+int64_t Tensor::size(int64_t d) const { return shape()[checked_dim(d, dim(), "size")]; }
+
+int64_t Tensor::stride(int64_t d) const { return strides()[checked_dim(d, dim(), "stride")]; }
 
 bool Tensor::is_contiguous() const {
   int64_t expected = 1;

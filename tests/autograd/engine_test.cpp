@@ -193,3 +193,25 @@ TEST(Autograd, GradcheckCatchesAWrongGradient) {
   EXPECT_FALSE(r.ok);
   EXPECT_THAT(r.message, ::testing::HasSubstr("analytic"));
 }
+
+TEST(Autograd, ViewOpsGradcheck) {
+  Generator gen(9);
+  Tensor x = randn({3, 4, 5}, gen, kFloat64).requires_grad_();
+  Tensor nc = randn({5, 4}, gen, kFloat64).t().detach().requires_grad_();
+  using V = const std::vector<Tensor>&;
+  using lockstep::testing::expect_gradcheck;
+  expect_gradcheck([](V v) { return v[0].view({12, 5}); }, {x});
+  expect_gradcheck([](V v) { return v[0].reshape({-1}); }, {nc});  // a copy: not viewable
+  expect_gradcheck([](V v) { return v[0].flatten(1); }, {x});
+  expect_gradcheck([](V v) { return v[0].transpose(0, 2); }, {x});
+  expect_gradcheck([](V v) { return v[0].permute({2, 0, 1}); }, {x});
+  expect_gradcheck([](V v) { return v[0].narrow(1, 1, 2); }, {x});
+  expect_gradcheck([](V v) { return v[0].slice(2, 0, 5, 2); }, {x});
+  expect_gradcheck([](V v) { return v[0].select(1, -1); }, {x});
+  expect_gradcheck([](V v) { return v[0].unsqueeze(1).expand({4, 3, 5}); }, {nc});
+  expect_gradcheck([](V v) { return v[0].narrow(0, 0, 1).squeeze(); }, {x});
+  expect_gradcheck([](V v) { return v[0].unsqueeze(-1).squeeze(-1); }, {nc});
+  expect_gradcheck([](V v) { return v[0].contiguous(); }, {nc});
+  expect_gradcheck([](V v) { return v[0].clone(); }, {x});
+  expect_gradcheck([](V v) { return v[0].t(); }, {nc});
+}

@@ -117,6 +117,8 @@ TEST_F(SafetensorsTest, CorruptFilesAreClearErrors) {
   expect_error([&] { (void)load_safetensors(p); }, {"unsupported safetensors dtype 'Q7'"});
   write(p, file_with(R"({"a":{"shape":[1],"data_offsets":[0,4]}})", 4));
   expect_error([&] { (void)load_safetensors(p); }, {"malformed header entry"});
+  write(p, file_with(R"({"a":{"dtype":"F32","shape":[4611686018427387905,4],"data_offsets":[0,16]}})", 16));
+  expect_error([&] { (void)load_safetensors(p); }, {"'a'", "does not fit in 64 bits"});
   expect_error([&] { (void)load_safetensors(path("missing.safetensors")); }, {"cannot open"});
   expect_error([&] { save_safetensors(p, {{"x", ones({1})}, {"x", ones({1})}}); },
                {"duplicate tensor name 'x'"});

@@ -271,3 +271,30 @@ TEST(Threads, BlasSharesTheOpenMPTeam) {
   set_num_threads(saved);
   EXPECT_THROW(set_num_threads(0), Error);
 }
+
+TEST(Elementwise, InPlaceWithOverlappingOperands) {
+  // Each result must equal the out-of-place computation, as if the source were read first.
+  Tensor x = arange(0.0, 9.0, 1.0).reshape({3, 3});
+  Tensor want = add(x, x.t());
+  x.add_(x.t());
+  EXPECT_TRUE(equal(x, want));
+  Tensor y = arange(0.0, 10.0, 1.0);
+  y.slice(0, 1, 10).copy_(y.slice(0, 0, 9));
+  EXPECT_EQ(values(y), (std::vector<double>{0, 0, 1, 2, 3, 4, 5, 6, 7, 8}));
+  Tensor z = arange(0.0, 10.0, 1.0);
+  z.slice(0, 0, 9).copy_(z.slice(0, 1, 10));
+  EXPECT_EQ(values(z), (std::vector<double>{1, 2, 3, 4, 5, 6, 7, 8, 9, 9}));
+  // Large enough for the threaded path.
+  Tensor v = arange(0.0, 200001.0, 1.0);
+  v.slice(0, 1, 200001).copy_(v.slice(0, 0, 200000));
+  auto vv = v.to_vector<double>();
+  for (int64_t i = 1; i < 200001; ++i) ASSERT_EQ(vv[i], i - 1) << i;
+  Tensor m = arange(0.0, 90000.0, 1.0).reshape({300, 300});
+  Tensor mwant = mul(m, m.t());
+  m.mul_(m.t());
+  EXPECT_TRUE(equal(m, mwant));
+  // Writing into an expanded view would write each shared element several times.
+  Tensor e = zeros({1, 3}).expand({4, 3});
+  expect_error([&] { e.add_(ones({4, 3})); }, {"add_", "expanded view"});
+  expect_error([&] { e.fill_(1.0); }, {"fill_", "expanded view"});
+}

@@ -212,3 +212,10 @@ TEST(Tensor, FromVectorOfBool) {
   EXPECT_EQ(b.dtype(), kBool);
   EXPECT_EQ(values(b), (std::vector<double>{1, 0, 1}));
 }
+
+TEST(Tensor, ShapesWhoseSizeOverflowAreErrors) {
+  expect_error([] { (void)empty({int64_t{1} << 62, 4}); }, {"more elements than fit in 64 bits"});
+  expect_error([] { (void)empty({int64_t{1} << 61, 2}, kFloat64); }, {"more bytes than fit"});
+  expect_error([] { (void)scalar_tensor(1.0).size(0); }, {"0-dim tensor has no dimensions"});
+  expect_error([] { (void)ones({7, 3}).select(0, 1).select(0, 2).stride(0); }, {"0-dim"});
+}

@@ -30,9 +30,13 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   std::exception_ptr error;
 #pragma omp parallel num_threads(static_cast<int>(chunks))
   {
-    const int64_t b = begin + omp_get_thread_num() * per;
-    const int64_t e = std::min(end, b + per);
-    if (b < e) {
+    // OpenMP may grant fewer threads than asked (OMP_DYNAMIC, OMP_THREAD_LIMIT): each thread
+    // takes every team-size-th chunk, so all chunks run whatever the team size.
+    const int64_t team = omp_get_num_threads();
+    for (int64_t c = omp_get_thread_num(); c < chunks; c += team) {
+      const int64_t b = begin + c * per;
+      const int64_t e = std::min(end, b + per);
+      if (b >= e) continue;
       try {
         f(b, e);
       } catch (...) {
