@@ -2,7 +2,7 @@
 PRESET ?= release
 JOBS ?= $(shell nproc)
 
-.PHONY: deps build test test-asan bench clean
+.PHONY: deps build test test-asan bench train clean
 
 deps:
 	bash scripts/install-deps.sh
@@ -16,6 +16,11 @@ test: build
 
 test-asan:
 	$(MAKE) test PRESET=asan
+
+# The main job: train the Fashion-MNIST MLP for one epoch (ARGS adds or overrides flags, e.g.
+# make train ARGS="--model cnn --epochs 2").
+train: build
+	./build/$(PRESET)/examples/train_fashion_mnist $(ARGS)
 
 bench: build
 	bash scripts/run-bench.sh build/$(PRESET)
