@@ -30,11 +30,23 @@ Dims broadcast_shapes(const Dims& a, const Dims& b, const char* op) {
 
 namespace {
 
-// Gradient for input x of a broadcasting op: reduce over broadcast dims, back to x's dtype.
-Tensor reduce_grad(const Tensor& g, const Tensor& x) {
-  Tensor r = sum_to(g, x.shape());
-  return r.dtype() == x.dtype() ? r : r.to(x.dtype());
+// What a backward needs of an input whose values it does not read: keeping only this (not the
+// tensor) lets the input's memory go as soon as the forward no longer needs it.
+struct InputMeta {
+  Dims shape;
+  DType dtype;
+  bool requires_grad;
+  explicit InputMeta(const Tensor& t)
+      : shape(t.shape()), dtype(t.dtype()), requires_grad(t.requires_grad()) {}
+};
+
+// Gradient for an input of a broadcasting op: reduce over broadcast dims, back to its dtype.
+Tensor reduce_grad(const Tensor& g, const Dims& shape, DType dtype) {
+  Tensor r = sum_to(g, shape);
+  return r.dtype() == dtype ? r : r.to(dtype);
 }
+Tensor reduce_grad(const Tensor& g, const InputMeta& x) { return reduce_grad(g, x.shape, x.dtype); }
+Tensor reduce_grad(const Tensor& g, const Tensor& x) { return reduce_grad(g, x.shape(), x.dtype()); }
 
 // Broadcasts a and b, promotes their dtypes, and runs op in the promoted type. Half types are
 // computed in f32 and stored back; no autograd.
@@ -141,10 +153,10 @@ Tensor add(const Tensor& a, const Tensor& b, double alpha) {
                    : binary_arith("add", a, b, [alpha](auto x, auto y) {
                        return static_cast<decltype(x)>(x + alpha * y);
                      });
-  record("AddBackward", {a, b}, out, [a, b, alpha](const TensorList& g) {
-    return TensorList{a.requires_grad() ? reduce_grad(g[0], a) : Tensor(),
-                      b.requires_grad() ? reduce_grad(alpha == 1.0 ? g[0] : mul(g[0], alpha), b)
-                                        : Tensor()};
+  record("AddBackward", {a, b}, out, [ma = InputMeta(a), mb = InputMeta(b), alpha](const TensorList& g) {
+    return TensorList{ma.requires_grad ? reduce_grad(g[0], ma) : Tensor(),
+                      mb.requires_grad ? reduce_grad(alpha == 1.0 ? g[0] : mul(g[0], alpha), mb)
+                                       : Tensor()};
   });
   return out;
 }
@@ -155,9 +167,9 @@ Tensor sub(const Tensor& a, const Tensor& b, double alpha) {
                    : binary_arith("sub", a, b, [alpha](auto x, auto y) {
                        return static_cast<decltype(x)>(x - alpha * y);
                      });
-  record("SubBackward", {a, b}, out, [a, b, alpha](const TensorList& g) {
-    return TensorList{a.requires_grad() ? reduce_grad(g[0], a) : Tensor(),
-                      b.requires_grad() ? reduce_grad(mul(g[0], -alpha), b) : Tensor()};
+  record("SubBackward", {a, b}, out, [ma = InputMeta(a), mb = InputMeta(b), alpha](const TensorList& g) {
+    return TensorList{ma.requires_grad ? reduce_grad(g[0], ma) : Tensor(),
+                      mb.requires_grad ? reduce_grad(mul(g[0], -alpha), mb) : Tensor()};
   });
   return out;
 }
@@ -230,8 +242,8 @@ Tensor minimum(const Tensor& a, const Tensor& b) {
 
 Tensor add(const Tensor& a, double s) {
   Tensor out = scalar_arith("add", a, s, [](auto x, auto y) { return x + y; });
-  record("AddScalarBackward", {a}, out, [a](const TensorList& g) {
-    return TensorList{g[0].dtype() == a.dtype() ? g[0] : g[0].to(a.dtype())};
+  record("AddScalarBackward", {a}, out, [dt = a.dtype()](const TensorList& g) {
+    return TensorList{g[0].to(dt)};
   });
   return out;
 }
@@ -240,24 +252,24 @@ Tensor sub(const Tensor& a, double s) { return add(a, -s); }
 
 Tensor mul(const Tensor& a, double s) {
   Tensor out = scalar_arith("mul", a, s, [](auto x, auto y) { return x * y; });
-  record("MulScalarBackward", {a}, out, [a, s](const TensorList& g) {
-    return TensorList{mul(g[0], s).to(a.dtype())};
+  record("MulScalarBackward", {a}, out, [dt = a.dtype(), s](const TensorList& g) {
+    return TensorList{mul(g[0], s).to(dt)};
   });
   return out;
 }
 
 Tensor div(const Tensor& a, double s) {
   Tensor out = scalar_arith("div", a, s, [](auto x, auto y) { return x / y; }, true);
-  record("DivScalarBackward", {a}, out, [a, s](const TensorList& g) {
-    return TensorList{div(g[0], s).to(a.dtype())};
+  record("DivScalarBackward", {a}, out, [dt = a.dtype(), s](const TensorList& g) {
+    return TensorList{div(g[0], s).to(dt)};
   });
   return out;
 }
 
 Tensor rsub(const Tensor& a, double s) {
   Tensor out = scalar_arith("rsub", a, s, [](auto x, auto y) { return y - x; });
-  record("RsubBackward", {a}, out, [a](const TensorList& g) {
-    return TensorList{neg(g[0]).to(a.dtype())};
+  record("RsubBackward", {a}, out, [dt = a.dtype()](const TensorList& g) {
+    return TensorList{neg(g[0]).to(dt)};
   });
   return out;
 }
@@ -348,7 +360,9 @@ Tensor sign(const Tensor& a) {
     using T = decltype(x);
     return static_cast<T>((T(0) < x) - (x < T(0)));
   });
-  record("SignBackward", {a}, out, [a](const TensorList&) { return TensorList{zeros_like(a)}; });
+  record("SignBackward", {a}, out, [shape = a.shape(), dt = a.dtype()](const TensorList&) {
+    return TensorList{zeros(shape, dt)};
+  });
   return out;
 }
 

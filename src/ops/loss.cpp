@@ -17,28 +17,6 @@ using autograd::TensorList;
 
 namespace {
 
-// Elements per block of a reduction; blocks are summed in a fixed order, so a loss is the same
-// bits whatever the thread count.
-constexpr int64_t kLossBlock = 16384;
-
-// Sum of f(i) over [0, n) in double, by fixed blocks in parallel.
-template <typename F>
-double blocked_sum(int64_t n, const F& f) {
-  const int64_t blocks = (n + kLossBlock - 1) / kLossBlock;
-  std::vector<double> partial(static_cast<size_t>(blocks), 0.0);
-  cpu::parallel_for(0, blocks, 2, [&](int64_t b, int64_t e) {
-    for (int64_t k = b; k < e; ++k) {
-      double acc = 0;
-      const int64_t end = std::min(n, (k + 1) * kLossBlock);
-      for (int64_t i = k * kLossBlock; i < end; ++i) acc += f(i);
-      partial[k] = acc;
-    }
-  });
-  double total = 0;
-  for (double p : partial) total += p;
-  return total;
-}
-
 const char* reduction_name(Reduction r) {
   switch (r) {
     case Reduction::none:
@@ -178,7 +156,7 @@ Tensor mse_forward(const Tensor& x, const Tensor& t, Reduction reduction) {
     });
     return out;
   }
-  double total = blocked_sum(n, [&](int64_t i) {
+  double total = cpu::blocked_sum(n, [&](int64_t i) {
     const double d = static_cast<double>(px[i]) - static_cast<double>(pt[i]);
     return d * d;
   });

@@ -132,6 +132,13 @@ Tensor sum_impl(const Tensor& a, const Dims& dims, bool keepdim, bool divide, co
       const T* base = static_cast<const T*>(a.data_ptr());
       if constexpr (std::is_floating_point_v<T>) {
         T* o = static_cast<T*>(out.data_ptr());
+        if (outputs == 1 && a.is_contiguous()) {  // one long sum: split it into blocks
+          const double total = cpu::blocked_sum(a.numel(), [&](int64_t k) {
+            return static_cast<double>(base[k]);
+          });
+          o[0] = static_cast<T>(total * scale);
+          return;
+        }
         for_outputs(outputs, p.count, [&](int64_t i) {
           double acc = 0;
           visit_reduced(base, p, i, [&](const T* q, int64_t s, int64_t n) { acc += sum_run(q, s, n); });
@@ -153,8 +160,8 @@ Tensor sum_impl(const Tensor& a, const Dims& dims, bool keepdim, bool divide, co
 }
 
 // Gradient of a reduction that broadcasts g back over the reduced dims.
-Tensor expand_back(const Tensor& g, const Tensor& a, const ReducePlan& p) {
-  return g.reshape(p.keepdim_shape).expand(a.shape());
+Tensor expand_back(const Tensor& g, const Dims& input_shape, const ReducePlan& p) {
+  return g.reshape(p.keepdim_shape).expand(input_shape);
 }
 
 constexpr int64_t kAllDims = std::numeric_limits<int64_t>::min();
@@ -257,8 +264,8 @@ Tensor sum(const Tensor& a, const Dims& dims, bool keepdim) {
   Tensor out = sum_impl(a, dims, keepdim, false, "sum");
   if (autograd::needs_grad({&a})) {
     ReducePlan p = make_plan(a, dims, keepdim, "sum");
-    record("SumBackward", {a}, out, [a, p](const TensorList& g) {
-      return TensorList{expand_back(g[0], a, p)};
+    record("SumBackward", {a}, out, [shape = a.shape(), p](const TensorList& g) {
+      return TensorList{expand_back(g[0], shape, p)};
     });
   }
   return out;
@@ -270,8 +277,8 @@ Tensor mean(const Tensor& a, const Dims& dims, bool keepdim) {
   Tensor out = sum_impl(a, dims, keepdim, true, "mean");
   if (autograd::needs_grad({&a})) {
     ReducePlan p = make_plan(a, dims, keepdim, "mean");
-    record("MeanBackward", {a}, out, [a, p](const TensorList& g) {
-      return TensorList{expand_back(div(g[0], static_cast<double>(p.count)), a, p)};
+    record("MeanBackward", {a}, out, [shape = a.shape(), p](const TensorList& g) {
+      return TensorList{expand_back(div(g[0], static_cast<double>(p.count)), shape, p)};
     });
   }
   return out;
@@ -306,7 +313,7 @@ Tensor var(const Tensor& a, const Dims& dims, int64_t correction, bool keepdim) 
   });
   record("VarBackward", {a}, out, [a, p, denom, dims](const TensorList& g) {
     Tensor m = mean(a, dims, true);
-    Tensor scale = div(expand_back(g[0], a, p), denom / 2.0);
+    Tensor scale = div(expand_back(g[0], a.shape(), p), denom / 2.0);
     return TensorList{mul(scale, sub(a, m))};
   });
   return out;

@@ -1,6 +1,7 @@
 // Optimizer base, SGD, AdamW and clip_grad_norm; updates are fused per-parameter loops.
 #include "lockstep/optim/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "lockstep/autograd/grad_mode.h"
@@ -90,23 +91,28 @@ void Optimizer::load_state_dict(const NamedTensors& state) {
       continue;
     }
     if (name.rfind("group.", 0) == 0) {
+      // "group.<g>.lr"
       const size_t dot = name.find('.', 6);
-      const size_t g = std::stoul(name.substr(6, dot - 6));
+      const std::string g_str = dot == std::string::npos ? "" : name.substr(6, dot - 6);
+      LS_CHECK(!g_str.empty() && g_str.find_first_not_of("0123456789") == std::string::npos &&
+                   name.substr(dot + 1) == "lr",
+               name_, ": malformed state key '", name, "' (expected group.<index>.lr)");
+      const size_t g = std::stoul(g_str);
       LS_CHECK(g < groups_.size(), name_, ": state has group ", g, " but the optimizer has ",
                groups_.size(), " groups");
       groups_[g].lr = t.item();
       continue;
     }
     const size_t dot = name.find('.');
-    LS_CHECK(dot != std::string::npos && dot > 0, name_, ": malformed state key '", name, "'");
-    size_t idx = 0;
-    try {
-      idx = std::stoul(name.substr(0, dot));
-    } catch (const std::exception&) {
-      LS_THROW(name_, ": malformed state key '", name, "'");
-    }
+    const std::string idx_str = dot == std::string::npos ? "" : name.substr(0, dot);
+    LS_CHECK(!idx_str.empty() && idx_str.find_first_not_of("0123456789") == std::string::npos,
+             name_, ": malformed state key '", name, "' (expected <param index>.<field>)");
+    const size_t idx = std::stoul(idx_str);
     LS_CHECK(idx < params.size(), name_, ": state for parameter ", idx, " but the optimizer has ",
              params.size(), " parameters");
+    const auto fields = state_fields();
+    LS_CHECK(std::find(fields.begin(), fields.end(), name.substr(dot + 1)) != fields.end(), name_,
+             ": unknown state field in '", name, "' (was this state saved by another optimizer?)");
     const std::string field = name.substr(dot + 1);
     if (field == "step") {  // a per-parameter counter, not a tensor like the parameter
       fresh[idx][field] = t.to(kFloat64).clone();
@@ -219,15 +225,28 @@ double clip_grad_norm(const std::vector<Tensor>& params, double max_norm, double
   LS_CHECK(norm_type == 2.0 || std::isinf(norm_type), "clip_grad_norm: norm_type must be 2 or "
            "infinity, got ", norm_type);
   autograd::NoGradGuard no_grad;
+  const bool inf_norm = std::isinf(norm_type);
   double acc = 0;
   for (const Tensor& p : params) {
-    Tensor g = p.grad();
-    if (!g.defined()) continue;
-    for (double x : g.contiguous().to_vector<double>()) {
-      if (std::isinf(norm_type)) acc = std::max(acc, std::abs(x));
-      else acc += x * x;
-      if (std::isnan(x)) acc = NAN;
-    }
+    if (!p.grad().defined()) continue;
+    Tensor g = grad_of(p);
+    double part = 0;
+    cpu::dispatch_float(g.dtype(), "clip_grad_norm", [&]<typename T>() {
+      const T* x = g.data<T>();
+      if (inf_norm) {
+        // NaN must win, as it does for the 2-norm; max() would drop it.
+        for (int64_t k = 0; k < g.numel(); ++k) {
+          const double v = std::abs(static_cast<double>(x[k]));
+          part = (v > part || std::isnan(v)) && !std::isnan(part) ? v : part;
+        }
+      } else {
+        part = cpu::blocked_sum(g.numel(), [&](int64_t k) {
+          const double v = static_cast<double>(x[k]);
+          return v * v;
+        });
+      }
+    });
+    acc = inf_norm ? (std::isnan(part) || part > acc ? part : acc) : acc + part;
   }
   const double total = std::isinf(norm_type) ? acc : std::sqrt(acc);
   if (!std::isfinite(total)) return total;

@@ -215,3 +215,20 @@ TEST(Autograd, ViewOpsGradcheck) {
   expect_gradcheck([](V v) { return v[0].clone(); }, {x});
   expect_gradcheck([](V v) { return v[0].t(); }, {nc});
 }
+
+TEST(Autograd, GraphHoldsOnlyWhatBackwardNeedsAndFreesIt) {
+  const int64_t n = 1 << 20;  // 4 MiB of f32
+  Tensor x = ones({n}).requires_grad_();
+  auto held = [] { return cpu_allocator_stats().allocated_bytes; };
+  const int64_t base = held();
+  // Neither scalar op reads a value in backward: no intermediate may stay alive.
+  Tensor y = sum(add(mul(x, 2.0), 1.0));
+  EXPECT_LT(held() - base, n);  // well under one 4 MiB intermediate
+  // exp saves its output for backward; backward without retain_graph frees it.
+  Tensor z = sum(exp(x));
+  EXPECT_GE(held() - base, n * 4);
+  z.backward();
+  const int64_t after = held() - base;
+  EXPECT_LT(after, n * 4 + n);  // only x.grad (4 MiB) remains
+  EXPECT_GE(after, n * 4);
+}

@@ -122,6 +122,14 @@ TEST(Optimizer, StateRoundTripContinuesIdentically) {
   auto st = opt.state_dict();
   st.back().second = zeros({2}, kFloat64);
   expect_error([&] { opt.load_state_dict(st); }, {"0.momentum_buffer", "[2]", "[1]"});
+  auto bad_group = opt.state_dict();
+  bad_group.emplace_back("group.x.lr", full({}, 0.1, kFloat64));
+  expect_error([&] { opt.load_state_dict(bad_group); }, {"malformed state key 'group.x.lr'"});
+  Tensor q = param({1.0});
+  AdamW adam({q}, {.lr = 0.1});
+  set_grad(q, {1.0});
+  adam.step();
+  expect_error([&] { opt.load_state_dict(adam.state_dict()); }, {"unknown state field", "exp_avg"});
 }
 
 TEST(Schedule, ShapesOfSchedules) {

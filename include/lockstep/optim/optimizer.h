@@ -48,6 +48,8 @@ class Optimizer {
  protected:
   Optimizer(std::vector<ParamGroup> groups, double default_lr, double default_weight_decay,
             const char* name);
+  // The per-parameter state fields this optimizer keeps (load_state_dict accepts only these).
+  virtual std::vector<std::string> state_fields() const = 0;
   // State field `field` of parameter `index`, created as zeros like the parameter if absent.
   Tensor& state(int64_t index, const std::string& field, const Tensor& like);
   const char* name_;
@@ -72,6 +74,9 @@ class SGD : public Optimizer {
   SGD(const std::vector<Tensor>& params, SGDOptions opts) : SGD({ParamGroup{params}}, opts) {}
   void step() override;
 
+ protected:
+  std::vector<std::string> state_fields() const override { return {"momentum_buffer"}; }
+
  private:
   SGDOptions opts_;
 };
@@ -90,6 +95,11 @@ class AdamW : public Optimizer {
   AdamW(std::vector<ParamGroup> groups, AdamWOptions opts);
   AdamW(const std::vector<Tensor>& params, AdamWOptions opts) : AdamW({ParamGroup{params}}, opts) {}
   void step() override;
+
+ protected:
+  std::vector<std::string> state_fields() const override {
+    return {"exp_avg", "exp_avg_sq", "step"};
+  }
 
  private:
   AdamWOptions opts_;

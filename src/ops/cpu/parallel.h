@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <exception>
+#include <vector>
 
 #include "lockstep/ops/parallel.h"
 
@@ -46,6 +47,28 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
     }
   }
   if (error) std::rethrow_exception(error);
+}
+
+// Elements per block of a blocked reduction: fixed, so the result does not depend on the thread
+// count (each block is summed serially, blocks are combined in order).
+inline constexpr int64_t kReduceBlock = 16384;
+
+// Sum of f(i) over [0, n) in double: blocks of kReduceBlock in parallel, deterministic.
+template <typename F>
+double blocked_sum(int64_t n, const F& f) {
+  const int64_t blocks = (n + kReduceBlock - 1) / kReduceBlock;
+  std::vector<double> partial(static_cast<size_t>(blocks), 0.0);
+  parallel_for(0, blocks, 2, [&](int64_t b, int64_t e) {
+    for (int64_t k = b; k < e; ++k) {
+      double acc = 0;
+      const int64_t end = std::min(n, (k + 1) * kReduceBlock);
+      for (int64_t i = k * kReduceBlock; i < end; ++i) acc += f(i);
+      partial[static_cast<size_t>(k)] = acc;
+    }
+  });
+  double total = 0;
+  for (double p : partial) total += p;
+  return total;
 }
 
 }  // namespace lockstep::cpu
