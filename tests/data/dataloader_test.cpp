@@ -16,12 +16,6 @@ using namespace std::chrono_literals;
 
 namespace {
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr double kCollateBudgetSeconds = 10e-3;  // sanitizers slow every access down
-#else
-constexpr double kCollateBudgetSeconds = 1e-3;
-#endif
-
 // Example i: input (2, 3) filled with i + j / 10 for element j, target i (i64 scalar). Optional
 // per-index delays (to make workers finish out of order), a failing index, and a get() counter.
 class ProbeDataset : public Dataset {
@@ -195,16 +189,20 @@ TEST(DataLoader, DestroyedMidEpochReturnsPromptly) {
   auto ds = std::make_shared<ProbeDataset>(10000);
   ds->delay_ = [](int64_t) { return 2ms; };
   for (int64_t workers : {1, 4}) {
+    ds->calls_ = 0;
     auto t0 = std::chrono::steady_clock::now();
     {
       DataLoader loader(ds, std::make_shared<SequentialSampler>(10000),
                         {.batch_size = 64, .num_workers = workers, .prefetch = 8});
       ASSERT_TRUE(loader.next().has_value());  // ~128 ms of loading per batch
     }
-    // One batch takes ~128 ms; stopping waits only for the sample in hand (~2 ms), not for
-    // the batches in flight (~1 s each for 8 of them).
+    // Stopping waits only for the sample each worker has in hand, not for the batches in
+    // flight: counted in samples read, which does not depend on how loaded the machine is.
+    // Finishing the in-flight batches would read (1 + min(workers, 8)) * 64 or more.
+    EXPECT_LT(ds->calls_.load(), 64 * (workers == 1 ? 2 : 6)) << "workers " << workers;
+    // And no hang (a generous bound, not a speed requirement).
     double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    EXPECT_LT(s, 0.6) << "workers " << workers;
+    EXPECT_LT(s, 10.0) << "workers " << workers;
   }
   // Destroyed before anything was taken, and after the epoch started without a next().
   {
@@ -220,10 +218,12 @@ TEST(DataLoader, PrefetchIsBounded) {
   DataLoader loader(ds, std::make_shared<SequentialSampler>(1000),
                     {.batch_size = 10, .num_workers = 4, .prefetch = 3});
   ASSERT_TRUE(loader.next().has_value());
-  std::this_thread::sleep_for(100ms);
+  // Wait (up to 10 s on a loaded machine) for the workers to fill the window, then give them
+  // time to overrun it if they were going to.
+  for (int i = 0; i < 1000 && ds->calls_.load() < 40; ++i) std::this_thread::sleep_for(10ms);
+  std::this_thread::sleep_for(50ms);
   // The batch taken plus at most 3 ahead.
-  EXPECT_LE(ds->calls_.load(), 40);
-  EXPECT_GE(ds->calls_.load(), 30);  // and the workers did fill the window
+  EXPECT_EQ(ds->calls_.load(), 40);
 }
 
 TEST(DataLoader, CountsTimeWaitedForData) {
@@ -240,9 +240,11 @@ TEST(DataLoader, CountsTimeWaitedForData) {
   DataLoader ahead(fast, std::make_shared<SequentialSampler>(20),
                    {.batch_size = 5, .num_workers = 2, .prefetch = 4});
   ahead.start_epoch();
-  std::this_thread::sleep_for(100ms);  // "compute" while the workers load everything
+  // "Compute" while the workers load everything (polling, so a loaded machine cannot flake it).
+  for (int i = 0; i < 1000 && fast->calls_.load() < 20; ++i) std::this_thread::sleep_for(10ms);
+  std::this_thread::sleep_for(20ms);
   for (int k = 0; k < 4; ++k) ASSERT_TRUE(ahead.next().has_value());
-  EXPECT_LT(ahead.wait_seconds(), 0.01);
+  EXPECT_LT(ahead.wait_seconds(), 0.015);  // ready batches cost a queue pop, not a load
 }
 
 TEST(DataLoader, CollatesNonContiguousSamplesAndRejectsMismatches) {
@@ -274,21 +276,24 @@ TEST(DataLoader, ValidatesOptions) {
   expect_error([&] { too_far.next(); }, {"sampler yielded index 4", "size 4"});
 }
 
-TEST(DataLoader, CollatesMnistSizedBatchesQuickly) {
-  // 64 samples of (1, 28, 28) f32 from a TensorDataset: each sample is one memcpy.
-  auto ds = std::make_shared<TensorDataset>(zeros({4096, 1, 28, 28}), zeros({4096}, kInt64));
+TEST(DataLoader, CollatesMnistSizedBatches) {
+  // 64 samples of (1, 28, 28) f32 from a TensorDataset, each copied once into the batch. How
+  // fast that is, is measured by bench/train_bench (BM_Collate), not asserted here.
+  auto ds = std::make_shared<TensorDataset>(arange(0.0, 4096.0 * 784, 1.0).view({4096, 1, 28, 28}),
+                                            arange(4096));
   DataLoader loader(ds, std::make_shared<DistributedSampler>(4096, 1, 0), {.batch_size = 64});
-  std::vector<double> times;
-  for (;;) {
-    auto t0 = std::chrono::steady_clock::now();
-    std::optional<Batch> b = loader.next();
-    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    if (!b) break;
+  int64_t batches = 0;
+  while (std::optional<Batch> b = loader.next()) {
     ASSERT_EQ(b->input.shape(), (Dims{64, 1, 28, 28}));
+    ASSERT_TRUE(b->input.is_contiguous());
+    for (int64_t j : {0, 63}) {
+      const int64_t idx = b->indices[static_cast<size_t>(j)];
+      ASSERT_EQ(b->target.at({j}), idx);
+      ASSERT_EQ(b->input.at({j, 0, 27, 27}), idx * 784.0 + 783.0);
+    }
+    ++batches;
   }
-  std::sort(times.begin(), times.end());
-  EXPECT_LT(times[times.size() / 2], kCollateBudgetSeconds)
-      << "median collation time of a batch of 64";
+  EXPECT_EQ(batches, 64);
 }
 
 }  // namespace
