@@ -4,6 +4,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <functional>
 #include <string>
 #include <vector>
@@ -56,6 +57,19 @@ inline void expect_error(const std::function<void()>& fn, const std::vector<std:
   } catch (const Error& e) {
     for (const auto& p : parts) EXPECT_THAT(std::string(e.what()), ::testing::HasSubstr(p));
   }
+}
+
+// Elementwise |got - want| <= tol * (1 + |want|), naming the first failing position.
+inline void expect_close(const std::vector<double>& got, const std::vector<double>& want,
+                         double tol, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i)
+    ASSERT_NEAR(got[i], want[i], tol * (1 + std::abs(want[i]))) << what << " at " << i;
+}
+
+inline void expect_near_all(const Tensor& got, const std::vector<double>& want, double tol,
+                            const std::string& what) {
+  expect_close(got.to_vector<double>(), want, tol, what);
 }
 
 inline void expect_gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& fn,

@@ -6,6 +6,7 @@
 #include "testing.h"
 
 using namespace lockstep;
+using lockstep::testing::expect_close;
 using lockstep::testing::expect_error;
 using lockstep::testing::expect_gradcheck;
 using lockstep::testing::non_contiguous;
@@ -54,13 +55,6 @@ std::vector<double> naive_conv(const std::vector<double>& x, const Dims& xs,
         }
   (void)C;
   return out;
-}
-
-void expect_close(const std::vector<double>& got, const std::vector<double>& want, double tol,
-                  const std::string& what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  for (size_t i = 0; i < got.size(); ++i)
-    ASSERT_NEAR(got[i], want[i], tol * (1 + std::abs(want[i]))) << what << " at " << i;
 }
 
 std::vector<ConvCase> cases() {

@@ -7,6 +7,7 @@
 #include "testing.h"
 
 using namespace lockstep;
+using lockstep::testing::expect_close;
 using lockstep::testing::expect_error;
 using lockstep::testing::expect_gradcheck;
 using lockstep::testing::non_contiguous;
@@ -67,13 +68,6 @@ std::vector<PoolCase> cases() {
       {{1, 1, 4, 4}, Pool2dOptions::square(4)},        // kernel = input
       {{1, 1, 5, 5}, Pool2dOptions::square(2, 3, 1)},  // stride > kernel
   };
-}
-
-void expect_close(const std::vector<double>& got, const std::vector<double>& want, double tol,
-                  const std::string& what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  for (size_t i = 0; i < got.size(); ++i)
-    ASSERT_NEAR(got[i], want[i], tol * (1 + std::abs(want[i]))) << what << " at " << i;
 }
 
 }  // namespace

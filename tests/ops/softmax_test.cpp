@@ -8,6 +8,7 @@
 #include "testing.h"
 
 using namespace lockstep;
+using lockstep::testing::expect_near_all;
 using lockstep::testing::expect_error;
 using lockstep::testing::expect_gradcheck;
 using lockstep::testing::non_contiguous;
@@ -33,14 +34,6 @@ std::vector<double> naive_softmax(const std::vector<double>& x, const Dims& shap
         y[at(j)] = log ? x[at(j)] - mx - std::log(s) : std::exp(x[at(j)] - mx) / s;
     }
   return y;
-}
-
-void expect_near_all(const Tensor& got, const std::vector<double>& want, double tol,
-                     const std::string& what) {
-  std::vector<double> g = got.to_vector<double>();
-  ASSERT_EQ(g.size(), want.size()) << what;
-  for (size_t i = 0; i < g.size(); ++i)
-    ASSERT_NEAR(g[i], want[i], tol * (1 + std::abs(want[i]))) << what << " at " << i;
 }
 
 }  // namespace
