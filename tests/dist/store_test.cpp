@@ -2,6 +2,7 @@
 // counters, compare_set, blocking get/wait, timeouts, and many threads at once.
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <thread>
 
 #include "lockstep/dist/hash_store.h"
@@ -21,14 +22,40 @@ namespace {
 // Generous bound on anything that should finish promptly: only a hang trips it.
 constexpr auto kHangGuard = 60s;
 
+// Blocking calls use this timeout unless a test sets its own, so that a store which never wakes
+// a waiter fails the test instead of hanging it for the default five minutes.
+constexpr auto kTestTimeout = 30s;
+
+// A rank as a thread. join() returns what it threw, so a failing rank fails its test instead of
+// terminating the test binary.
+class Rank {
+ public:
+  explicit Rank(std::function<void()> fn)
+      : thread_([this, fn = std::move(fn)] {
+          try {
+            fn();
+          } catch (const std::exception& e) {
+            error_ = e.what();
+          }
+        }) {}
+  std::string join() {
+    thread_.join();
+    return error_;
+  }
+
+ private:
+  std::string error_;  // declared first: the thread may write it as soon as it starts
+  std::thread thread_;
+};
+
 // Each backend hands out handles to one shared store: connect() is what another rank would do.
 struct HashBackend {
-  std::shared_ptr<HashStore> store = std::make_shared<HashStore>();
+  std::shared_ptr<HashStore> store = std::make_shared<HashStore>(kTestTimeout);
   std::shared_ptr<Store> connect() { return store; }
 };
 
 struct PrefixBackend {
-  std::shared_ptr<HashStore> inner = std::make_shared<HashStore>();
+  std::shared_ptr<HashStore> inner = std::make_shared<HashStore>(kTestTimeout);
   std::shared_ptr<Store> connect() { return std::make_shared<PrefixStore>("job", inner); }
 };
 
@@ -38,12 +65,14 @@ struct TcpBackend {
     o.port = 0;
     o.is_server = true;
     o.token = "";
+    o.timeout = kTestTimeout;
     server = std::make_shared<TCPStore>(o);
   }
   std::shared_ptr<Store> connect() {
     TCPStoreOptions o;
     o.port = server->port();
     o.token = "";
+    o.timeout = kTestTimeout;
     return std::make_shared<TCPStore>(o);
   }
   std::shared_ptr<TCPStore> server;
@@ -148,14 +177,14 @@ TYPED_TEST(StoreTest, GetBlocksUntilAnotherThreadSetsTheKey) {
   auto waiter = this->backend_.connect();
   std::atomic<bool> returned{false};
   std::string got;
-  std::thread t([&] {
+  Rank t([&] {
     got = waiter->get_string("late");
     returned = true;
   });
   std::this_thread::sleep_for(100ms);
   EXPECT_FALSE(returned.load()) << "get() returned before the key was set";
   this->store_->set("late", "here");
-  t.join();
+  EXPECT_EQ(t.join(), "");
   EXPECT_TRUE(returned.load());
   EXPECT_EQ(got, "here");
 }
@@ -205,7 +234,7 @@ TYPED_TEST(StoreTest, HugeTimeoutsAreClampedAndNegativeOnesRefused) {
 TYPED_TEST(StoreTest, WaitReturnsOnceEveryKeyIsSet) {
   auto waiter = this->backend_.connect();
   std::atomic<bool> returned{false};
-  std::thread t([&] {
+  Rank t([&] {
     waiter->wait({"x", "y", "z"}, 30s);
     returned = true;
   });
@@ -214,21 +243,21 @@ TYPED_TEST(StoreTest, WaitReturnsOnceEveryKeyIsSet) {
   std::this_thread::sleep_for(50ms);
   EXPECT_FALSE(returned.load()) << "wait() returned with z missing";
   EXPECT_EQ(this->store_->compare_set("z", "", "3"), "3");
-  t.join();
+  EXPECT_EQ(t.join(), "");
   EXPECT_TRUE(returned.load());
 }
 
 TYPED_TEST(StoreTest, ConcurrentAddsFromManyClientsAreExact) {
   constexpr int kThreads = 8, kAdds = 1000;
-  std::vector<std::thread> threads;
+  std::vector<std::unique_ptr<Rank>> threads;
   std::vector<int64_t> last(kThreads);
   for (int r = 0; r < kThreads; ++r) {
-    threads.emplace_back([&, r] {
+    threads.push_back(std::make_unique<Rank>([&, r] {
       auto s = this->backend_.connect();
       for (int i = 0; i < kAdds; ++i) last[r] = s->add("counter", 1);
-    });
+    }));
   }
-  for (auto& t : threads) t.join();
+  for (auto& t : threads) EXPECT_EQ(t->join(), "");
   EXPECT_EQ(this->store_->add("counter", 0), kThreads * kAdds);
   EXPECT_EQ(this->store_->get_string("counter"), std::to_string(kThreads * kAdds));
   // Each thread's last add saw a distinct value, and the largest is the total.
@@ -240,19 +269,19 @@ TYPED_TEST(StoreTest, ConcurrentAddsFromManyClientsAreExact) {
 TYPED_TEST(StoreTest, RanksAsThreadsRendezvous) {
   // Each rank publishes its address and waits for everyone else's: the bootstrap pattern.
   constexpr int kWorld = 8;
-  std::vector<std::thread> threads;
+  std::vector<std::unique_ptr<Rank>> threads;
   std::vector<std::string> seen(kWorld);
   for (int r = 0; r < kWorld; ++r) {
-    threads.emplace_back([&, r] {
+    threads.push_back(std::make_unique<Rank>([&, r] {
       auto s = this->backend_.connect();
       s->set("addr/" + std::to_string(r), "host" + std::to_string(r));
       std::vector<std::string> keys;
       for (int q = 0; q < kWorld; ++q) keys.push_back("addr/" + std::to_string(q));
       s->wait(keys, 30s);
       for (int q = 0; q < kWorld; ++q) seen[r] += s->get_string(keys[q]) + ",";
-    });
+    }));
   }
-  for (auto& t : threads) t.join();
+  for (auto& t : threads) EXPECT_EQ(t->join(), "");
   for (int r = 0; r < kWorld; ++r) EXPECT_EQ(seen[r], seen[0]);
   EXPECT_EQ(seen[0], "host0,host1,host2,host3,host4,host5,host6,host7,");
 }
