@@ -13,3 +13,9 @@ for exe in "$build"/bench/*_bench; do
   "$exe" --benchmark_repetitions=5 --benchmark_report_aggregates_only=true \
     --benchmark_out="bench/results/$name.json" --benchmark_out_format=json "$@"
 done
+# all_reduce bandwidth with 2 and 4 processes, lockstep beside raw Gloo (not Google Benchmark:
+# it starts its own ranks).
+if [ -x "$build/bench/allreduce" ]; then
+  echo "== allreduce ($(nproc) cores, $(date -u +%Y-%m-%d))"
+  "$build/bench/allreduce" --json bench/results/allreduce.json
+fi

@@ -83,8 +83,7 @@ std::optional<int> leading_count(const std::optional<std::string>& s) {
 
 void check_consistent(const DistEnv& e, const std::string& vars) {
   LS_CHECK(e.world_size >= 1, vars, ": the world size must be >= 1, got ", e.world_size);
-  LS_CHECK(e.rank < e.world_size, vars, ": rank ", e.rank, " must be < world size ",
-           e.world_size);
+  LS_CHECK(e.rank < e.world_size, vars, ": rank ", e.rank, " must be < world size ", e.world_size);
   LS_CHECK(e.local_world_size >= 1 && e.local_world_size <= e.world_size, vars,
            ": the local world size ", e.local_world_size, " must be in [1, world size ",
            e.world_size, "]");
@@ -100,8 +99,7 @@ DistEnv read_dist_env(const EnvLookup& lookup) {
   e.agent_store = env.str(kUseAgentStoreEnv).value_or("0") == "1";
   e.restart_count = env.integer("LOCKSTEP_RESTART_COUNT", 0, 1 << 30).value_or(0);
   e.run_id = env.str("LOCKSTEP_RUN_ID").value_or("");
-  e.socket_ifname =
-      env.str(kSocketIfnameEnv).value_or(env.str("GLOO_SOCKET_IFNAME").value_or(""));
+  e.socket_ifname = env.str(kSocketIfnameEnv).value_or(env.str("GLOO_SOCKET_IFNAME").value_or(""));
   const auto master_addr = env.str("MASTER_ADDR");
   const auto master_port = env.integer("MASTER_PORT", 1, 65535);
 
@@ -119,8 +117,7 @@ DistEnv read_dist_env(const EnvLookup& lookup) {
     e.world_size = *size;
     // Without LOCAL_* the job is taken to run on this one machine.
     e.local_world_size = env.integer("LOCAL_WORLD_SIZE", 1, kMaxRanks).value_or(e.world_size);
-    e.local_rank =
-        env.integer("LOCAL_RANK", 0, kMaxRanks).value_or(e.rank % e.local_world_size);
+    e.local_rank = env.integer("LOCAL_RANK", 0, kMaxRanks).value_or(e.rank % e.local_world_size);
     e.group_rank = env.integer("GROUP_RANK", 0, kMaxRanks).value_or(e.rank / e.local_world_size);
     check_consistent(e, "RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE");
   } else if (slurm) {
@@ -128,9 +125,9 @@ DistEnv read_dist_env(const EnvLookup& lookup) {
     e.rank = *env.integer("SLURM_PROCID", 0, kMaxRanks);
     e.world_size = *env.integer("SLURM_NTASKS", 1, kMaxRanks);
     e.local_rank = env.integer("SLURM_LOCALID", 0, kMaxRanks).value_or(0);
-    e.local_world_size = env.integer("SLURM_NTASKS_PER_NODE", 1, kMaxRanks)
-                             .value_or(leading_count(env.str("SLURM_TASKS_PER_NODE"))
-                                           .value_or(e.world_size));
+    e.local_world_size =
+        env.integer("SLURM_NTASKS_PER_NODE", 1, kMaxRanks)
+            .value_or(leading_count(env.str("SLURM_TASKS_PER_NODE")).value_or(e.world_size));
     e.group_rank = env.integer("SLURM_NODEID", 0, kMaxRanks).value_or(0);
     check_consistent(e, "SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID/SLURM_NTASKS_PER_NODE");
   } else if (ompi) {

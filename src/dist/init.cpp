@@ -50,13 +50,14 @@ void join(Store& store, const DistEnv& env, std::chrono::milliseconds timeout) {
   const std::string first_ws = store.compare_set("world_size", "", ws);
   if (first_ws != ws) {
     fail(lockstep::detail::str_cat("ranks disagree on the world size: rank ", env.rank, " (", me,
-                         ") has WORLD_SIZE=", ws, ", the first process to join had ", first_ws));
+                                   ") has WORLD_SIZE=", ws, ", the first process to join had ",
+                                   first_ws));
   }
   const std::string key = "rank/" + std::to_string(env.rank);
   const std::string owner = store.compare_set(key, "", me);
   if (owner != me) {
-    fail(lockstep::detail::str_cat("rank ", env.rank, " is claimed by two processes: ", owner, " and ", me,
-                         "; every process needs its own RANK"));
+    fail(lockstep::detail::str_cat("rank ", env.rank, " is claimed by two processes: ", owner,
+                                   " and ", me, "; every process needs its own RANK"));
   }
   store.add("joined", 1);
 
@@ -66,7 +67,8 @@ void join(Store& store, const DistEnv& env, std::chrono::milliseconds timeout) {
     if (store.check({"error"})) LS_THROW(store.get_string("error"));
     const int64_t joined = store.add("joined", 0);
     if (joined > env.world_size) {
-      fail(lockstep::detail::str_cat(joined, " processes joined a world of WORLD_SIZE=", env.world_size));
+      fail(lockstep::detail::str_cat(joined,
+                                     " processes joined a world of WORLD_SIZE=", env.world_size));
     }
     if (joined == env.world_size) break;
     if (Clock::now() >= deadline) {
@@ -121,8 +123,7 @@ World connect_world(DistEnv env, const InitOptions& opts) {
     if (env.local_world_size > env.world_size) env.local_world_size = env.world_size;
     if (env.local_rank >= env.local_world_size) env.local_rank = env.rank % env.local_world_size;
   }
-  LS_CHECK(has_backend(opts.backend), "init_process_group: unknown backend '", opts.backend,
-           "'");
+  LS_CHECK(has_backend(opts.backend), "init_process_group: unknown backend '", opts.backend, "'");
   World w;
   w.env = env;
   w.backend = opts.backend;
@@ -144,7 +145,8 @@ World connect_world(DistEnv env, const InitOptions& opts) {
   // A launcher's store outlives restarts: each generation joins under its own keys.
   w.store = std::make_shared<PrefixStore>(
       lockstep::detail::str_cat("lockstep/", env.run_id.empty() ? "default" : env.run_id, "/gen",
-                                env.restart_count), store);
+                                env.restart_count),
+      store);
   join(*w.store, env, opts.timeout);
 
   if (!env.socket_ifname.empty()) {
@@ -225,8 +227,10 @@ ProcessGroupPtr make_group(World& w, const std::vector<int>& ranks, int nth) {
   for (size_t i = 0; i < ranks.size(); ++i) {
     LS_CHECK(ranks[i] >= 0 && ranks[i] < size, "new_group: rank ", ranks[i],
              " is outside the world [0, ", size, ")");
-    LS_CHECK(i == 0 || ranks[i] > ranks[i - 1], "new_group: ranks must be increasing and "
-             "distinct, got [", join_ranks(ranks), "]");
+    LS_CHECK(i == 0 || ranks[i] > ranks[i - 1],
+             "new_group: ranks must be increasing and "
+             "distinct, got [",
+             join_ranks(ranks), "]");
   }
   auto it = std::find(ranks.begin(), ranks.end(), w.group->rank());
   if (it == ranks.end()) return nullptr;

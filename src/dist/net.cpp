@@ -39,9 +39,10 @@ std::string local_address_toward(const std::string& host, uint16_t port) {
       continue;
     }
     char text[INET6_ADDRSTRLEN] = {};
-    const void* addr = local.ss_family == AF_INET
-                           ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr)
-                           : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr);
+    const void* addr =
+        local.ss_family == AF_INET
+            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr)
+            : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr);
     if (::inet_ntop(local.ss_family, addr, text, sizeof(text)) != nullptr) return text;
   }
   LS_THROW("no local address routes to ", host, ":", port, " (", last_error,
@@ -68,8 +69,8 @@ void check_interface(const std::string& name) {
   if (::if_nametoindex(name.c_str()) != 0) return;
   std::string known;
   for (const auto& n : interface_names()) known += (known.empty() ? "" : ", ") + n;
-  LS_THROW(kSocketIfnameEnv, "=", name, ": no such network interface on this machine; it has: ",
-           known);
+  LS_THROW(kSocketIfnameEnv, "=", name,
+           ": no such network interface on this machine; it has: ", known);
 }
 
 }  // namespace detail

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <thread>
 
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/dist/gloo/process_group_gloo.h"
@@ -14,11 +15,16 @@ namespace lockstep::dist {
 
 std::string_view reduce_op_name(ReduceOp op) {
   switch (op) {
-    case ReduceOp::sum: return "sum";
-    case ReduceOp::avg: return "avg";
-    case ReduceOp::min: return "min";
-    case ReduceOp::max: return "max";
-    case ReduceOp::product: return "product";
+    case ReduceOp::sum:
+      return "sum";
+    case ReduceOp::avg:
+      return "avg";
+    case ReduceOp::min:
+      return "min";
+    case ReduceOp::max:
+      return "max";
+    case ReduceOp::product:
+      return "product";
   }
   return "?";
 }
@@ -43,13 +49,28 @@ std::exception_ptr Work::exception() const {
   return error_;
 }
 
+namespace {
+
+// Yields until `ready` is true or kSpinBeforeSleep passed; Note [Spin before sleeping].
+void spin_until(const std::atomic<bool>& ready) {
+  const auto until = std::chrono::steady_clock::now() + kSpinBeforeSleep;
+  while (!ready.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < until) {
+    std::this_thread::yield();
+  }
+}
+
+}  // namespace
+
 void Work::wait() {
+  if (wait_hook_ && !completed_flag_.load(std::memory_order_acquire)) wait_hook_(*this);
+  spin_until(completed_flag_);
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [&] { return completed_; });
   if (error_) std::rethrow_exception(error_);
 }
 
 void Work::wait(std::chrono::milliseconds timeout) {
+  if (timeout >= kSpinBeforeSleep) spin_until(completed_flag_);
   std::unique_lock<std::mutex> lock(mu_);
   if (!cv_.wait_for(lock, timeout, [&] { return completed_; })) {
     LS_THROW(description_, " did not complete within the ", timeout.count(),
@@ -82,6 +103,7 @@ void Work::finish(std::exception_ptr error) {
     std::lock_guard<std::mutex> lock(mu_);
     completed_ = true;
     error_ = error;
+    completed_flag_.store(true, std::memory_order_release);
   }
   cv_.notify_all();
 }
@@ -106,7 +128,7 @@ std::string describe(const std::vector<Tensor>& tensors) {
   int64_t bytes = 0;
   for (const auto& t : tensors) bytes += t.nbytes();
   return lockstep::detail::str_cat(tensors.size(), tensors.size() == 1 ? " tensor, " : " tensors, ",
-                         format_bytes(bytes), " of ", dtype_name(tensors[0].dtype()));
+                                   format_bytes(bytes), " of ", dtype_name(tensors[0].dtype()));
 }
 
 bool is_reducible(DType t) {
@@ -116,8 +138,10 @@ bool is_reducible(DType t) {
     case DType::bf16:
     case DType::f16:
     case DType::i32:
-    case DType::i64: return true;
-    default: return false;
+    case DType::i64:
+      return true;
+    default:
+      return false;
   }
 }
 
@@ -205,7 +229,8 @@ void ProcessGroup::check_tensors(std::string_view op, const std::vector<Tensor>&
              ": every tensor of one call must be on one device; tensor 0 is on ",
              tensors[0].device().str(), ", tensor ", i, " on ", t.device().str());
     LS_CHECK(!reduction || is_reducible(t.dtype()), who(), ": ", op, " cannot reduce ",
-             dtype_name(t.dtype()), " tensors; expected f32, f64, bf16, f16, "
+             dtype_name(t.dtype()),
+             " tensors; expected f32, f64, bf16, f16, "
              "i32 or i64");
   }
 }
@@ -220,8 +245,8 @@ WorkPtr ProcessGroup::all_reduce(std::vector<Tensor> tensors, const AllReduceOpt
            ": all_reduce with avg needs floating-point tensors, got ",
            dtype_name(tensors[0].dtype()), "; use sum and divide as you see fit");
   const auto timeout = effective(opts.timeout);
-  WorkPtr work = make_work("all_reduce",
-                           lockstep::detail::str_cat(reduce_op_name(opts.op), ", ", describe(tensors)));
+  WorkPtr work = make_work(
+      "all_reduce", lockstep::detail::str_cat(reduce_op_name(opts.op), ", ", describe(tensors)));
   Tensor flat;
   if (tensors.size() == 1 && tensors[0].is_contiguous()) {
     flat = tensors[0];
@@ -242,8 +267,8 @@ WorkPtr ProcessGroup::broadcast(std::vector<Tensor> tensors, const BroadcastOpti
   LS_CHECK(opts.root >= 0 && opts.root < size_, who(), ": broadcast: root ", opts.root,
            " is outside [0, ", size_, ")");
   const auto timeout = effective(opts.timeout);
-  WorkPtr work = make_work("broadcast", lockstep::detail::str_cat("root ", opts.root, ", ",
-                                                        describe(tensors)));
+  WorkPtr work = make_work("broadcast",
+                           lockstep::detail::str_cat("root ", opts.root, ", ", describe(tensors)));
   Tensor flat;
   if (tensors.size() == 1 && tensors[0].is_contiguous()) {
     flat = tensors[0];
@@ -258,10 +283,10 @@ WorkPtr ProcessGroup::broadcast(std::vector<Tensor> tensors, const BroadcastOpti
 WorkPtr ProcessGroup::all_gather(const Tensor& output, const Tensor& input,
                                  const AllGatherOptions& opts) {
   check_tensors("all_gather", {output, input}, false);
-  LS_CHECK(output.numel() == size_ * input.numel(), who(), ": all_gather: the output needs ",
-           size_, " x ", input.numel(), " = ", size_ * input.numel(),
-           " elements (world size x input), got ", output.numel(), " (shape ",
-           output.shape().str(), ")");
+  LS_CHECK(output.numel() == size_ * input.numel(), who(), ": all_gather: the output needs ", size_,
+           " x ", input.numel(), " = ", size_ * input.numel(),
+           " elements (world size x input), got ", output.numel(), " (shape ", output.shape().str(),
+           ")");
   const auto timeout = effective(opts.timeout);
   WorkPtr work = make_work("all_gather", describe({input}));
   Tensor out = writable_contiguous(output, work);
@@ -294,14 +319,14 @@ WorkPtr ProcessGroup::reduce_scatter(const Tensor& output, const Tensor& input,
   check_tensors("reduce_scatter", {output, input}, true);
   LS_CHECK(input.numel() == size_ * output.numel(), who(), ": reduce_scatter: the input needs ",
            size_, " x ", output.numel(), " = ", size_ * output.numel(),
-           " elements (world size x output), got ", input.numel(), " (shape ",
-           input.shape().str(), ")");
+           " elements (world size x output), got ", input.numel(), " (shape ", input.shape().str(),
+           ")");
   LS_CHECK(opts.op != ReduceOp::avg || is_floating(input.dtype()), who(),
            ": reduce_scatter with avg needs floating-point tensors, got ",
            dtype_name(input.dtype()));
   const auto timeout = effective(opts.timeout);
-  WorkPtr work = make_work("reduce_scatter",
-                           lockstep::detail::str_cat(reduce_op_name(opts.op), ", ", describe({input})));
+  WorkPtr work = make_work("reduce_scatter", lockstep::detail::str_cat(reduce_op_name(opts.op),
+                                                                       ", ", describe({input})));
   Tensor out = writable_contiguous(output, work);
   do_reduce_scatter(out, input.contiguous(), opts.op, timeout, work);
   return work;
@@ -366,9 +391,7 @@ void WorldOfOneGroup::do_reduce_scatter(Tensor output, Tensor input, ReduceOp,
   work->finish();
 }
 
-void WorldOfOneGroup::do_barrier(std::chrono::milliseconds, const WorkPtr& work) {
-  work->finish();
-}
+void WorldOfOneGroup::do_barrier(std::chrono::milliseconds, const WorkPtr& work) { work->finish(); }
 
 // ---- Backend registry ----
 
@@ -430,8 +453,8 @@ ProcessGroupPtr create_process_group(const std::string& backend, const BackendCo
     factory = it->second;
   }
   if (config.size == 1) return std::make_shared<WorldOfOneGroup>(config.timeout);
-  LS_CHECK(config.store != nullptr, "create_process_group(", backend, "): a group of ",
-           config.size, " ranks needs a store to rendezvous through; none was given");
+  LS_CHECK(config.store != nullptr, "create_process_group(", backend, "): a group of ", config.size,
+           " ranks needs a store to rendezvous through; none was given");
   return factory(config);
 }
 

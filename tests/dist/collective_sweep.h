@@ -33,10 +33,14 @@ inline double sweep_factor(int rank, int64_t i, int salt) {
 // The value of x once stored in dtype t.
 inline double round_to(DType t, double x) {
   switch (t) {
-    case DType::bf16: return bf16_bits_to_float(float_to_bf16_bits(static_cast<float>(x)));
-    case DType::f16: return f16_bits_to_float(float_to_f16_bits(static_cast<float>(x)));
-    case DType::f32: return static_cast<float>(x);
-    default: return x;
+    case DType::bf16:
+      return bf16_bits_to_float(float_to_bf16_bits(static_cast<float>(x)));
+    case DType::f16:
+      return f16_bits_to_float(float_to_f16_bits(static_cast<float>(x)));
+    case DType::f32:
+      return static_cast<float>(x);
+    default:
+      return x;
   }
 }
 
@@ -56,8 +60,7 @@ class SweepChecker {
  public:
   explicit SweepChecker(std::string where) : where_(std::move(where)) {}
 
-  void expect_equal(const std::string& what, const Tensor& got,
-                    const std::vector<double>& want) {
+  void expect_equal(const std::string& what, const Tensor& got, const std::vector<double>& want) {
     const auto g = got.to_vector<double>();
     if (g.size() != want.size()) {
       fail(what + ": " + std::to_string(g.size()) + " elements, expected " +
@@ -100,8 +103,7 @@ inline void run_collective_sweep(dist::ProcessGroup& pg) {
       const std::string tag = std::string(dtype_name(t)) + " n=" + std::to_string(n);
       ++salt;
       // all_reduce, every op.
-      std::vector<ReduceOp> ops = {ReduceOp::sum, ReduceOp::min, ReduceOp::max,
-                                   ReduceOp::product};
+      std::vector<ReduceOp> ops = {ReduceOp::sum, ReduceOp::min, ReduceOp::max, ReduceOp::product};
       if (floating) ops.push_back(ReduceOp::avg);
       for (ReduceOp op : ops) {
         const bool product = op == ReduceOp::product;
@@ -155,8 +157,8 @@ inline void run_collective_sweep(dist::ProcessGroup& pg) {
           for (int r = 0; r < ws; ++r) acc += sweep_value(r, me * n + i, salt);
           want_r[i] = op == ReduceOp::avg ? avg_of(t, acc, ws) : acc;
         }
-        check.expect_equal(tag + " reduce_scatter " + std::string(dist::reduce_op_name(op)),
-                           rout, want_r);
+        check.expect_equal(tag + " reduce_scatter " + std::string(dist::reduce_op_name(op)), rout,
+                           want_r);
         check.expect_equal(tag + " reduce_scatter leaves its input alone", rin, rin_before);
       }
     }
@@ -174,8 +176,7 @@ inline void run_collective_sweep(dist::ProcessGroup& pg) {
         for (int r = 0; r < ws; ++r) w[i] += sweep_value(r, off + i, salt);
       return w;
     };
-    check.expect_equal(std::string(dtype_name(t)) + " fused all_reduce, tensor 0", a,
-                       summed(0, 7));
+    check.expect_equal(std::string(dtype_name(t)) + " fused all_reduce, tensor 0", a, summed(0, 7));
     check.expect_equal(std::string(dtype_name(t)) + " fused all_reduce, strided tensor", base,
                        summed(100, 12));
     check.expect_equal(std::string(dtype_name(t)) + " fused all_reduce, tensor 2", c,

@@ -65,18 +65,36 @@ TEST(ReadDistEnv, MissingLocalVariablesMeanOneMachine) {
 }
 
 TEST(ReadDistEnv, InconsistentValuesNameTheVariables) {
-  expect_error([] { read_dist_env(env_of({{"RANK", "4"}, {"WORLD_SIZE", "4"}})); },
-               {"rank 4 must be < world size 4"});
-  expect_error([] { read_dist_env(env_of({{"RANK", "1"}})); },
-               {"RANK is set but WORLD_SIZE is not"});
-  expect_error([] { read_dist_env(env_of({{"WORLD_SIZE", "2"}})); },
-               {"WORLD_SIZE is set but RANK is not"});
-  expect_error([] { read_dist_env(env_of({{"RANK", "one"}, {"WORLD_SIZE", "2"}})); },
-               {"RANK='one' is not an integer"});
-  expect_error([] { read_dist_env(env_of({{"RANK", "0"}, {"WORLD_SIZE", "0"}})); },
-               {"WORLD_SIZE=0 is out of range"});
-  expect_error([] { read_dist_env(env_of({{"RANK", "-1"}, {"WORLD_SIZE", "2"}})); },
-               {"RANK=-1 is out of range"});
+  expect_error(
+      [] {
+        read_dist_env(env_of({{"RANK", "4"}, {"WORLD_SIZE", "4"}}));
+      },
+      {"rank 4 must be < world size 4"});
+  expect_error(
+      [] {
+        read_dist_env(env_of({{"RANK", "1"}}));
+      },
+      {"RANK is set but WORLD_SIZE is not"});
+  expect_error(
+      [] {
+        read_dist_env(env_of({{"WORLD_SIZE", "2"}}));
+      },
+      {"WORLD_SIZE is set but RANK is not"});
+  expect_error(
+      [] {
+        read_dist_env(env_of({{"RANK", "one"}, {"WORLD_SIZE", "2"}}));
+      },
+      {"RANK='one' is not an integer"});
+  expect_error(
+      [] {
+        read_dist_env(env_of({{"RANK", "0"}, {"WORLD_SIZE", "0"}}));
+      },
+      {"WORLD_SIZE=0 is out of range"});
+  expect_error(
+      [] {
+        read_dist_env(env_of({{"RANK", "-1"}, {"WORLD_SIZE", "2"}}));
+      },
+      {"RANK=-1 is out of range"});
   expect_error(
       [] {
         read_dist_env(env_of(

@@ -119,9 +119,9 @@ std::vector<Result> run_job(int world, const std::string& mode) {
     for (char** e = environ; *e; ++e) {
       const std::string s(*e);
       // The job's own variables only (a surrounding launcher's must not leak in).
-      if (s.rfind("RANK=", 0) == 0 || s.rfind("WORLD_SIZE=", 0) == 0 ||
-          s.rfind("LOCAL_", 0) == 0 || s.rfind("MASTER_", 0) == 0 ||
-          s.rfind("LOCKSTEP_", 0) == 0 || s.rfind("SLURM_", 0) == 0 || s.rfind("OMPI_", 0) == 0) {
+      if (s.rfind("RANK=", 0) == 0 || s.rfind("WORLD_SIZE=", 0) == 0 || s.rfind("LOCAL_", 0) == 0 ||
+          s.rfind("MASTER_", 0) == 0 || s.rfind("LOCKSTEP_", 0) == 0 || s.rfind("SLURM_", 0) == 0 ||
+          s.rfind("OMPI_", 0) == 0) {
         continue;
       }
       env.push_back(s);

@@ -18,8 +18,7 @@ namespace {
 
 // Runs body(rank, group) on `world` threads, each with its own Gloo group over one HashStore.
 // Returns each rank's exception message ("" when it succeeded).
-std::vector<std::string> run_ranks(int world,
-                                   const std::function<void(int, ProcessGroupPtr)>& body,
+std::vector<std::string> run_ranks(int world, const std::function<void(int, ProcessGroupPtr)>& body,
                                    std::chrono::milliseconds timeout = 60s) {
   auto store = std::make_shared<HashStore>(30s);
   std::vector<std::string> errors(static_cast<size_t>(world));
@@ -49,9 +48,8 @@ void expect_all_succeeded(const std::vector<std::string>& errors) {
 class GlooThreads : public ::testing::TestWithParam<int> {};
 
 TEST_P(GlooThreads, EveryCollectiveEveryDtypeMatchesReference) {
-  expect_all_succeeded(run_ranks(GetParam(), [](int, ProcessGroupPtr pg) {
-    lockstep::testing::run_collective_sweep(*pg);
-  }));
+  expect_all_succeeded(run_ranks(
+      GetParam(), [](int, ProcessGroupPtr pg) { lockstep::testing::run_collective_sweep(*pg); }));
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, GlooThreads, ::testing::Values(1, 2, 3, 4));
@@ -170,16 +168,22 @@ TEST(ProcessGroup, ArgumentErrorsSayWhatWasExpected) {
   expect_error([&] { pg.all_reduce(full({3}, 1.0, kInt32), {.op = ReduceOp::avg}); },
                {"avg needs floating-point tensors, got i32"});
   expect_error([&] { pg.all_reduce(std::vector<Tensor>{}); }, {"at least one tensor"});
-  expect_error([&] { pg.all_reduce(std::vector<Tensor>{zeros({2}), zeros({2}, kFloat64)}); },
-               {"tensor 0 is f32, tensor 1 is f64"});
+  expect_error(
+      [&] {
+        pg.all_reduce(std::vector<Tensor>{zeros({2}), zeros({2}, kFloat64)});
+      },
+      {"tensor 0 is f32, tensor 1 is f64"});
   expect_error([&] { pg.all_reduce(Tensor()); }, {"tensor 0 is undefined"});
   expect_error([&] { pg.broadcast(zeros({2}), {.root = 1}); }, {"root 1 is outside [0, 1)"});
   expect_error([&] { pg.all_gather(zeros({3}), zeros({2})); },
                {"output needs 1 x 2 = 2 elements", "got 3"});
   expect_error([&] { pg.reduce_scatter(zeros({2}), zeros({3})); },
                {"input needs 1 x 2 = 2 elements", "got 3"});
-  expect_error([&] { pg.all_gather(std::vector<Tensor>{zeros({2}), zeros({2})}, zeros({2})); },
-               {"expected 1 output tensors", "got 2"});
+  expect_error(
+      [&] {
+        pg.all_gather(std::vector<Tensor>{zeros({2}), zeros({2})}, zeros({2}));
+      },
+      {"expected 1 output tensors", "got 2"});
   expect_error([&] { pg.barrier({.timeout = -1ms}); }, {"timeout >= 0 ms"});
   // None of the rejected calls took a sequence number.
   EXPECT_EQ(pg.sequence_number(), 0);

@@ -1,6 +1,7 @@
 // ProcessGroup: collectives over a set of ranks, each returning an asynchronous Work handle.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -21,6 +22,12 @@ namespace lockstep::dist {
 // default as well). Long enough for a slow first step, short enough that a lost rank does not
 // hold a job of many machines for hours.
 inline constexpr std::chrono::milliseconds kDefaultCollectiveTimeout{30 * 60 * 1000};
+
+// Note [Spin before sleeping]
+// A thread wake-up can cost hundreds of microseconds on a virtual machine. Work::wait() therefore
+// yields in a loop for this long before it blocks, so that a collective about to finish on the
+// communication thread is seen at once.
+inline constexpr std::chrono::microseconds kSpinBeforeSleep{200};
 
 enum class ReduceOp : uint8_t { sum, avg, min, max, product };
 std::string_view reduce_op_name(ReduceOp op);
@@ -72,6 +79,10 @@ class Work {
   // Runs `fn` when the collective succeeds, before the Work counts as completed (on the thread
   // that finishes it); an exception from `fn` fails the Work. Set before the collective starts.
   void then(std::function<void()> fn);
+  // Called by wait() (not by wait(timeout)) before it blocks, with this Work: a backend may run
+  // queued collectives on the waiting thread (Note [Caller runs] in dist/gloo). Set before the
+  // collective is queued.
+  void set_wait_hook(std::function<void(const Work&)> hook) { wait_hook_ = std::move(hook); }
   // Called once by the backend; `error` null on success.
   void finish(std::exception_ptr error = nullptr);
 
@@ -81,8 +92,10 @@ class Work {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool completed_ = false;
+  std::atomic<bool> completed_flag_{false};  // completed_, readable without the lock
   std::exception_ptr error_;
   std::vector<std::function<void()>> on_success_;
+  std::function<void(const Work&)> wait_hook_;
 };
 using WorkPtr = std::shared_ptr<Work>;
 
@@ -155,8 +168,7 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
  private:
   WorkPtr make_work(std::string_view op, std::string detail);
   std::chrono::milliseconds effective(std::chrono::milliseconds timeout) const;
-  void check_tensors(std::string_view op, const std::vector<Tensor>& tensors,
-                     bool reduction) const;
+  void check_tensors(std::string_view op, const std::vector<Tensor>& tensors, bool reduction) const;
 
   const int rank_;
   const int size_;

@@ -5,6 +5,7 @@
 #include <pthread.h>
 #include <signal.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -50,9 +51,10 @@ std::string explain(const std::string& what, std::chrono::milliseconds timeout) 
   }
   if (what.find("closed") != std::string::npos || what.find("reset") != std::string::npos ||
       what.find("Broken pipe") != std::string::npos) {
-    return lockstep::detail::str_cat("a peer closed its connection (", what,
-                           "): its process exited or crashed, or its own collective failed "
-                           "first; see the other ranks' errors");
+    return lockstep::detail::str_cat(
+        "a peer closed its connection (", what,
+        "): its process exited or crashed, or its own collective failed "
+        "first; see the other ranks' errors");
   }
   return what;
 }
@@ -68,21 +70,61 @@ void block_sigpipe_on_this_thread() {
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
 }
 
+// Blocks SIGPIPE on a caller's thread while it runs collectives (Note [Caller runs]), then
+// discards a SIGPIPE raised meanwhile before restoring the caller's mask.
+// How long a queued collective is left for a waiting caller to run (Note [Caller runs]); an
+// asynchronous collective starts at most this late.
+constexpr std::chrono::microseconds kCallerGrace{50};
+
+class SigpipeBlocked {
+ public:
+  SigpipeBlocked() {
+    sigemptyset(&pipe_);
+    sigaddset(&pipe_, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe_, &old_);
+  }
+  ~SigpipeBlocked() {
+    if (sigismember(&old_, SIGPIPE)) return;  // blocked before: leave it as it was
+    sigset_t pending;
+    sigemptyset(&pending);
+    if (sigpending(&pending) == 0 && sigismember(&pending, SIGPIPE)) {
+      const timespec zero{0, 0};
+      sigtimedwait(&pipe_, nullptr, &zero);
+    }
+    pthread_sigmask(SIG_SETMASK, &old_, nullptr);
+  }
+  SigpipeBlocked(const SigpipeBlocked&) = delete;
+  SigpipeBlocked& operator=(const SigpipeBlocked&) = delete;
+
+ private:
+  sigset_t pipe_;
+  sigset_t old_;
+};
+
 // Gloo sizes segments in elements; hand it words of the element's width.
 template <typename F>
 void with_word_type(int64_t element_size, F&& f) {
   switch (element_size) {
-    case 1: f(uint8_t{}); return;
-    case 2: f(uint16_t{}); return;
-    case 4: f(uint32_t{}); return;
-    case 8: f(uint64_t{}); return;
-    default: LS_THROW("no Gloo word type of ", element_size, " bytes");
+    case 1:
+      f(uint8_t{});
+      return;
+    case 2:
+      f(uint16_t{});
+      return;
+    case 4:
+      f(uint32_t{});
+      return;
+    case 8:
+      f(uint64_t{});
+      return;
+    default:
+      LS_THROW("no Gloo word type of ", element_size, " bytes");
   }
 }
 
 }  // namespace
 
-class ProcessGroupGloo::Impl {
+class ProcessGroupGloo::Impl : public std::enable_shared_from_this<ProcessGroupGloo::Impl> {
  public:
   Impl(std::string who, int rank, int size)
       : who_(std::move(who)), rank_(rank), size_(size), thread_([this] { loop(); }) {}
@@ -121,8 +163,7 @@ class ProcessGroupGloo::Impl {
         try {
           context->connectFullMesh(adapter, device_);
         } catch (const Error& e) {
-          LS_THROW(who_, ": rendezvous with the other ", size_ - 1, " ranks failed: ",
-                   e.message());
+          LS_THROW(who_, ": rendezvous with the other ", size_ - 1, " ranks failed: ", e.message());
         } catch (const std::exception& e) {
           LS_THROW(who_, ": connecting to the other ", size_ - 1, " ranks failed: ", e.what());
         }
@@ -138,13 +179,16 @@ class ProcessGroupGloo::Impl {
   // Queues `body` to run with the context on the communication thread, then finish `work`.
   void run(const WorkPtr& work, std::chrono::milliseconds timeout,
            std::function<void(const std::shared_ptr<gloo::Context>&)> body) {
+    work->set_wait_hook([self = weak_from_this()](const Work& w) {
+      if (auto impl = self.lock()) impl->help(w);
+    });
     post([this, work, timeout, body = std::move(body)] {
       if (!context_) {
-        work->finish(std::make_exception_ptr(Error(
-            lockstep::detail::str_cat(who_, ": ", work->description(),
-                            " was not run: this group failed earlier (", broken_,
-                            "); build a new group to continue"),
-            __FILE__, __LINE__)));
+        work->finish(std::make_exception_ptr(
+            Error(lockstep::detail::str_cat(who_, ": ", work->description(),
+                                            " was not run: this group failed earlier (", broken_,
+                                            "); build a new group to continue"),
+                  __FILE__, __LINE__)));
         return;
       }
       try {
@@ -170,7 +214,7 @@ class ProcessGroupGloo::Impl {
   void post(std::function<void()> task) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back(std::move(task));
+      queue_.push_back({std::move(task), std::chrono::steady_clock::now()});
     }
     cv_.notify_one();
   }
@@ -178,41 +222,104 @@ class ProcessGroupGloo::Impl {
   void loop() {
     block_sigpipe_on_this_thread();
     for (;;) {
-      std::function<void()> task;
       {
+        // While a waiting caller runs the queue itself, stay asleep: waking only to block on
+        // exec_mu_ would cost two wake-ups per collective on a busy machine.
         std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        for (;;) {
+          if (queue_.empty()) {
+            if (stop_) break;
+            cv_.wait(lock);
+          } else if (caller_running_ && !stop_) {
+            cv_.wait(lock);
+          } else if (const auto due = queue_.front().posted + kCallerGrace;
+                     !stop_ && std::chrono::steady_clock::now() < due) {
+            cv_.wait_until(lock, due);
+          } else {
+            break;
+          }
+        }
         if (queue_.empty()) break;  // stop_ and nothing left to run
-        task = std::move(queue_.front());
-        queue_.pop_front();
       }
-      task();
+      std::lock_guard<std::mutex> exec(exec_mu_);
+      if (auto task = pop()) task();  // a waiting caller may have run it already
     }
     // Gloo's objects are created and destroyed on this thread only.
+    std::lock_guard<std::mutex> exec(exec_mu_);
     context_.reset();
     device_.reset();
   }
 
+  void set_caller_running(bool running) {
+    bool more = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      caller_running_ = running;
+      more = !queue_.empty();
+    }
+    if (!running && more) cv_.notify_one();  // what the caller left is the thread's again
+  }
+
+  // The next queued task, or an empty function. Callers hold exec_mu_, so that tasks start in
+  // queue order whichever thread runs them.
+  std::function<void()> pop() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (queue_.empty()) return {};
+    std::function<void()> task = std::move(queue_.front().fn);
+    queue_.pop_front();
+    return task;
+  }
+
+ public:
+  // Note [Caller runs]
+  // all_reduce(x)->wait() would cost two thread hand-offs per collective (to the communication
+  // thread and back), each a wake-up that takes hundreds of microseconds on a virtual machine.
+  // When a caller waits and the communication thread is not running a collective, the caller
+  // runs the queued collectives itself, in queue order, until its own has completed; Gloo then
+  // wakes the caller directly, as it would with raw Gloo calls. exec_mu_ makes one thread at a
+  // time use the context. The communication thread leaves a new collective alone for
+  // kCallerGrace, the window in which a caller that waits at once claims it; without that window
+  // the thread, woken by the previous collective, keeps winning the race for the next one.
+  void help(const Work& work) {
+    std::unique_lock<std::mutex> exec(exec_mu_, std::try_to_lock);
+    if (!exec.owns_lock()) return;  // the communication thread is busy: let it finish
+    set_caller_running(true);
+    SigpipeBlocked no_sigpipe;
+    while (!work.is_completed()) {
+      auto task = pop();
+      if (!task) break;
+      task();
+    }
+    set_caller_running(false);
+  }
+
+ private:
   const std::string who_;
   const int rank_;
   const int size_;
-  // Owned by the communication thread.
+  // Used by whichever thread holds exec_mu_.
   std::shared_ptr<gloo::transport::Device> device_;
   std::shared_ptr<gloo::Context> context_;
   std::string broken_;
   std::string address_;
 
-  std::mutex mu_;
+  std::mutex exec_mu_;  // held while a task runs (Note [Caller runs])
+  std::mutex mu_;       // guards the queue
   std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_;
+  struct Task {
+    std::function<void()> fn;
+    std::chrono::steady_clock::time_point posted;
+  };
+  std::deque<Task> queue_;
   bool stop_ = false;
-  std::thread thread_;  // last: starts once everything above exists
+  bool caller_running_ = false;  // a waiting caller runs the queue (Note [Caller runs])
+  std::thread thread_;           // last: starts once everything above exists
 };
 
 ProcessGroupGloo::ProcessGroupGloo(const BackendConfig& config)
     : ProcessGroup(config.rank, config.size, config.timeout) {
   LS_CHECK(config.store != nullptr, who(), ": a store to rendezvous through is required");
-  impl_ = std::make_unique<Impl>(who(), rank(), size());
+  impl_ = std::make_shared<Impl>(who(), rank(), size());
   impl_->connect(config);
 }
 
@@ -220,8 +327,8 @@ ProcessGroupGloo::~ProcessGroupGloo() = default;
 
 const std::string& ProcessGroupGloo::address() const { return impl_->address(); }
 
-void ProcessGroupGloo::do_all_reduce(Tensor tensor, ReduceOp op,
-                                     std::chrono::milliseconds timeout, const WorkPtr& work) {
+void ProcessGroupGloo::do_all_reduce(Tensor tensor, ReduceOp op, std::chrono::milliseconds timeout,
+                                     const WorkPtr& work) {
   const auto tag = static_cast<uint32_t>(work->seq());
   impl_->run(work, timeout, [tensor, op, timeout, tag](const std::shared_ptr<gloo::Context>& ctx) {
     const auto n = static_cast<size_t>(tensor.numel());
@@ -234,39 +341,39 @@ void ProcessGroupGloo::do_all_reduce(Tensor tensor, ReduceOp op,
     o.setTag(tag);
     o.setTimeout(timeout);
     gloo::allreduce(o);
-    if (op == ReduceOp::avg) detail::divide_in_place(tensor.data_ptr(), tensor.dtype(), n, ctx->size);
+    if (op == ReduceOp::avg)
+      detail::divide_in_place(tensor.data_ptr(), tensor.dtype(), n, ctx->size);
   });
 }
 
 void ProcessGroupGloo::do_broadcast(Tensor tensor, int root, std::chrono::milliseconds timeout,
                                     const WorkPtr& work) {
   const auto tag = static_cast<uint32_t>(work->seq());
-  impl_->run(work, timeout, [tensor, root, timeout, tag](const std::shared_ptr<gloo::Context>& ctx) {
-    if (tensor.numel() == 0) return;
-    gloo::BroadcastOptions o(ctx);
-    o.setOutput(static_cast<uint8_t*>(tensor.data_ptr()), static_cast<size_t>(tensor.nbytes()));
-    o.setRoot(root);
-    o.setTag(tag);
-    o.setTimeout(timeout);
-    gloo::broadcast(o);
-  });
+  impl_->run(
+      work, timeout, [tensor, root, timeout, tag](const std::shared_ptr<gloo::Context>& ctx) {
+        if (tensor.numel() == 0) return;
+        gloo::BroadcastOptions o(ctx);
+        o.setOutput(static_cast<uint8_t*>(tensor.data_ptr()), static_cast<size_t>(tensor.nbytes()));
+        o.setRoot(root);
+        o.setTag(tag);
+        o.setTimeout(timeout);
+        gloo::broadcast(o);
+      });
 }
 
-void ProcessGroupGloo::do_all_gather(Tensor output, Tensor input,
-                                     std::chrono::milliseconds timeout, const WorkPtr& work) {
+void ProcessGroupGloo::do_all_gather(Tensor output, Tensor input, std::chrono::milliseconds timeout,
+                                     const WorkPtr& work) {
   const auto tag = static_cast<uint32_t>(work->seq());
-  impl_->run(work, timeout,
-             [output, input, timeout, tag](const std::shared_ptr<gloo::Context>& ctx) {
-               if (input.numel() == 0) return;
-               gloo::AllgatherOptions o(ctx);
-               o.setInput(static_cast<uint8_t*>(input.data_ptr()),
-                          static_cast<size_t>(input.nbytes()));
-               o.setOutput(static_cast<uint8_t*>(output.data_ptr()),
-                           static_cast<size_t>(output.nbytes()));
-               o.setTag(tag);
-               o.setTimeout(timeout);
-               gloo::allgather(o);
-             });
+  impl_->run(
+      work, timeout, [output, input, timeout, tag](const std::shared_ptr<gloo::Context>& ctx) {
+        if (input.numel() == 0) return;
+        gloo::AllgatherOptions o(ctx);
+        o.setInput(static_cast<uint8_t*>(input.data_ptr()), static_cast<size_t>(input.nbytes()));
+        o.setOutput(static_cast<uint8_t*>(output.data_ptr()), static_cast<size_t>(output.nbytes()));
+        o.setTag(tag);
+        o.setTimeout(timeout);
+        gloo::allgather(o);
+      });
 }
 
 // Gloo's collectives API has no reduce-scatter: all-reduce a scratch copy of the input and keep

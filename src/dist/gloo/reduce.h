@@ -16,19 +16,27 @@ using ReduceFn = void (*)(void* out, const void* a, const void* b, size_t n);
 
 struct Sum {
   template <typename T>
-  static T apply(T a, T b) { return a + b; }
+  static T apply(T a, T b) {
+    return a + b;
+  }
 };
 struct Product {
   template <typename T>
-  static T apply(T a, T b) { return a * b; }
+  static T apply(T a, T b) {
+    return a * b;
+  }
 };
 struct Min {
   template <typename T>
-  static T apply(T a, T b) { return std::min(a, b); }
+  static T apply(T a, T b) {
+    return std::min(a, b);
+  }
 };
 struct Max {
   template <typename T>
-  static T apply(T a, T b) { return std::max(a, b); }
+  static T apply(T a, T b) {
+    return std::max(a, b);
+  }
 };
 
 template <typename T, typename Op>
@@ -64,13 +72,20 @@ void reduce_f16(void* out, const void* a, const void* b, size_t n) {
 template <typename Op>
 ReduceFn reduce_fn_for(DType t) {
   switch (t) {
-    case DType::f32: return &reduce_native<float, Op>;
-    case DType::f64: return &reduce_native<double, Op>;
-    case DType::i32: return &reduce_native<int32_t, Op>;
-    case DType::i64: return &reduce_native<int64_t, Op>;
-    case DType::bf16: return &reduce_bf16<Op>;
-    case DType::f16: return &reduce_f16<Op>;
-    default: LS_THROW("no reduction kernel for ", dtype_name(t), " tensors");
+    case DType::f32:
+      return &reduce_native<float, Op>;
+    case DType::f64:
+      return &reduce_native<double, Op>;
+    case DType::i32:
+      return &reduce_native<int32_t, Op>;
+    case DType::i64:
+      return &reduce_native<int64_t, Op>;
+    case DType::bf16:
+      return &reduce_bf16<Op>;
+    case DType::f16:
+      return &reduce_f16<Op>;
+    default:
+      LS_THROW("no reduction kernel for ", dtype_name(t), " tensors");
   }
 }
 
@@ -78,10 +93,14 @@ ReduceFn reduce_fn_for(DType t) {
 inline ReduceFn reduce_fn(DType t, ReduceOp op) {
   switch (op) {
     case ReduceOp::sum:
-    case ReduceOp::avg: return reduce_fn_for<Sum>(t);
-    case ReduceOp::product: return reduce_fn_for<Product>(t);
-    case ReduceOp::min: return reduce_fn_for<Min>(t);
-    case ReduceOp::max: return reduce_fn_for<Max>(t);
+    case ReduceOp::avg:
+      return reduce_fn_for<Sum>(t);
+    case ReduceOp::product:
+      return reduce_fn_for<Product>(t);
+    case ReduceOp::min:
+      return reduce_fn_for<Min>(t);
+    case ReduceOp::max:
+      return reduce_fn_for<Max>(t);
   }
   LS_THROW("unknown reduce op ", static_cast<int>(op));
 }
@@ -110,7 +129,8 @@ inline void divide_in_place(void* data, DType t, size_t n, int divisor) {
       for (size_t i = 0; i < n; ++i) p[i] = float_to_f16_bits(f16_bits_to_float(p[i]) / divisor);
       return;
     }
-    default: LS_THROW("avg of ", dtype_name(t), " tensors is not defined");
+    default:
+      LS_THROW("avg of ", dtype_name(t), " tensors is not defined");
   }
 }
 

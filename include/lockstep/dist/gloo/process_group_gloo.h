@@ -43,7 +43,7 @@ class ProcessGroupGloo : public ProcessGroup {
 
  private:
   class Impl;
-  std::unique_ptr<Impl> impl_;
+  std::shared_ptr<Impl> impl_;  // shared with the wait hooks of its Works (weakly)
 };
 
 }  // namespace lockstep::dist
