@@ -57,7 +57,9 @@ void join(Store& store, const DistEnv& env, std::chrono::milliseconds timeout) {
   const std::string owner = store.compare_set(key, "", me);
   if (owner != me) {
     fail(lockstep::detail::str_cat("rank ", env.rank, " is claimed by two processes: ", owner,
-                                   " and ", me, "; every process needs its own RANK"));
+                                   " and ", me,
+                                   "; every process needs its own RANK (or one process "
+                                   "initialized twice with the same store)"));
   }
   store.add("joined", 1);
 
@@ -147,18 +149,25 @@ World connect_world(DistEnv env, const InitOptions& opts) {
       lockstep::detail::str_cat("lockstep/", env.run_id.empty() ? "default" : env.run_id, "/gen",
                                 env.restart_count),
       store);
+  // Local choices first; a mistake here is reported to the other ranks through the join's error
+  // key, so that they fail at once too (Note [Join check]).
+  try {
+    if (!env.socket_ifname.empty()) {
+      if (detail::is_ip_address(env.socket_ifname)) {
+        w.bind_address = env.socket_ifname;
+      } else {
+        detail::check_interface(env.socket_ifname);
+        w.bind_interface = env.socket_ifname;
+      }
+    } else if (!opts.store) {
+      w.bind_address = local_address_toward(env.master_addr, env.master_port);
+    }
+  } catch (const Error& e) {
+    w.store->set("error", lockstep::detail::str_cat("rank ", env.rank, ": ", e.message()));
+    throw;
+  }
   join(*w.store, env, opts.timeout);
 
-  if (!env.socket_ifname.empty()) {
-    if (detail::is_ip_address(env.socket_ifname)) {
-      w.bind_address = env.socket_ifname;
-    } else {
-      detail::check_interface(env.socket_ifname);
-      w.bind_interface = env.socket_ifname;
-    }
-  } else if (!opts.store) {
-    w.bind_address = local_address_toward(env.master_addr, env.master_port);
-  }
   BackendConfig config;
   config.store = std::make_shared<PrefixStore>("group/world", w.store);
   config.rank = env.rank;

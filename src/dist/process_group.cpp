@@ -81,7 +81,7 @@ void Work::wait(std::chrono::milliseconds timeout) {
 
 void Work::then(std::function<void()> fn) {
   std::lock_guard<std::mutex> lock(mu_);
-  LS_CHECK(!completed_, "Work::then on ", description_, ", which has already completed");
+  LS_CHECK(!finishing_, "Work::then on ", description_, ", which has already completed");
   on_success_.push_back(std::move(fn));
 }
 
@@ -89,7 +89,8 @@ void Work::finish(std::exception_ptr error) {
   std::vector<std::function<void()>> steps;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (completed_) return;
+    if (finishing_) return;
+    finishing_ = true;
     steps.swap(on_success_);
   }
   if (!error) {
@@ -245,15 +246,12 @@ WorkPtr ProcessGroup::all_reduce(std::vector<Tensor> tensors, const AllReduceOpt
            ": all_reduce with avg needs floating-point tensors, got ",
            dtype_name(tensors[0].dtype()), "; use sum and divide as you see fit");
   const auto timeout = effective(opts.timeout);
+  // Buffers first: a failure here must not consume a sequence number (ranks would disagree).
+  const bool packed = !(tensors.size() == 1 && tensors[0].is_contiguous());
+  Tensor flat = packed ? pack(tensors, true) : tensors[0];
   WorkPtr work = make_work(
       "all_reduce", lockstep::detail::str_cat(reduce_op_name(opts.op), ", ", describe(tensors)));
-  Tensor flat;
-  if (tensors.size() == 1 && tensors[0].is_contiguous()) {
-    flat = tensors[0];
-  } else {
-    flat = pack(tensors, true);
-    work->then([flat, tensors] { unpack(flat, tensors); });
-  }
+  if (packed) work->then([flat, tensors] { unpack(flat, tensors); });
   do_all_reduce(flat, opts.op, timeout, work);
   return work;
 }
@@ -267,15 +265,11 @@ WorkPtr ProcessGroup::broadcast(std::vector<Tensor> tensors, const BroadcastOpti
   LS_CHECK(opts.root >= 0 && opts.root < size_, who(), ": broadcast: root ", opts.root,
            " is outside [0, ", size_, ")");
   const auto timeout = effective(opts.timeout);
+  const bool packed = !(tensors.size() == 1 && tensors[0].is_contiguous());
+  Tensor flat = packed ? pack(tensors, rank_ == opts.root) : tensors[0];
   WorkPtr work = make_work("broadcast",
                            lockstep::detail::str_cat("root ", opts.root, ", ", describe(tensors)));
-  Tensor flat;
-  if (tensors.size() == 1 && tensors[0].is_contiguous()) {
-    flat = tensors[0];
-  } else {
-    flat = pack(tensors, rank_ == opts.root);
-    if (rank_ != opts.root) work->then([flat, tensors] { unpack(flat, tensors); });
-  }
+  if (packed && rank_ != opts.root) work->then([flat, tensors] { unpack(flat, tensors); });
   do_broadcast(flat, opts.root, timeout, work);
   return work;
 }
@@ -307,8 +301,8 @@ WorkPtr ProcessGroup::all_gather(std::vector<Tensor> outputs, const Tensor& inpu
              "), expected the input's ", input.numel());
   }
   const auto timeout = effective(opts.timeout);
-  WorkPtr work = make_work("all_gather", describe({input}));
   Tensor flat = pack(outputs, false);
+  WorkPtr work = make_work("all_gather", describe({input}));
   work->then([flat, outputs] { unpack(flat, outputs); });
   do_all_gather(flat, input.contiguous(), timeout, work);
   return work;

@@ -333,3 +333,34 @@ TEST(LocalAddress, LoopbackRoutesThroughLoopback) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(ConnectWorld, ABadInterfaceOnOneRankFailsEveryRankAtOnce) {
+  auto store = std::make_shared<HashStore>(30s);
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> ts;
+  for (int r = 0; r < 2; ++r) {
+    ts.emplace_back([&, r] {
+      try {
+        DistEnv env;
+        if (r == 1) env.socket_ifname = "nosuch0";
+        InitOptions o;
+        o.store = store;
+        o.rank = r;
+        o.world_size = 2;
+        o.timeout = 20s;  // rank 0 would wait this long for rank 1 without the error key
+        connect_world(env, o);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : ts) t.join();
+  for (const auto& e : errors) {
+    EXPECT_THAT(e, ::testing::HasSubstr("nosuch0: no such network interface"));
+  }
+  EXPECT_THAT(errors[0], ::testing::HasSubstr("rank 1: "));
+}
+
+}  // namespace

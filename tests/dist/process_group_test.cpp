@@ -258,3 +258,34 @@ TEST(Registry, RegisteredFactoriesAreUsedByName) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(ProcessGroupGloo, ARankThatCannotListenFailsTheOthersAtOnce) {
+  // Rank 0 asks for an address this machine does not have (TEST-NET-1); rank 1 would otherwise
+  // wait the whole 20 s for rank 0's address.
+  auto store = std::make_shared<HashStore>(30s);
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> ts;
+  for (int r = 0; r < 2; ++r) {
+    ts.emplace_back([&, r] {
+      try {
+        BackendConfig c;
+        c.store = store;
+        c.rank = r;
+        c.size = 2;
+        c.timeout = 20s;
+        if (r == 0) c.bind_address = "192.0.2.1";
+        ProcessGroupGloo pg(c);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : ts) t.join();
+  EXPECT_THAT(errors[0], ::testing::HasSubstr("cannot listen on 192.0.2.1"));
+  EXPECT_THAT(errors[1], ::testing::HasSubstr("another rank failed while connecting"));
+  EXPECT_THAT(errors[1], ::testing::HasSubstr("cannot listen on 192.0.2.1"));
+}
+
+}  // namespace

@@ -77,7 +77,9 @@ class Work {
   int64_t seq() const { return seq_; }
 
   // Runs `fn` when the collective succeeds, before the Work counts as completed (on the thread
-  // that finishes it); an exception from `fn` fails the Work. Set before the collective starts.
+  // that finishes it); an exception from `fn` fails the Work. For backends and the group's own
+  // packing: set before the collective is queued; a step must neither own its group nor wait
+  // on it (it runs on the thread that executes the group's collectives).
   void then(std::function<void()> fn);
   // Called by wait() (not by wait(timeout)) before it blocks, with this Work: a backend may run
   // queued collectives on the waiting thread (Note [Caller runs] in dist/gloo). Set before the
@@ -92,6 +94,7 @@ class Work {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool completed_ = false;
+  bool finishing_ = false;                   // finish() has started: no more then() steps
   std::atomic<bool> completed_flag_{false};  // completed_, readable without the lock
   std::exception_ptr error_;
   std::vector<std::function<void()>> on_success_;
@@ -105,7 +108,8 @@ using WorkPtr = std::shared_ptr<Work>;
 //
 // Every rank must call the same collectives in the same order with matching arguments (sizes,
 // dtypes, root). Collectives run in the order they were issued; a backend may run them on its
-// own thread, so the caller computes while they are in flight.
+// own thread, so the caller computes while they are in flight. One thread at a time issues a
+// group's collectives (their order is the contract between ranks).
 class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
  public:
   ProcessGroup(int rank, int size, std::chrono::milliseconds timeout);

@@ -129,19 +129,31 @@ class ProcessGroupGloo::Impl : public std::enable_shared_from_this<ProcessGroupG
   Impl(std::string who, int rank, int size)
       : who_(std::move(who)), rank_(rank), size_(size), thread_([this] { loop(); }) {}
 
-  ~Impl() {
+  ~Impl() { shutdown(); }
+
+  // Runs what is queued, then stops the communication thread. Idempotent. Called by
+  // ~ProcessGroupGloo, so that destroying a group drains it even while a waiting caller's hook
+  // still holds this Impl.
+  void shutdown() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       stop_ = true;
     }
     cv_.notify_all();
+    if (!thread_.joinable()) return;
+    if (thread_.get_id() == std::this_thread::get_id()) {
+      // The last owner went away inside a task (a Work::then step holding the group): the
+      // thread cannot join itself; it exits once the queue is empty.
+      thread_.detach();
+      return;
+    }
     thread_.join();
   }
 
   // Creates the transport and connects to every rank, on the communication thread.
   void connect(const BackendConfig& config) {
-    std::promise<void> done;
-    post([&] {
+    auto done = std::make_shared<std::promise<void>>();
+    post([this, &config, done] {
       try {
         gloo::transport::tcp::attr attr;
         if (!config.bind_address.empty()) {
@@ -168,12 +180,21 @@ class ProcessGroupGloo::Impl : public std::enable_shared_from_this<ProcessGroupG
           LS_THROW(who_, ": connecting to the other ", size_ - 1, " ranks failed: ", e.what());
         }
         context_ = std::move(context);
-        done.set_value();
+        done->set_value();
       } catch (...) {
-        done.set_exception(std::current_exception());
+        // Tell the other ranks, which are waiting for this rank's address (store_adapter.h).
+        try {
+          throw;
+        } catch (const std::exception& e) {
+          try {
+            config.store->set(detail::GlooStoreAdapter::kAbortKey, std::string(e.what()));
+          } catch (...) {
+          }
+        }
+        done->set_exception(std::current_exception());
       }
     });
-    done.get_future().get();
+    done->get_future().get();
   }
 
   // Queues `body` to run with the context on the communication thread, then finish `work`.
@@ -193,8 +214,15 @@ class ProcessGroupGloo::Impl : public std::enable_shared_from_this<ProcessGroupG
       }
       try {
         body(context_);
-      } catch (const std::exception& e) {
-        const std::string reason = explain(e.what(), timeout);
+      } catch (...) {
+        std::string what = "unknown exception";
+        try {
+          throw;
+        } catch (const std::exception& e) {
+          what = e.what();
+        } catch (...) {
+        }
+        const std::string reason = explain(what, timeout);
         broken_ = work->description() + ": " + reason;
         // Closing every connection makes the peers' collectives fail now rather than at their
         // own timeouts, and no later collective can run on a stream in an unknown state.
@@ -283,14 +311,17 @@ class ProcessGroupGloo::Impl : public std::enable_shared_from_this<ProcessGroupG
   void help(const Work& work) {
     std::unique_lock<std::mutex> exec(exec_mu_, std::try_to_lock);
     if (!exec.owns_lock()) return;  // the communication thread is busy: let it finish
-    set_caller_running(true);
+    struct CallerRunning {
+      Impl& impl;
+      explicit CallerRunning(Impl& i) : impl(i) { impl.set_caller_running(true); }
+      ~CallerRunning() { impl.set_caller_running(false); }
+    } running(*this);
     SigpipeBlocked no_sigpipe;
     while (!work.is_completed()) {
       auto task = pop();
       if (!task) break;
       task();
     }
-    set_caller_running(false);
   }
 
  private:
@@ -323,7 +354,9 @@ ProcessGroupGloo::ProcessGroupGloo(const BackendConfig& config)
   impl_->connect(config);
 }
 
-ProcessGroupGloo::~ProcessGroupGloo() = default;
+ProcessGroupGloo::~ProcessGroupGloo() {
+  if (impl_) impl_->shutdown();
+}
 
 const std::string& ProcessGroupGloo::address() const { return impl_->address(); }
 
