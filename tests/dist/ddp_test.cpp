@@ -1,0 +1,334 @@
+// DistributedDataParallel with ranks as threads over a HashStore: equivalence with one process
+// on the whole batch, gradient accumulation with no_sync, unused parameters, mismatched models,
+// compression hooks, bucket statistics.
+#include <thread>
+
+#include "lockstep/dist/ddp.h"
+#include "lockstep/dist/gloo/process_group_gloo.h"
+#include "lockstep/dist/hash_store.h"
+#include "testing.h"
+
+using namespace lockstep;
+using namespace lockstep::dist;
+using namespace std::chrono_literals;
+
+namespace {
+
+constexpr int64_t kIn = 6, kHidden = 32, kClasses = 3;
+
+std::shared_ptr<nn::Module> mlp(uint64_t seed, int64_t hidden = kHidden) {
+  Generator gen(seed);
+  return std::make_shared<nn::Sequential>(std::initializer_list<std::shared_ptr<nn::Module>>{
+      std::make_shared<nn::Linear>(kIn, hidden, gen), std::make_shared<nn::ReLU>(),
+      std::make_shared<nn::Linear>(hidden, hidden, gen), std::make_shared<nn::ReLU>(),
+      std::make_shared<nn::Linear>(hidden, kClasses, gen)});
+}
+
+// Two heads; forward uses only the first (the second's parameters get no gradient).
+class OneHeadUsed : public nn::Module {
+ public:
+  explicit OneHeadUsed(uint64_t seed) : nn::Module("OneHeadUsed") {
+    Generator gen(seed);
+    used_ = register_module("used", std::make_shared<nn::Linear>(kIn, kClasses, gen));
+    unused_ = register_module("unused", std::make_shared<nn::Linear>(kIn, kClasses, gen));
+  }
+  Tensor forward(const Tensor& x) override { return used_->forward(x); }
+
+ private:
+  std::shared_ptr<nn::Linear> used_, unused_;
+};
+
+struct Data {
+  Tensor x;  // (N, kIn)
+  Tensor y;  // (N)
+};
+
+Data make_data(int64_t n, uint64_t seed) {
+  Generator gen(seed);
+  return {randn({n, kIn}, gen), randint(0, kClasses, {n}, gen)};
+}
+
+// Rows [r * n / world, (r + 1) * n / world): rank r's share.
+Data shard(const Data& d, int r, int world) {
+  const int64_t n = d.x.size(0) / world;
+  return {d.x.narrow(0, r * n, n).contiguous(), d.y.narrow(0, r * n, n).contiguous()};
+}
+
+std::vector<std::vector<double>> param_values(const nn::Module& m) {
+  std::vector<std::vector<double>> v;
+  for (const auto& p : m.parameters()) v.push_back(p.to_vector<double>());
+  return v;
+}
+
+void expect_close_params(const std::vector<std::vector<double>>& got,
+                         const std::vector<std::vector<double>>& want, double rel,
+                         const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t k = 0; k < got.size(); ++k) {
+    ASSERT_EQ(got[k].size(), want[k].size()) << what;
+    for (size_t i = 0; i < got[k].size(); ++i) {
+      const double tol = rel * std::max(1.0, std::abs(want[k][i]));
+      ASSERT_NEAR(got[k][i], want[k][i], tol) << what << ": parameter " << k << " element " << i;
+    }
+  }
+}
+
+// Runs body(rank, pg) on `world` threads with Gloo groups over one HashStore; returns errors.
+std::vector<std::string> run_ranks(int world,
+                                   const std::function<void(int, ProcessGroupPtr)>& body) {
+  auto store = std::make_shared<HashStore>(30s);
+  std::vector<std::string> errors(static_cast<size_t>(world));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        BackendConfig c;
+        c.store = store;
+        c.rank = r;
+        c.size = world;
+        c.timeout = 60s;
+        body(r, create_process_group("gloo", c));
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return errors;
+}
+
+// Small caps: the MLP's 1,491 parameters (~6 KiB) spread over several buckets.
+DDPOptions many_buckets() {
+  DDPOptions o;
+  o.first_bucket_bytes = 256;
+  o.bucket_bytes = 1024;
+  return o;
+}
+
+constexpr int kSteps = 4;
+constexpr int64_t kBatch = 8;  // the whole batch per step, over all ranks
+
+// One process on the whole batch: the reference.
+std::vector<std::vector<double>> train_single(const Data& data) {
+  auto model = mlp(7);
+  optim::SGD opt(model->parameters(), {.lr = 0.1, .momentum = 0.9});
+  for (int s = 0; s < kSteps; ++s) {
+    Data step{data.x.narrow(0, s * kBatch, kBatch), data.y.narrow(0, s * kBatch, kBatch)};
+    opt.zero_grad();
+    cross_entropy(model->forward(step.x), step.y).backward();
+    opt.step();
+  }
+  return param_values(*model);
+}
+
+class DDPEquivalence : public ::testing::TestWithParam<int> {};
+
+TEST_P(DDPEquivalence, RanksOnShardsEqualOneProcessOnTheWholeBatch) {
+  const int world = GetParam();
+  const Data data = make_data(kSteps * kBatch, 11);
+  const auto want = train_single(data);
+  std::vector<std::vector<std::vector<double>>> got(static_cast<size_t>(world));
+  std::vector<DDPStats> stats(static_cast<size_t>(world));
+  const auto errors = run_ranks(world, [&](int r, ProcessGroupPtr pg) {
+    // Ranks build their models from different seeds: DDP must broadcast rank 0's parameters.
+    auto ddp = std::make_shared<DistributedDataParallel>(mlp(7 + r), pg, many_buckets());
+    optim::SGD opt(ddp->parameters(), {.lr = 0.1, .momentum = 0.9});
+    for (int s = 0; s < kSteps; ++s) {
+      Data step{data.x.narrow(0, s * kBatch, kBatch), data.y.narrow(0, s * kBatch, kBatch)};
+      Data mine = shard(step, r, world);
+      opt.zero_grad();
+      cross_entropy(ddp->forward(mine.x), mine.y).backward();
+      opt.step();
+    }
+    got[r] = param_values(*ddp->module());
+    stats[r] = ddp->stats();
+  });
+  for (const auto& e : errors) ASSERT_EQ(e, "");
+  for (int r = 0; r < world; ++r)
+    expect_close_params(got[r], want, 1e-5, "rank " + std::to_string(r));
+  // Bit-identical across ranks.
+  for (int r = 1; r < world; ++r) EXPECT_EQ(got[r], got[0]) << "rank " << r << " drifted";
+  EXPECT_GE(stats[0].bucket_bytes.size(), 4u) << stats[0].str();
+  EXPECT_TRUE(stats[0].buckets_rebuilt);
+  EXPECT_EQ(stats[0].synced_steps, kSteps);
+  int64_t total = 0, want_bytes = 0;
+  for (int64_t b : stats[0].bucket_bytes) total += b;
+  for (const auto& p : mlp(0)->parameters()) want_bytes += p.nbytes();
+  EXPECT_EQ(total, want_bytes);
+  EXPECT_EQ(stats[0].bytes_reduced_last_step, want_bytes);
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, DDPEquivalence, ::testing::Values(1, 2, 4));
+
+TEST(DDP, NoSyncAccumulatesLocallyThenReducesOnce) {
+  // 3 micro-batches per rank, the first two inside no_sync(), loss / 3: one step on the
+  // 3 x 2 x 2 = 12-sample batch of one process.
+  constexpr int kMicro = 3, kWorld = 2;
+  constexpr int64_t kMicroBatch = 2;
+  const Data data = make_data(kMicro * kWorld * kMicroBatch, 5);
+  auto ref = mlp(3);
+  optim::SGD ref_opt(ref->parameters(), {.lr = 0.5});
+  cross_entropy(ref->forward(data.x), data.y).backward();
+  ref_opt.step();
+  const auto want = param_values(*ref);
+
+  std::vector<std::vector<std::vector<double>>> got(kWorld);
+  std::vector<int64_t> synced(kWorld);
+  const auto errors = run_ranks(kWorld, [&](int r, ProcessGroupPtr pg) {
+    auto ddp = std::make_shared<DistributedDataParallel>(mlp(3), pg, many_buckets());
+    optim::SGD opt(ddp->parameters(), {.lr = 0.5});
+    opt.zero_grad();
+    // Rank r's micro-batch k: rows of the big batch, so the union over ranks and k is all of it.
+    auto micro = [&](int k) {
+      const int64_t start = (k * kWorld + r) * kMicroBatch;
+      return Data{data.x.narrow(0, start, kMicroBatch), data.y.narrow(0, start, kMicroBatch)};
+    };
+    for (int k = 0; k < kMicro - 1; ++k) {
+      auto guard = ddp->no_sync();
+      Data d = micro(k);
+      div(cross_entropy(ddp->forward(d.x), d.y), static_cast<double>(kMicro)).backward();
+    }
+    Data d = micro(kMicro - 1);
+    div(cross_entropy(ddp->forward(d.x), d.y), static_cast<double>(kMicro)).backward();
+    opt.step();
+    got[r] = param_values(*ddp->module());
+    synced[r] = ddp->stats().synced_steps;
+  });
+  for (const auto& e : errors) ASSERT_EQ(e, "");
+  for (int r = 0; r < kWorld; ++r) {
+    expect_close_params(got[r], want, 1e-5, "rank " + std::to_string(r));
+    EXPECT_EQ(synced[r], 1) << "no_sync backward passes must not communicate";
+  }
+}
+
+TEST(DDP, UnusedParameterIsAnErrorOnEveryRankNamingIt) {
+  const Data data = make_data(4, 9);
+  const auto errors = run_ranks(2, [&](int r, ProcessGroupPtr pg) {
+    auto ddp = std::make_shared<DistributedDataParallel>(std::make_shared<OneHeadUsed>(1), pg);
+    Data d = shard(data, r, 2);
+    cross_entropy(ddp->forward(d.x), d.y).backward();
+  });
+  for (const auto& e : errors) {
+    EXPECT_THAT(e, ::testing::HasSubstr("received no gradient"));
+    EXPECT_THAT(e, ::testing::HasSubstr("unused.weight"));
+    EXPECT_THAT(e, ::testing::HasSubstr("find_unused_parameters"));
+  }
+}
+
+TEST(DDP, UnusedOnOneRankOnlyFailsBothRanks) {
+  // Rank 1's forward skips the model (a data-dependent branch): its parameters are all unused
+  // there, used on rank 0. Neither rank may hang.
+  const Data data = make_data(4, 9);
+  const auto errors = run_ranks(2, [&](int r, ProcessGroupPtr pg) {
+    auto ddp = std::make_shared<DistributedDataParallel>(mlp(1), pg, many_buckets());
+    Data d = shard(data, r, 2);
+    if (r == 0) {
+      cross_entropy(ddp->forward(d.x), d.y).backward();
+    } else {
+      ddp->forward(d.x);  // output not used in the loss
+      // The loss touches one parameter only, directly.
+      Tensor p0 = ddp->module()->parameters()[0];
+      sum(mul(p0, 0.0)).backward();
+    }
+  });
+  for (const auto& e : errors) EXPECT_THAT(e, ::testing::HasSubstr("received no gradient"));
+  EXPECT_THAT(errors[0], ::testing::HasSubstr("rank 1: "));
+}
+
+TEST(DDP, FindUnusedParametersReducesWithZeroContribution) {
+  const Data data = make_data(4, 9);
+  std::vector<std::vector<double>> used_grad(2), unused_grad(2);
+  const auto errors = run_ranks(2, [&](int r, ProcessGroupPtr pg) {
+    DDPOptions o;
+    o.find_unused_parameters = true;
+    auto ddp = std::make_shared<DistributedDataParallel>(std::make_shared<OneHeadUsed>(1), pg, o);
+    Data d = shard(data, r, 2);
+    cross_entropy(ddp->forward(d.x), d.y).backward();
+    for (const auto& [name, p] : ddp->module()->named_parameters()) {
+      if (name == "used.weight") used_grad[r] = p.grad().to_vector<double>();
+      if (name == "unused.weight") unused_grad[r] = p.grad().to_vector<double>();
+    }
+  });
+  for (const auto& e : errors) ASSERT_EQ(e, "");
+  // The used head's gradient is the whole batch's.
+  auto ref = std::make_shared<OneHeadUsed>(1);
+  cross_entropy(ref->forward(data.x), data.y).backward();
+  std::vector<double> want;
+  for (const auto& [name, p] : ref->named_parameters()) {
+    if (name == "used.weight") want = p.grad().to_vector<double>();
+  }
+  for (int r = 0; r < 2; ++r) {
+    expect_close_params({used_grad[r]}, {want}, 1e-5, "used head");
+    for (double v : unused_grad[r]) EXPECT_EQ(v, 0.0);
+  }
+}
+
+TEST(DDP, MismatchedModelsFailEveryRankNamingTheDifference) {
+  const auto errors = run_ranks(3, [&](int r, ProcessGroupPtr pg) {
+    DistributedDataParallel ddp(mlp(1, r == 2 ? 16 : kHidden), pg);
+  });
+  for (const auto& e : errors) {
+    EXPECT_THAT(e, ::testing::HasSubstr("ranks built different models"));
+    EXPECT_THAT(e, ::testing::HasSubstr("'0.weight' [32, 6] f32 on rank 0"));
+    EXPECT_THAT(e, ::testing::HasSubstr("'0.weight' [16, 6] f32 on rank 2"));
+  }
+}
+
+class DDPCompression : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(DDPCompression, HalvesTheWireAndStaysWithinItsPrecision) {
+  const Data data = make_data(kBatch, 13);
+  auto ref = mlp(2);
+  cross_entropy(ref->forward(data.x), data.y).backward();
+  std::vector<std::vector<double>> want;
+  for (const auto& p : ref->parameters()) want.push_back(p.grad().to_vector<double>());
+  std::vector<std::vector<std::vector<double>>> got(2);
+  const auto errors = run_ranks(2, [&](int r, ProcessGroupPtr pg) {
+    DDPOptions o = many_buckets();
+    o.comm_hook = GetParam() == "bf16" ? bf16_compress_hook() : fp16_compress_hook();
+    auto ddp = std::make_shared<DistributedDataParallel>(mlp(2), pg, o);
+    Data d = shard(data, r, 2);
+    cross_entropy(ddp->forward(d.x), d.y).backward();
+    for (const auto& p : ddp->module()->parameters()) {
+      got[r].push_back(p.grad().to_vector<double>());
+      LS_CHECK(p.grad().dtype() == kFloat32, "gradients stay f32");
+    }
+  });
+  for (const auto& e : errors) ASSERT_EQ(e, "");
+  const double tol = GetParam() == "bf16" ? 1e-2 : 2e-3;
+  for (int r = 0; r < 2; ++r) {
+    for (size_t k = 0; k < want.size(); ++k) {
+      for (size_t i = 0; i < want[k].size(); ++i) {
+        ASSERT_NEAR(got[r][k][i], want[k][i], tol * std::max(0.05, std::abs(want[k][i])))
+            << GetParam() << " parameter " << k << " element " << i;
+      }
+    }
+  }
+  EXPECT_EQ(got[0], got[1]);
+}
+
+INSTANTIATE_TEST_SUITE_P(Hooks, DDPCompression, ::testing::Values("bf16", "fp16"));
+
+TEST(DDP, GradientsAreViewsIntoBucketsAndSurviveSetToNone) {
+  const Data data = make_data(4, 3);
+  const auto errors = run_ranks(2, [&](int r, ProcessGroupPtr pg) {
+    auto ddp = std::make_shared<DistributedDataParallel>(mlp(1), pg);  // one bucket
+    optim::SGD opt(ddp->parameters(), {.lr = 0.1});
+    for (int s = 0; s < 3; ++s) {
+      opt.zero_grad(/*set_to_none=*/s % 2 == 0);
+      Data d = shard(data, r, 2);
+      cross_entropy(ddp->forward(d.x), d.y).backward();
+      opt.step();
+    }
+    // The last layer's weight and bias are neighbours in the one bucket's flat buffer.
+    auto ps = ddp->module()->parameters();
+    const auto* w = static_cast<const char*>(ps[4].grad().data_ptr());
+    const auto* b = static_cast<const char*>(ps[5].grad().data_ptr());
+    LS_CHECK(b == w + ps[4].nbytes() || w == b + ps[5].nbytes(),
+             "gradients are not laid out in a shared bucket");
+    LS_CHECK(ddp->stats().bucket_bytes.size() == 1, ddp->stats().str());
+  });
+  for (const auto& e : errors) ASSERT_EQ(e, "");
+}
+
+}  // namespace
