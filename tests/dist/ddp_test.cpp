@@ -1,8 +1,12 @@
 // DistributedDataParallel with ranks as threads over a HashStore: equivalence with one process
 // on the whole batch, gradient accumulation with no_sync, unused parameters, mismatched models,
 // compression hooks, bucket statistics.
+#include <condition_variable>
+#include <deque>
+#include <mutex>
 #include <thread>
 
+#include "dist/ddp_helpers.h"
 #include "lockstep/dist/ddp.h"
 #include "lockstep/dist/gloo/process_group_gloo.h"
 #include "lockstep/dist/hash_store.h"
@@ -11,54 +15,9 @@
 using namespace lockstep;
 using namespace lockstep::dist;
 using namespace std::chrono_literals;
+using namespace lockstep::testing::ddp;
 
 namespace {
-
-constexpr int64_t kIn = 6, kHidden = 32, kClasses = 3;
-
-std::shared_ptr<nn::Module> mlp(uint64_t seed, int64_t hidden = kHidden) {
-  Generator gen(seed);
-  return std::make_shared<nn::Sequential>(std::initializer_list<std::shared_ptr<nn::Module>>{
-      std::make_shared<nn::Linear>(kIn, hidden, gen), std::make_shared<nn::ReLU>(),
-      std::make_shared<nn::Linear>(hidden, hidden, gen), std::make_shared<nn::ReLU>(),
-      std::make_shared<nn::Linear>(hidden, kClasses, gen)});
-}
-
-// Two heads; forward uses only the first (the second's parameters get no gradient).
-class OneHeadUsed : public nn::Module {
- public:
-  explicit OneHeadUsed(uint64_t seed) : nn::Module("OneHeadUsed") {
-    Generator gen(seed);
-    used_ = register_module("used", std::make_shared<nn::Linear>(kIn, kClasses, gen));
-    unused_ = register_module("unused", std::make_shared<nn::Linear>(kIn, kClasses, gen));
-  }
-  Tensor forward(const Tensor& x) override { return used_->forward(x); }
-
- private:
-  std::shared_ptr<nn::Linear> used_, unused_;
-};
-
-struct Data {
-  Tensor x;  // (N, kIn)
-  Tensor y;  // (N)
-};
-
-Data make_data(int64_t n, uint64_t seed) {
-  Generator gen(seed);
-  return {randn({n, kIn}, gen), randint(0, kClasses, {n}, gen)};
-}
-
-// Rows [r * n / world, (r + 1) * n / world): rank r's share.
-Data shard(const Data& d, int r, int world) {
-  const int64_t n = d.x.size(0) / world;
-  return {d.x.narrow(0, r * n, n).contiguous(), d.y.narrow(0, r * n, n).contiguous()};
-}
-
-std::vector<std::vector<double>> param_values(const nn::Module& m) {
-  std::vector<std::vector<double>> v;
-  for (const auto& p : m.parameters()) v.push_back(p.to_vector<double>());
-  return v;
-}
 
 void expect_close_params(const std::vector<std::vector<double>>& got,
                          const std::vector<std::vector<double>>& want, double rel,
@@ -329,6 +288,94 @@ TEST(DDP, GradientsAreViewsIntoBucketsAndSurviveSetToNone) {
     LS_CHECK(ddp->stats().bucket_bytes.size() == 1, ddp->stats().str());
   });
   for (const auto& e : errors) ASSERT_EQ(e, "");
+}
+
+}  // namespace
+
+namespace {
+
+// Overlap, shown by the order of events rather than by timing. The communication hook hands
+// buckets to a deliberately slow channel (a thread that holds every reduction back until the
+// backward pass has computed the first layer's gradient, the last one it computes). If DDP
+// waited for a bucket's reduction before finishing backward, the channel would never be
+// released (it gives up after 30 s and the test fails); with overlap, bucket 0 is launched
+// before that gradient exists and reduced while backward goes on.
+TEST(DDP, BucketsAreReducedWhileBackwardStillRuns) {
+  const Data data = make_data(4, 21);
+  std::vector<std::vector<std::string>> events(2);
+  std::vector<std::vector<std::vector<double>>> grads(2);
+  const auto errors = run_ranks(2, [&](int r, ProcessGroupPtr pg) {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool first_layer_done = false, stop = false;
+    std::deque<std::pair<GradBucket*, WorkPtr>> requests;
+    auto log = [&](const std::string& e) {
+      std::lock_guard<std::mutex> lock(mu);
+      events[r].push_back(e);
+    };
+    std::thread channel([&] {
+      std::unique_lock<std::mutex> lock(mu);
+      if (!cv.wait_for(lock, 30s, [&] { return first_layer_done; })) {
+        events[r].push_back("channel gave up: backward waited for communication");
+      }
+      for (;;) {
+        cv.wait(lock, [&] { return stop || !requests.empty(); });
+        if (requests.empty()) return;
+        auto [bucket, work] = requests.front();
+        requests.pop_front();
+        lock.unlock();
+        pg->all_reduce(bucket->buffer, {.op = ReduceOp::avg})->wait();
+        work->finish();
+        lock.lock();
+      }
+    });
+    DDPOptions o = many_buckets();
+    o.comm_hook.name = "slow channel";
+    o.comm_hook.start = [&](ProcessGroup&, GradBucket& b) {
+      auto work = std::make_shared<Work>("slow bucket " + std::to_string(b.index), b.index);
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        events[r].push_back("launch " + std::to_string(b.index));
+        requests.emplace_back(&b, work);
+      }
+      cv.notify_all();
+      return work;
+    };
+    auto ddp = std::make_shared<DistributedDataParallel>(mlp(4), pg, o);
+    // The first layer's weight is the last gradient backward computes.
+    auto first = ddp->module()->parameters()[0];
+    first.register_post_accumulate_grad_hook([&](Tensor&) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        events[r].push_back("grad of the first layer");
+        first_layer_done = true;
+      }
+      cv.notify_all();
+    });
+    Data d = shard(data, r, 2);
+    cross_entropy(ddp->forward(d.x), d.y).backward();
+    log("backward returned");
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      stop = true;
+    }
+    cv.notify_all();
+    channel.join();
+    for (const auto& p : ddp->module()->parameters())
+      grads[r].push_back(p.grad().to_vector<double>());
+  });
+  for (const auto& e : errors) ASSERT_EQ(e, "");
+  EXPECT_EQ(grads[0], grads[1]);
+  for (int r = 0; r < 2; ++r) {
+    const auto& ev = events[r];
+    auto at = [&](const std::string& e) { return std::find(ev.begin(), ev.end(), e) - ev.begin(); };
+    const auto n = static_cast<long>(ev.size());
+    ASSERT_LT(at("launch 0"), n) << "bucket 0 never launched";
+    EXPECT_LT(at("launch 0"), at("grad of the first layer"))
+        << "the first bucket went out only after backward had computed every gradient";
+    EXPECT_EQ(at("channel gave up: backward waited for communication"), n);
+    EXPECT_LT(at("grad of the first layer"), at("backward returned"));
+  }
 }
 
 }  // namespace

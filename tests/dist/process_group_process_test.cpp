@@ -15,6 +15,7 @@ extern char** environ;
 #include <thread>
 
 #include "dist/collective_sweep.h"
+#include "dist/spawn_ranks.h"
 #include "lockstep/dist/init.h"
 #include "lockstep/dist/tcp_store.h"
 #include "testing.h"
@@ -22,6 +23,9 @@ extern char** environ;
 using namespace lockstep;
 using namespace lockstep::dist;
 using namespace std::chrono_literals;
+using lockstep::testing::exited_zero;
+using lockstep::testing::Result;
+using lockstep::testing::run_ranks_as_processes;
 
 namespace {
 
@@ -89,96 +93,9 @@ int worker_main(const std::string& mode) {
   std::exit(worker_main(mode));
 }();
 
-struct Result {
-  int status = 0;  // waitpid's status
-  std::string report;
-};
-
-// Starts `world` ranks of this binary in `mode` and waits for all of them (killing them after
-// kHangGuard). Rank 0 hosts the store on a port that was free a moment ago.
 std::vector<Result> run_job(int world, const std::string& mode) {
-  uint16_t port = 0;
-  {
-    TCPStoreOptions so;
-    so.port = 0;
-    so.is_server = true;
-    so.token = "";
-    port = TCPStore(so).port();
-  }
-  std::string exe(4096, '\0');
-  const ssize_t n = ::readlink("/proc/self/exe", exe.data(), exe.size() - 1);
-  LS_CHECK(n > 0, "readlink /proc/self/exe");
-  exe.resize(static_cast<size_t>(n));
-  const std::string dir = ::testing::TempDir();
-  std::vector<pid_t> pids;
-  std::vector<std::string> reports;
-  for (int r = 0; r < world; ++r) {
-    reports.push_back(dir + "/pg_report_" + std::to_string(::getpid()) + "_" + std::to_string(r));
-    std::remove(reports.back().c_str());
-    std::vector<std::string> env;
-    for (char** e = environ; *e; ++e) {
-      const std::string s(*e);
-      // The job's own variables only (a surrounding launcher's must not leak in).
-      if (s.rfind("RANK=", 0) == 0 || s.rfind("WORLD_SIZE=", 0) == 0 || s.rfind("LOCAL_", 0) == 0 ||
-          s.rfind("MASTER_", 0) == 0 || s.rfind("LOCKSTEP_", 0) == 0 || s.rfind("SLURM_", 0) == 0 ||
-          s.rfind("OMPI_", 0) == 0) {
-        continue;
-      }
-      env.push_back(s);
-    }
-    env.push_back("RANK=" + std::to_string(r));
-    env.push_back("WORLD_SIZE=" + std::to_string(world));
-    env.push_back("LOCAL_RANK=" + std::to_string(r));
-    env.push_back("LOCAL_WORLD_SIZE=" + std::to_string(world));
-    env.push_back("MASTER_ADDR=127.0.0.1");
-    env.push_back("MASTER_PORT=" + std::to_string(port));
-    env.push_back(std::string(kModeEnv) + "=" + mode);
-    env.push_back(std::string(kReportEnv) + "=" + reports.back());
-    env.push_back("OMP_NUM_THREADS=1");
-    std::vector<char*> envp;
-    for (auto& e : env) envp.push_back(e.data());
-    envp.push_back(nullptr);
-    std::vector<char*> argv = {exe.data(), nullptr};
-    pid_t pid = 0;
-    LS_CHECK(::posix_spawn(&pid, exe.c_str(), nullptr, nullptr, argv.data(), envp.data()) == 0,
-             "posix_spawn");
-    pids.push_back(pid);
-  }
-  std::vector<Result> results(static_cast<size_t>(world));
-  std::vector<bool> done(static_cast<size_t>(world), false);
-  const auto deadline = std::chrono::steady_clock::now() + kHangGuard;
-  int remaining = world;
-  while (remaining > 0) {
-    for (int r = 0; r < world; ++r) {
-      if (done[r]) continue;
-      int status = 0;
-      if (::waitpid(pids[r], &status, WNOHANG) == pids[r]) {
-        results[r].status = status;
-        done[r] = true;
-        --remaining;
-      }
-    }
-    if (remaining > 0 && std::chrono::steady_clock::now() > deadline) {
-      for (int r = 0; r < world; ++r) {
-        if (!done[r]) ::kill(pids[r], SIGKILL);
-      }
-      for (int r = 0; r < world; ++r) {
-        if (!done[r]) ::waitpid(pids[r], &results[r].status, 0);
-      }
-      ADD_FAILURE() << "ranks still running after " << kHangGuard.count() << " s: killed";
-      break;
-    }
-    std::this_thread::sleep_for(10ms);
-  }
-  for (int r = 0; r < world; ++r) {
-    std::ifstream in(reports[r]);
-    results[r].report.assign(std::istreambuf_iterator<char>(in), {});
-    std::remove(reports[r].c_str());
-  }
-  return results;
+  return run_ranks_as_processes(world, kModeEnv, mode, kReportEnv, kHangGuard);
 }
-
-bool exited_zero(const Result& r) { return WIFEXITED(r.status) && WEXITSTATUS(r.status) == 0; }
 
 class GlooProcesses : public ::testing::TestWithParam<int> {};
 
