@@ -12,12 +12,12 @@
 #include <memory>
 #include <string>
 
+#include "fashion_mnist_models.h"
 #include "lockstep/data/data.h"
 #include "lockstep/io/safetensors.h"
 #include "lockstep/lockstep.h"
 #include "lockstep/nn/layers.h"
 #include "lockstep/optim/optimizer.h"
-#include "fashion_mnist_models.h"
 
 using namespace lockstep;
 
@@ -42,21 +42,40 @@ struct Config {
   bool eval = true;
   int64_t workers = 1;
   std::string save;
+  double bucket_mb = 25.0;
+  std::string comm_hook = "none";
+  bool ddp_stats = false;
 };
 
-double evaluate(nn::Module& model, const data::MnistDataset& test) {
+// Each rank evaluates its share of the test set (the non-padding sampler: every sample once over
+// all ranks); the counts are summed across ranks.
+double evaluate(nn::Module& model, const data::MnistDataset& test, dist::ProcessGroup& pg) {
   NoGradGuard no_grad;
   model.eval();
+  data::DistributedSampler shard(
+      test.size(), {.num_replicas = pg.size(), .rank = pg.rank(), .shuffle = false, .pad = false});
+  const std::vector<int64_t> idx = shard.indices();
+  Tensor counts = zeros({2}, kInt64);  // correct, seen
   int64_t correct = 0;
-  const Tensor& images = test.images();
-  const Tensor& labels = test.labels();
-  for (int64_t start = 0; start < test.size(); start += kEvalBatch) {
-    const int64_t n = std::min(kEvalBatch, test.size() - start);
-    Tensor logits = model.forward(images.narrow(0, start, n));          // (n,10)
-    correct += static_cast<int64_t>(sum(eq(argmax(logits, 1), labels.narrow(0, start, n))).item());
+  for (size_t start = 0; start < idx.size(); start += kEvalBatch) {
+    const size_t n = std::min<size_t>(kEvalBatch, idx.size() - start);
+    std::vector<int64_t> rows(idx.begin() + start, idx.begin() + start + n);
+    Tensor which = from_vector(rows, {static_cast<int64_t>(n)});
+    Tensor logits = model.forward(index_select(test.images(), 0, which));  // (n,10)
+    correct += static_cast<int64_t>(
+        sum(eq(argmax(logits, 1), index_select(test.labels(), 0, which))).item());
   }
+  counts.set_at({0}, static_cast<double>(correct));
+  counts.set_at({1}, static_cast<double>(idx.size()));
+  pg.all_reduce(counts)->wait();
   model.train();
-  return static_cast<double>(correct) / static_cast<double>(test.size());
+  return counts.at({0}) / counts.at({1});
+}
+
+dist::CommHook comm_hook_named(const std::string& name) {
+  if (name == "bf16") return dist::bf16_compress_hook();
+  if (name == "fp16") return dist::fp16_compress_hook();
+  return dist::allreduce_hook();
 }
 
 int run(const Config& cfg) {
@@ -66,19 +85,37 @@ int run(const Config& cfg) {
   auto train = data::load_mnist(cfg.data, data::Split::kTrain, mopts);
   auto test = cfg.eval ? data::load_mnist(cfg.data, data::Split::kTest, mopts) : nullptr;
 
+  // A world of one without launcher variables; under `lockstep run` (or torchrun's variables)
+  // one rank of a DDP job, each on its own shard of the data.
+  auto pg = dist::init_process_group();
+  const int world = pg->size();
+  const bool main_rank = pg->rank() == 0;  // only rank 0 prints and saves
+
   Generator gen(cfg.seed);
   auto model = examples::build_fashion_mnist_model(cfg.model, gen);
-  optim::SGD opt(model->parameters(), {.lr = cfg.lr, .momentum = cfg.momentum,
-                                       .weight_decay = cfg.weight_decay});
-  // One process for now: a world of one. The distributed runtime plugs in rank and world size.
-  auto sampler = std::make_shared<data::DistributedSampler>(train->size(), 1, 0, true, cfg.seed);
-  data::DataLoader loader(train, sampler,
-                          {.batch_size = cfg.batch_size, .num_workers = cfg.workers, .prefetch = 4});
-  std::printf("model=%s params=%lld threads=%d train=%lld test=%lld batch=%lld\n",
-              cfg.model.c_str(), static_cast<long long>(model->num_parameters()),
-              get_num_threads(), static_cast<long long>(train->size()),
-              static_cast<long long>(test ? test->size() : 0),
-              static_cast<long long>(cfg.batch_size));
+  std::shared_ptr<dist::DistributedDataParallel> ddp;
+  if (world > 1) {
+    dist::DDPOptions dopts;
+    dopts.bucket_bytes = static_cast<int64_t>(cfg.bucket_mb * (1 << 20));
+    dopts.comm_hook = comm_hook_named(cfg.comm_hook);
+    ddp = std::make_shared<dist::DistributedDataParallel>(model, pg, dopts);
+  }
+  nn::Module& net = ddp ? static_cast<nn::Module&>(*ddp) : *model;
+  optim::SGD opt(model->parameters(),
+                 {.lr = cfg.lr, .momentum = cfg.momentum, .weight_decay = cfg.weight_decay});
+  auto sampler =
+      std::make_shared<data::DistributedSampler>(train->size(), world, pg->rank(), true, cfg.seed);
+  data::DataLoader loader(
+      train, sampler, {.batch_size = cfg.batch_size, .num_workers = cfg.workers, .prefetch = 4});
+  if (main_rank) {
+    std::printf(
+        "model=%s params=%lld threads=%d train=%lld test=%lld batch=%lld world_size=%d "
+        "global_batch=%lld\n",
+        cfg.model.c_str(), static_cast<long long>(model->num_parameters()), get_num_threads(),
+        static_cast<long long>(train->size()), static_cast<long long>(test ? test->size() : 0),
+        static_cast<long long>(cfg.batch_size), world,
+        static_cast<long long>(cfg.batch_size * world));
+  }
 
   using Clock = std::chrono::steady_clock;
   int64_t steps = 0, samples = 0;
@@ -90,8 +127,8 @@ int run(const Config& cfg) {
     int64_t epoch_steps = 0, epoch_samples = 0;
     const auto t0 = Clock::now();
     for (data::Batch& batch : loader) {
-      Tensor logits = model->forward(batch.input);              // (B,10)
-      Tensor loss = cross_entropy(logits, batch.target);         // ()
+      Tensor logits = net.forward(batch.input);           // (B,10)
+      Tensor loss = cross_entropy(logits, batch.target);  // ()
       opt.zero_grad();
       loss.backward();
       opt.step();
@@ -100,7 +137,7 @@ int run(const Config& cfg) {
       ++epoch_steps;
       ++steps;
       epoch_samples += batch.input.size(0);
-      if (cfg.log_every > 0 && steps % cfg.log_every == 0)
+      if (main_rank && cfg.log_every > 0 && steps % cfg.log_every == 0)
         std::printf("epoch %lld step %lld loss %.4f\n", static_cast<long long>(epoch),
                     static_cast<long long>(steps), l);
       if (cfg.max_steps > 0 && steps >= cfg.max_steps) {
@@ -110,20 +147,32 @@ int run(const Config& cfg) {
     }
     const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
     train_seconds += secs;
+    epoch_samples *= world;  // every rank processed as many
     samples += epoch_samples;
-    last_loss = epoch_steps ? loss_sum / static_cast<double>(epoch_steps) : 0.0;
-    if (test) accuracy = evaluate(*model, *test);
-    std::printf("epoch %lld train_loss %.4f samples/s %.1f test_accuracy %.4f data_wait %.1f%%\n",
-                static_cast<long long>(epoch), last_loss, epoch_samples / secs, accuracy,
-                100.0 * loader.wait_seconds() / secs);
+    // The mean training loss over all ranks.
+    Tensor mean_loss =
+        full({1}, epoch_steps ? loss_sum / static_cast<double>(epoch_steps) : 0.0, kFloat64);
+    pg->all_reduce(mean_loss, {.op = dist::ReduceOp::avg})->wait();
+    last_loss = mean_loss.item();
+    if (test) accuracy = evaluate(*model, *test, *pg);
+    if (main_rank) {
+      std::printf("epoch %lld train_loss %.4f samples/s %.1f test_accuracy %.4f data_wait %.1f%%\n",
+                  static_cast<long long>(epoch), last_loss, epoch_samples / secs, accuracy,
+                  100.0 * loader.wait_seconds() / secs);
+    }
     loader.reset_wait_seconds();
   }
-  if (!cfg.save.empty()) {
+  if (!cfg.save.empty() && main_rank) {
     io::save_safetensors(cfg.save, model->state_dict(), {{"format", "pt"}, {"model", cfg.model}});
     std::printf("saved %s\n", cfg.save.c_str());
   }
-  std::printf("final test_accuracy=%.4f train_loss=%.4f steps=%lld samples_per_s=%.1f\n", accuracy,
-              last_loss, static_cast<long long>(steps), samples / train_seconds);
+  pg->barrier()->wait();  // the other ranks exit only once rank 0's file is complete
+  if (ddp && cfg.ddp_stats && main_rank) std::printf("ddp: %s\n", ddp->stats().str().c_str());
+  if (main_rank) {
+    std::printf("final test_accuracy=%.4f train_loss=%.4f steps=%lld samples_per_s=%.1f\n",
+                accuracy, last_loss, static_cast<long long>(steps), samples / train_seconds);
+  }
+  dist::destroy_process_group();
   return 0;
 }
 
@@ -132,22 +181,47 @@ int run(const Config& cfg) {
 int main(int argc, char** argv) {
   Config cfg;
   CLI::App app{"Train an MLP or a CNN on Fashion-MNIST with lockstep."};
-  app.add_option("--data", cfg.data, "Directory with the Fashion-MNIST IDX files")->capture_default_str();
-  app.add_option("--model", cfg.model, "Model")->check(CLI::IsMember({"mlp", "cnn"}))->capture_default_str();
-  app.add_option("--epochs", cfg.epochs, "Epochs")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--data", cfg.data, "Directory with the Fashion-MNIST IDX files")
+      ->capture_default_str();
+  app.add_option("--model", cfg.model, "Model")
+      ->check(CLI::IsMember({"mlp", "cnn"}))
+      ->capture_default_str();
+  app.add_option("--epochs", cfg.epochs, "Epochs")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("--max-steps", cfg.max_steps, "Stop after N optimizer steps (0 = no limit)")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--batch-size", cfg.batch_size, "Batch size per process")->capture_default_str();
-  app.add_option("--lr", cfg.lr, "Learning rate")->check(CLI::NonNegativeNumber)->capture_default_str();
-  app.add_option("--momentum", cfg.momentum, "SGD momentum")->check(CLI::NonNegativeNumber)->capture_default_str();
-  app.add_option("--weight-decay", cfg.weight_decay, "SGD weight decay")->check(CLI::NonNegativeNumber)->capture_default_str();
-  app.add_option("--seed", cfg.seed, "Seed for initialisation and shuffling")->capture_default_str();
+  app.add_option("--lr", cfg.lr, "Learning rate")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--momentum", cfg.momentum, "SGD momentum")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--weight-decay", cfg.weight_decay, "SGD weight decay")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--seed", cfg.seed, "Seed for initialisation and shuffling")
+      ->capture_default_str();
   app.add_option("--threads", cfg.threads, "Intra-op threads (0 = OMP_NUM_THREADS or all cores)")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
-  app.add_option("--log-every", cfg.log_every, "Print the loss every N steps (0 = never)")->capture_default_str();
-  app.add_flag("--eval,!--no-eval", cfg.eval, "Evaluate on the test set after each epoch")->capture_default_str();
-  app.add_option("--workers", cfg.workers, "DataLoader worker threads")->check(CLI::NonNegativeNumber)->capture_default_str();
-  app.add_option("--save", cfg.save, "Write the final parameters here (safetensors)");
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--log-every", cfg.log_every, "Print the loss every N steps (0 = never)")
+      ->capture_default_str();
+  app.add_flag("--eval,!--no-eval", cfg.eval, "Evaluate on the test set after each epoch")
+      ->capture_default_str();
+  app.add_option("--workers", cfg.workers, "DataLoader worker threads")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--save", cfg.save, "Write the final parameters here (safetensors; rank 0)");
+  app.add_option("--bucket-mb", cfg.bucket_mb, "DDP gradient bucket size in MiB")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--comm-hook", cfg.comm_hook, "DDP gradient compression on the wire")
+      ->check(CLI::IsMember({"none", "bf16", "fp16"}))
+      ->capture_default_str();
+  app.add_flag("--ddp-stats", cfg.ddp_stats, "Print DDP's bucket and communication statistics");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

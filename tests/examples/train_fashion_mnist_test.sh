@@ -51,6 +51,27 @@ case "$case_name" in
     grep -a -q '"1.weight"' "$work/model.safetensors" || fail "parameter names missing from header"
     grep -q "final test_accuracy=-1" "$work/out" || fail "--no-eval still evaluated"
     ;;
+  ddp)
+    # Two ranks with torchrun's variables: DDP on each rank's shard; only rank 0 prints; the
+    # shared evaluation and the mean loss come out once; --save is written by rank 0 alone.
+    port=$((20000 + RANDOM % 20000))
+    for r in 0 1; do
+      RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 \
+        MASTER_PORT=$port OMP_NUM_THREADS=1 \
+        "$exe" --log-every 0 --max-steps 150 --threads 1 --bucket-mb 1 --ddp-stats \
+        --save "$work/ddp.safetensors" > "$work/rank$r" 2>&1 &
+      pids[$r]=$!
+    done
+    for r in 0 1; do wait "${pids[$r]}" || { cat "$work/rank0" "$work/rank1"; fail "rank $r failed"; }; done
+    cat "$work/rank0"
+    [ ! -s "$work/rank1" ] || { cat "$work/rank1"; fail "rank 1 printed"; }
+    grep -q "world_size=2 global_batch=128" "$work/rank0" || fail "no world size / global batch line"
+    grep -q "^ddp: .* buckets" "$work/rank0" || fail "--ddp-stats printed nothing"
+    [ -s "$work/ddp.safetensors" ] || fail "rank 0 wrote no checkpoint"
+    last=$(tail -n 1 "$work/rank0")
+    [[ "$last" =~ ^final\ test_accuracy=([0-9.]+) ]] || fail "last line: $last"
+    awk -v a="${BASH_REMATCH[1]}" 'BEGIN { exit !(a >= 0.70) }' || fail "accuracy ${BASH_REMATCH[1]}"
+    ;;
   *) fail "unknown case $case_name" ;;
 esac
 echo PASS
