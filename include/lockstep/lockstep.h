@@ -6,6 +6,7 @@
 #include "lockstep/autograd/gradcheck.h"
 #include "lockstep/autograd/node.h"
 #include "lockstep/data/data.h"
+#include "lockstep/dist/data_parallel.h"
 #include "lockstep/dist/ddp.h"
 #include "lockstep/dist/gloo/process_group_gloo.h"
 #include "lockstep/dist/hash_store.h"

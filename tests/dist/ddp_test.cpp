@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "dist/ddp_helpers.h"
+#include "lockstep/dist/data_parallel.h"
 #include "lockstep/dist/ddp.h"
 #include "lockstep/dist/gloo/process_group_gloo.h"
 #include "lockstep/dist/hash_store.h"
@@ -376,6 +377,42 @@ TEST(DDP, BucketsAreReducedWhileBackwardStillRuns) {
     EXPECT_EQ(at("channel gave up: backward waited for communication"), n);
     EXPECT_LT(at("grad of the first layer"), at("backward returned"));
   }
+}
+
+}  // namespace
+
+namespace {
+
+TEST(DataParallel, ReplicasOnThreadsEqualOneModelOnTheWholeBatch) {
+  const Data data = make_data(kSteps * 9, 31);  // 9 rows per step: chunks of 3/3/3 and 5/4
+  for (int replicas : {2, 3}) {
+    auto ref = mlp(8);
+    optim::SGD ref_opt(ref->parameters(), {.lr = 0.1, .momentum = 0.9});
+    int seed = 0;
+    DataParallel dp([&] { return mlp(8 + seed++); }, replicas);  // replicas differ until synced
+    optim::SGD opt(dp.module()->parameters(), {.lr = 0.1, .momentum = 0.9});
+    for (int s = 0; s < kSteps; ++s) {
+      Tensor x = data.x.narrow(0, s * 9, 9), y = data.y.narrow(0, s * 9, 9);
+      ref_opt.zero_grad();
+      Tensor l = cross_entropy(ref->forward(x), y);
+      l.backward();
+      ref_opt.step();
+      opt.zero_grad();
+      const double dl = dp.forward_backward(
+          x, y, [](const Tensor& out, const Tensor& t) { return cross_entropy(out, t); });
+      opt.step();
+      EXPECT_NEAR(dl, l.item(), 1e-5) << replicas << " replicas, step " << s;
+    }
+    expect_close_params(param_values(*dp.module()), param_values(*ref), 1e-5,
+                        std::to_string(replicas) + " replicas");
+  }
+}
+
+TEST(DataParallel, ReplicasOfDifferentArchitecturesAreAnError) {
+  int k = 0;
+  lockstep::testing::expect_error(
+      [&] { DataParallel dp([&] { return mlp(1, k++ == 0 ? 32 : 16); }, 2); },
+      {"replica 1's parameter 0", "[16, 6]", "[32, 6]"});
 }
 
 }  // namespace
