@@ -45,6 +45,7 @@ struct Config {
   double bucket_mb = 25.0;
   std::string comm_hook = "none";
   bool ddp_stats = false;
+  int64_t dp = 1;
 };
 
 // Each rank evaluates its share of the test set (the non-padding sampler: every sample once over
@@ -93,6 +94,18 @@ int run(const Config& cfg) {
 
   Generator gen(cfg.seed);
   auto model = examples::build_fashion_mnist_model(cfg.model, gen);
+  // --dp K: DataParallel, K replicas on threads in this one process (the baseline).
+  std::unique_ptr<dist::DataParallel> dp;
+  if (cfg.dp > 1) {
+    LS_CHECK(world == 1, "--dp runs in one process; it cannot be combined with WORLD_SIZE=", world);
+    dp = std::make_unique<dist::DataParallel>(
+        [&] {
+          Generator g(cfg.seed);
+          return examples::build_fashion_mnist_model(cfg.model, g);
+        },
+        static_cast<int>(cfg.dp));
+    model = dp->module();
+  }
   std::shared_ptr<dist::DistributedDataParallel> ddp;
   if (world > 1) {
     dist::DDPOptions dopts;
@@ -127,12 +140,19 @@ int run(const Config& cfg) {
     int64_t epoch_steps = 0, epoch_samples = 0;
     const auto t0 = Clock::now();
     for (data::Batch& batch : loader) {
-      Tensor logits = net.forward(batch.input);           // (B,10)
-      Tensor loss = cross_entropy(logits, batch.target);  // ()
+      double l = 0;
       opt.zero_grad();
-      loss.backward();
+      if (dp) {
+        l = dp->forward_backward(batch.input, batch.target, [](const Tensor& out, const Tensor& t) {
+          return cross_entropy(out, t);
+        });
+      } else {
+        Tensor logits = net.forward(batch.input);           // (B,10)
+        Tensor loss = cross_entropy(logits, batch.target);  // ()
+        loss.backward();
+        l = loss.item();
+      }
       opt.step();
-      const double l = loss.item();
       loss_sum += l;
       ++epoch_steps;
       ++steps;
@@ -220,6 +240,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--comm-hook", cfg.comm_hook, "DDP gradient compression on the wire")
       ->check(CLI::IsMember({"none", "bf16", "fp16"}))
+      ->capture_default_str();
+  app.add_option("--dp", cfg.dp, "DataParallel with K replicas on threads (one process)")
+      ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_flag("--ddp-stats", cfg.ddp_stats, "Print DDP's bucket and communication statistics");
   try {

@@ -416,3 +416,78 @@ TEST(DataParallel, ReplicasOfDifferentArchitecturesAreAnError) {
 }
 
 }  // namespace
+
+namespace {
+
+// A CNN and a model with BatchNorm, through the same check as the MLP: K steps of DDP on shards
+// against one process. BatchNorm normalizes with each rank's own batch statistics (as PyTorch's
+// DDP without SyncBatchNorm), so its single-process reference forwards each rank's half
+// separately and averages the losses; buffers follow rank 0's (broadcast before each forward).
+using ModelFactory = std::function<std::shared_ptr<nn::Module>(uint64_t)>;
+
+std::shared_ptr<nn::Module> small_cnn(uint64_t seed) {
+  Generator gen(seed);
+  return std::make_shared<nn::Sequential>(std::initializer_list<std::shared_ptr<nn::Module>>{
+      std::make_shared<nn::Conv2d>(1, 4, 3, gen), std::make_shared<nn::ReLU>(),  // (B,4,6,6)
+      std::make_shared<nn::MaxPool2d>(2),                                        // (B,4,3,3)
+      std::make_shared<nn::Flatten>(), std::make_shared<nn::Linear>(36, kClasses, gen)});
+}
+
+std::shared_ptr<nn::Module> with_batchnorm(uint64_t seed) {
+  Generator gen(seed);
+  return std::make_shared<nn::Sequential>(std::initializer_list<std::shared_ptr<nn::Module>>{
+      std::make_shared<nn::Flatten>(), std::make_shared<nn::Linear>(64, 16, gen),
+      std::make_shared<nn::BatchNorm1d>(16), std::make_shared<nn::ReLU>(),
+      std::make_shared<nn::Linear>(16, kClasses, gen)});
+}
+
+void check_equivalence(const ModelFactory& make, bool per_rank_reference) {
+  constexpr int kWorld = 2;
+  Generator gen(41);
+  Tensor x = randn({kSteps * kBatch, 1, 8, 8}, gen);
+  Tensor y = randint(0, kClasses, {kSteps * kBatch}, gen);
+  auto ref = make(3);
+  optim::SGD ref_opt(ref->parameters(), {.lr = 0.05, .momentum = 0.9});
+  for (int s = 0; s < kSteps; ++s) {
+    Tensor xs = x.narrow(0, s * kBatch, kBatch), ys = y.narrow(0, s * kBatch, kBatch);
+    ref_opt.zero_grad();
+    if (per_rank_reference) {
+      const int64_t h = kBatch / kWorld;
+      Tensor l0 = cross_entropy(ref->forward(xs.narrow(0, 0, h)), ys.narrow(0, 0, h));
+      Tensor l1 = cross_entropy(ref->forward(xs.narrow(0, h, h)), ys.narrow(0, h, h));
+      div(add(l0, l1), 2.0).backward();
+    } else {
+      cross_entropy(ref->forward(xs), ys).backward();
+    }
+    ref_opt.step();
+  }
+  const auto want = param_values(*ref);
+  std::vector<std::vector<std::vector<double>>> got(kWorld), bufs(kWorld);
+  const auto errors = run_ranks(kWorld, [&](int r, ProcessGroupPtr pg) {
+    auto ddp = std::make_shared<DistributedDataParallel>(make(3 + r), pg, many_buckets());
+    optim::SGD opt(ddp->parameters(), {.lr = 0.05, .momentum = 0.9});
+    for (int s = 0; s < kSteps; ++s) {
+      const int64_t h = kBatch / kWorld;
+      Tensor xs = x.narrow(0, s * kBatch + r * h, h), ys = y.narrow(0, s * kBatch + r * h, h);
+      opt.zero_grad();
+      cross_entropy(ddp->forward(xs), ys).backward();
+      opt.step();
+    }
+    ddp->forward(x.narrow(0, 0, 2));  // one more buffer broadcast: every rank has rank 0's
+    got[r] = param_values(*ddp->module());
+    for (const auto& b : ddp->module()->buffers()) bufs[r].push_back(b.to_vector<double>());
+  });
+  for (const auto& e : errors) ASSERT_EQ(e, "");
+  for (int r = 0; r < kWorld; ++r)
+    expect_close_params(got[r], want, 1e-5, "rank " + std::to_string(r));
+  EXPECT_EQ(got[0], got[1]);
+  EXPECT_EQ(bufs[0], bufs[1]);
+}
+
+TEST(DDP, CnnOnShardsEqualsOneProcess) { check_equivalence(small_cnn, false); }
+
+TEST(DDP, BatchNormModelOnShardsEqualsOneProcessWithPerRankStatistics) {
+  check_equivalence(with_batchnorm, true);
+}
+
+}  // namespace

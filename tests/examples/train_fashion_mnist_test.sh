@@ -43,6 +43,8 @@ case "$case_name" in
     expect_exit 2 "not a directory" --data "$work/does-not-exist"
     expect_exit 2 "model" --model resnet
     expect_exit 0 "--max-steps" --help
+    expect_exit 2 "dp" --dp 0
+    expect_exit 2 "comm-hook" --comm-hook gzip
     ;;
   save)
     "$exe" --log-every 0 --max-steps 3 --no-eval --save "$work/model.safetensors" > "$work/out" 2>&1 \
@@ -51,6 +53,7 @@ case "$case_name" in
     grep -a -q '"1.weight"' "$work/model.safetensors" || fail "parameter names missing from header"
     grep -q "final test_accuracy=-1" "$work/out" || fail "--no-eval still evaluated"
     ;;
+  dp) train_check 0.70 --model mlp --dp 2 --max-steps 150 --threads 1 ;;
   ddp)
     # Two ranks with torchrun's variables: DDP on each rank's shard; only rank 0 prints; the
     # shared evaluation and the mean loss come out once; --save is written by rank 0 alone.
