@@ -11,6 +11,7 @@
 #include "lockstep/dist/ddp.h"
 #include "lockstep/dist/gloo/process_group_gloo.h"
 #include "lockstep/dist/hash_store.h"
+#include "dist/thread_ranks.h"
 #include "testing.h"
 
 using namespace lockstep;
@@ -33,28 +34,10 @@ void expect_close_params(const std::vector<std::vector<double>>& got,
   }
 }
 
-// Runs body(rank, pg) on `world` threads with Gloo groups over one HashStore; returns errors.
+// Groups as the registry makes them (a world of one needs no network).
 std::vector<std::string> run_ranks(int world,
                                    const std::function<void(int, ProcessGroupPtr)>& body) {
-  auto store = std::make_shared<HashStore>(30s);
-  std::vector<std::string> errors(static_cast<size_t>(world));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        BackendConfig c;
-        c.store = store;
-        c.rank = r;
-        c.size = world;
-        c.timeout = 60s;
-        body(r, create_process_group("gloo", c));
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  return errors;
+  return lockstep::testing::run_ranks(world, body, 60s, /*via_registry=*/true);
 }
 
 // Small caps: the MLP's 1,491 parameters (~6 KiB) spread over several buckets.

@@ -7,6 +7,7 @@
 #include "dist/collective_sweep.h"
 #include "lockstep/dist/gloo/process_group_gloo.h"
 #include "lockstep/dist/hash_store.h"
+#include "dist/thread_ranks.h"
 #include "testing.h"
 
 using namespace lockstep;
@@ -16,30 +17,7 @@ using namespace std::chrono_literals;
 
 namespace {
 
-// Runs body(rank, group) on `world` threads, each with its own Gloo group over one HashStore.
-// Returns each rank's exception message ("" when it succeeded).
-std::vector<std::string> run_ranks(int world, const std::function<void(int, ProcessGroupPtr)>& body,
-                                   std::chrono::milliseconds timeout = 60s) {
-  auto store = std::make_shared<HashStore>(30s);
-  std::vector<std::string> errors(static_cast<size_t>(world));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        BackendConfig c;
-        c.store = store;
-        c.rank = r;
-        c.size = world;
-        c.timeout = timeout;
-        body(r, std::make_shared<ProcessGroupGloo>(c));
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  return errors;
-}
+using lockstep::testing::run_ranks;
 
 void expect_all_succeeded(const std::vector<std::string>& errors) {
   for (size_t r = 0; r < errors.size(); ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
