@@ -9,12 +9,7 @@
 // Gloo round by round so that both see the same machine noise; the table reports rank 0's median
 // round, and ours/gloo is the median of the per-round ratios (bandwidth ours / bandwidth gloo).
 // algbw = bytes / time; busbw = algbw x 2(n-1)/n, as nccl-tests define it.
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
-
-extern char** environ;
 
 #include <algorithm>
 #include <chrono>
@@ -35,8 +30,8 @@ extern char** environ;
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/transport/tcp/device.h>
 
+#include "bench_ranks.h"
 #include "lockstep/dist/init.h"
-#include "lockstep/dist/tcp_store.h"
 #include "lockstep/lockstep.h"
 
 using namespace lockstep;
@@ -133,54 +128,17 @@ int run_rank(int64_t min_bytes, int64_t max_bytes, int rounds, const std::string
 
 // ---- the launcher part ----
 
-uint16_t free_port() {
-  dist::TCPStoreOptions so;
-  so.port = 0;
-  so.is_server = true;
-  so.token = "";
-  return dist::TCPStore(so).port();
-}
-
 std::vector<Row> run_job(int procs, int64_t min_bytes, int64_t max_bytes, int rounds) {
   const auto tmp =
       std::filesystem::temp_directory_path() /
       ("lockstep_allreduce_" + std::to_string(::getpid()) + "_" + std::to_string(procs));
   std::filesystem::create_directories(tmp / "filestore");
   const std::string out_path = (tmp / "rank0.txt").string();
-  const uint16_t port = free_port();
-  std::string exe = std::filesystem::read_symlink("/proc/self/exe").string();
-  std::vector<pid_t> pids;
-  for (int r = 0; r < procs; ++r) {
-    std::vector<std::string> env;
-    for (char** e = environ; *e; ++e) env.emplace_back(*e);
-    env.push_back("RANK=" + std::to_string(r));
-    env.push_back("WORLD_SIZE=" + std::to_string(procs));
-    env.push_back("LOCAL_RANK=" + std::to_string(r));
-    env.push_back("LOCAL_WORLD_SIZE=" + std::to_string(procs));
-    env.push_back("MASTER_ADDR=127.0.0.1");
-    env.push_back("MASTER_PORT=" + std::to_string(port));
-    env.push_back("OMP_NUM_THREADS=1");
-    env.push_back(std::string(kFileStoreEnv) + "=" + (tmp / "filestore").string());
-    std::ostringstream role;
-    role << min_bytes << ":" << max_bytes << ":" << rounds << ":" << out_path;
-    env.push_back(std::string(kRoleEnv) + "=" + role.str());
-    std::vector<char*> envp;
-    for (auto& e : env) envp.push_back(e.data());
-    envp.push_back(nullptr);
-    std::vector<char*> argv = {exe.data(), nullptr};
-    pid_t pid = 0;
-    if (::posix_spawn(&pid, exe.c_str(), nullptr, nullptr, argv.data(), envp.data()) != 0) {
-      std::fprintf(stderr, "allreduce: cannot start rank %d\n", r);
-      std::exit(1);
-    }
-    pids.push_back(pid);
-  }
-  bool ok = true;
-  for (pid_t pid : pids) {
-    int status = 0;
-    ::waitpid(pid, &status, 0);
-    ok = ok && WIFEXITED(status) && WEXITSTATUS(status) == 0;
-  }
+  std::ostringstream role;
+  role << min_bytes << ":" << max_bytes << ":" << rounds << ":" << out_path;
+  const bool ok = bench::run_ranks(
+      procs, {"OMP_NUM_THREADS=1", std::string(kFileStoreEnv) + "=" + (tmp / "filestore").string(),
+              std::string(kRoleEnv) + "=" + role.str()});
   if (!ok) {
     std::fprintf(stderr, "allreduce: a rank of the %d-process job failed\n", procs);
     std::exit(1);

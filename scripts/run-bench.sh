@@ -19,3 +19,8 @@ if [ -x "$build/bench/allreduce" ]; then
   echo "== allreduce ($(nproc) cores, $(date -u +%Y-%m-%d))"
   "$build/bench/allreduce" --json bench/results/allreduce.json
 fi
+# Data-parallel training: 1 process against DDP (2 processes) and DataParallel (2 replicas).
+if [ -x "$build/bench/ddp" ]; then
+  echo "== ddp ($(nproc) cores, $(date -u +%Y-%m-%d))"
+  "$build/bench/ddp" --json bench/results/ddp.json
+fi
