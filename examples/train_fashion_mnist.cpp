@@ -267,6 +267,7 @@ int main(int argc, char** argv) {
     return run(cfg);
   } catch (const Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
+    dist::record_error(e.what());  // for `lockstep run`'s failure summary
     return 1;
   }
 }

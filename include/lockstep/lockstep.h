@@ -8,6 +8,7 @@
 #include "lockstep/data/data.h"
 #include "lockstep/dist/data_parallel.h"
 #include "lockstep/dist/ddp.h"
+#include "lockstep/dist/error_file.h"
 #include "lockstep/dist/gloo/process_group_gloo.h"
 #include "lockstep/dist/hash_store.h"
 #include "lockstep/dist/init.h"

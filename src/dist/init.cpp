@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "dist/net.h"
+#include "lockstep/dist/error_file.h"
 #include "lockstep/dist/prefix_store.h"
 #include "lockstep/dist/tcp_store.h"
 #include "lockstep/error.h"
@@ -180,6 +181,7 @@ World connect_world(DistEnv env, const InitOptions& opts) {
 }
 
 ProcessGroupPtr init_process_group(const InitOptions& opts) {
+  install_error_handler();  // an uncaught exception reaches the launcher's summary
   auto& d = global();
   std::lock_guard<std::mutex> lock(d.mu);
   LS_CHECK(!d.world.has_value(), "init_process_group: the default group already exists (rank ",

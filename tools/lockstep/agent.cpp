@@ -1,0 +1,655 @@
+// The node agent of `lockstep run`.
+//
+// Note [Agent protocol]
+// Every agent talks to node 0's TCP store under lockstep/<run-id>/agent/:
+//   node<r>/claims, node<r>/host, node<r>/nproc   rendezvous: each node rank joins once
+//   joined                                        counter; all nnodes joined = go
+//   gen<g>/failure                                first failure of generation g (JSON), set
+//                                                 with compare_set so the first one wins
+//   gen<g>/succeeded                              nodes whose workers all exited 0
+//   gen<g>/stopped                                nodes that stopped their workers after a
+//                                                 failure; all stopped = start generation g+1
+//   exit                                          agents done; node 0 keeps the store up until
+//                                                 every agent has read the outcome
+// Workers use the same store (LOCKSTEP_USE_AGENT_STORE=1) under lockstep/<run-id>/gen<g>/, so a
+// restarted generation never sees the previous one's keys.
+#include "agent.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/signalfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "lockstep/dist/error_file.h"
+#include "lockstep/dist/tcp_store.h"
+#include "lockstep/error.h"
+#include "worker_process.h"
+
+extern char** environ;
+
+namespace lockstep::launch {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using json = nlohmann::json;
+
+// SIGTERM first; what is still alive after this gets SIGKILL.
+constexpr auto kStopGrace = std::chrono::seconds(3);
+// Lines of each worker's output kept for the failure summary.
+constexpr size_t kTailLines = 20;
+// How long node 0 keeps the store up for the other agents to read the outcome.
+constexpr auto kExitSyncTimeout = std::chrono::seconds(10);
+// How long the output of exited workers is still read (a grandchild that escaped the process
+// group could hold a pipe open forever).
+constexpr auto kDrainTimeout = std::chrono::seconds(1);
+
+// The agent's own failures, for the user: no source location.
+struct AgentError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+void write_all(int fd, const std::string& s) {
+  size_t done = 0;
+  while (done < s.size()) {
+    const ssize_t n = ::write(fd, s.data() + done, s.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;  // a closed terminal must not stop the job
+    done += static_cast<size_t>(n);
+  }
+}
+
+void say(const std::string& msg) { write_all(2, "lockstep run: " + msg + "\n"); }
+
+std::string utc_now() {
+  const std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  ::gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+std::string hostname() {
+  char buf[256] = {};
+  ::gethostname(buf, sizeof buf - 1);
+  return buf;
+}
+
+std::string random_hex(size_t bytes) {
+  std::random_device rd;
+  std::string s;
+  const char* digits = "0123456789abcdef";
+  for (size_t i = 0; i < bytes; ++i) {
+    const unsigned v = rd() & 0xff;
+    s += digits[v >> 4];
+    s += digits[v & 15];
+  }
+  return s;
+}
+
+int online_cpus() {
+  const long n = ::sysconf(_SC_NPROCESSORS_ONLN);
+  return n > 0 ? static_cast<int>(n) : 1;
+}
+
+struct Worker {
+  int local_rank = 0;
+  int rank = 0;
+  std::string error_file;
+  std::unique_ptr<WorkerProcess> proc;
+  std::unique_ptr<LineSplitter> out, err;
+  std::deque<std::string> tail;
+  int out_log = -1, err_log = -1;
+  ~Worker() {
+    if (out_log >= 0) ::close(out_log);
+    if (err_log >= 0) ::close(err_log);
+  }
+};
+
+enum class Outcome { kSucceeded, kFailed, kInterrupted, kStoreLost };
+
+struct GenResult {
+  Outcome outcome = Outcome::kFailed;
+  json failure;     // kFailed: the first failure of the generation
+  int signal = 0;   // kInterrupted
+  std::string why;  // kStoreLost
+};
+
+class Agent {
+ public:
+  explicit Agent(const RunOptions& o) : o_(o) {}
+  ~Agent() {
+    workers_.clear();
+    if (sigfd_ >= 0) ::close(sigfd_);
+    if (!tmp_dir_.empty()) {
+      std::error_code ec;
+      std::filesystem::remove_all(tmp_dir_, ec);
+    }
+  }
+
+  int run();
+
+ private:
+  std::string key(const std::string& k) const { return "lockstep/" + o_.run_id + "/agent/" + k; }
+  std::string gen_key(int g, const std::string& k) const {
+    return key("gen" + std::to_string(g) + "/" + k);
+  }
+  int world_size() const { return o_.nnodes * o_.nproc_per_node; }
+
+  void setup_signals();
+  // A pending SIGINT/SIGTERM/SIGHUP, or 0. Reads everything queued on the signalfd.
+  int take_signal();
+  void connect_store();
+  void rendezvous();
+  void start_workers(int g);
+  GenResult run_generation(int g);
+  void on_line(Worker& w, bool is_err, const std::string& line);
+  // Drains every readable stream for up to `timeout` (0: what is there now).
+  void pump_output(std::chrono::milliseconds timeout);
+  bool all_exited();
+  void reap();
+  // SIGTERM (or `sig`) to every live worker's process group, SIGKILL after the grace period;
+  // returns when all have exited and their output has been read.
+  void stop_workers(int sig);
+  void drain_after_exit();
+  json describe_failure(const Worker& w) const;
+  void print_summary(const json& f, int generation) const;
+  bool wait_for_count(const std::string& k, int64_t want, std::chrono::milliseconds timeout,
+                      int* interrupted);
+  void exit_sync();
+
+  RunOptions o_;
+  int sigfd_ = -1;
+  std::string tmp_dir_;
+  std::string token_;
+  uint16_t store_port_ = 0;
+  std::unique_ptr<dist::TCPStore> store_;
+  std::vector<std::unique_ptr<Worker>> workers_;
+};
+
+void Agent::setup_signals() {
+  // Blocked before any thread exists (the store server's), so every thread inherits the mask
+  // and the signals are read only here, from the signalfd.
+  sigset_t set;
+  sigemptyset(&set);
+  for (int s : {SIGINT, SIGTERM, SIGHUP, SIGCHLD}) sigaddset(&set, s);
+  LS_CHECK(::sigprocmask(SIG_BLOCK, &set, nullptr) == 0, "sigprocmask: ", std::strerror(errno));
+  sigfd_ = ::signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC);
+  LS_CHECK(sigfd_ >= 0, "signalfd: ", std::strerror(errno));
+  ::signal(SIGPIPE, SIG_IGN);  // a closed terminal or log pipe is an error return, not death
+}
+
+int Agent::take_signal() {
+  int stop = 0;
+  signalfd_siginfo si{};
+  while (::read(sigfd_, &si, sizeof si) == static_cast<ssize_t>(sizeof si)) {
+    if (si.ssi_signo != SIGCHLD && stop == 0) stop = static_cast<int>(si.ssi_signo);
+  }
+  return stop;
+}
+
+void Agent::connect_store() {
+  const char* env_token = std::getenv(dist::kStoreTokenEnv);
+  if (env_token != nullptr && *env_token != '\0') {
+    token_ = env_token;
+  } else if (o_.nnodes == 1) {
+    token_ = random_hex(16);
+  } else {
+    // Every agent must know it without talking to the others first: derived from the run id.
+    // It keeps jobs that share a port apart; set LOCKSTEP_STORE_TOKEN for a secret.
+    token_ = "lockstep-run-" + o_.run_id;
+  }
+  dist::TCPStoreOptions so;
+  so.host = o_.master_addr;
+  so.port = o_.standalone ? 0 : static_cast<uint16_t>(o_.master_port);
+  so.is_server = o_.node_rank == 0;
+  so.wait_for_workers = false;
+  so.token = token_;
+  so.timeout = std::chrono::milliseconds(static_cast<int64_t>(o_.rdzv_timeout_s * 1000));
+  if (so.is_server) {
+    try {
+      store_ = std::make_unique<dist::TCPStore>(so);
+    } catch (const Error& e) {
+      throw UsageError("node 0 cannot host the store on port " + std::to_string(so.port) + ": " +
+                       e.message() + "; choose another --master-port, or --standalone on one " +
+                       "machine");
+    }
+  } else {
+    try {
+      store_ = std::make_unique<dist::TCPStore>(so);
+    } catch (const Error& e) {
+      throw AgentError("node " + std::to_string(o_.node_rank) + " cannot reach node 0's store at " +
+                  o_.master_addr + ":" + std::to_string(o_.master_port) + " within " +
+                  std::to_string(static_cast<int>(o_.rdzv_timeout_s)) + " s: " + e.message());
+    }
+  }
+  store_port_ = store_->port();
+}
+
+bool Agent::wait_for_count(const std::string& k, int64_t want, std::chrono::milliseconds timeout,
+                           int* interrupted) {
+  const auto deadline = Clock::now() + timeout;
+  for (;;) {
+    if (store_->add(k, 0) >= want) return true;
+    if (const int sig = take_signal()) {
+      *interrupted = sig;
+      return false;
+    }
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+void Agent::rendezvous() {
+  const std::string me = "node" + std::to_string(o_.node_rank);
+  if (store_->add(key(me + "/claims"), 1) > 1) {
+    throw AgentError("another agent already joined as --node-rank " + std::to_string(o_.node_rank) +
+                " (host " + store_->get_string(key(me + "/host")) +
+                "); every machine needs its own --node-rank in [0, " + std::to_string(o_.nnodes) +
+                ")");
+  }
+  store_->set(key(me + "/host"), hostname());
+  store_->set(key(me + "/nproc"), std::to_string(o_.nproc_per_node));
+  store_->add(key("joined"), 1);
+  int sig = 0;
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(o_.rdzv_timeout_s * 1000));
+  if (!wait_for_count(key("joined"), o_.nnodes, timeout, &sig)) {
+    if (sig != 0) throw AgentError("interrupted by " + signal_name(sig) + " while waiting for nodes");
+    std::string missing;
+    int joined = 0;
+    for (int r = 0; r < o_.nnodes; ++r) {
+      if (store_->check({key("node" + std::to_string(r) + "/host")})) {
+        ++joined;
+      } else {
+        missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      }
+    }
+    throw AgentError("rendezvous timed out after " +
+                std::to_string(static_cast<int>(o_.rdzv_timeout_s)) +
+                " s: " + std::to_string(joined) + " of " + std::to_string(o_.nnodes) +
+                " nodes joined; missing node ranks: " + missing + " (started with --node-rank " +
+                "and the same --master-addr/--master-port/--run-id?)");
+  }
+  for (int r = 0; r < o_.nnodes; ++r) {
+    const std::string n = store_->get_string(key("node" + std::to_string(r) + "/nproc"));
+    if (n != std::to_string(o_.nproc_per_node)) {
+      throw AgentError("nodes disagree on --nproc-per-node: " + std::to_string(o_.nproc_per_node) +
+                  " here (node " + std::to_string(o_.node_rank) + "), " + n + " on node " +
+                  std::to_string(r));
+    }
+  }
+}
+
+void Agent::start_workers(int g) {
+  workers_.clear();
+  // The worker environment: ours, less what the launcher sets.
+  const std::vector<std::string> ours = {"RANK",
+                                         "LOCAL_RANK",
+                                         "WORLD_SIZE",
+                                         "LOCAL_WORLD_SIZE",
+                                         "GROUP_RANK",
+                                         "MASTER_ADDR",
+                                         "MASTER_PORT",
+                                         "LOCKSTEP_RESTART_COUNT",
+                                         "LOCKSTEP_MAX_RESTARTS",
+                                         "LOCKSTEP_RUN_ID",
+                                         "LOCKSTEP_USE_AGENT_STORE",
+                                         "LOCKSTEP_STORE_TOKEN",
+                                         "LOCKSTEP_ERROR_FILE",
+                                         "LOCKSTEP_STDOUT_IS_TTY"};
+  std::vector<std::string> base;
+  bool user_omp = false;
+  for (char** e = environ; *e; ++e) {
+    const std::string entry = *e;
+    const std::string name = entry.substr(0, entry.find('='));
+    if (name == "OMP_NUM_THREADS") user_omp = true;
+    if (std::find(ours.begin(), ours.end(), name) == ours.end()) base.push_back(entry);
+  }
+  if (!user_omp) {
+    base.push_back("OMP_NUM_THREADS=" +
+                   std::to_string(std::max(1, online_cpus() / o_.nproc_per_node)));
+  }
+  const std::string attempt = "attempt_" + std::to_string(g);
+  for (int l = 0; l < o_.nproc_per_node; ++l) {
+    auto w = std::make_unique<Worker>();
+    w->local_rank = l;
+    w->rank = o_.node_rank * o_.nproc_per_node + l;
+    const auto dir = std::filesystem::path(tmp_dir_) / attempt / std::to_string(w->rank);
+    std::filesystem::create_directories(dir);
+    w->error_file = (dir / "error.json").string();
+    WorkerSpec spec;
+    spec.program = o_.program;
+    spec.args = o_.args;
+    spec.env = base;
+    auto set = [&](const std::string& n, const std::string& v) { spec.env.push_back(n + "=" + v); };
+    set("RANK", std::to_string(w->rank));
+    set("LOCAL_RANK", std::to_string(l));
+    set("WORLD_SIZE", std::to_string(world_size()));
+    set("LOCAL_WORLD_SIZE", std::to_string(o_.nproc_per_node));
+    set("GROUP_RANK", std::to_string(o_.node_rank));
+    set("MASTER_ADDR", o_.master_addr);
+    set("MASTER_PORT", std::to_string(store_port_));
+    set("LOCKSTEP_RESTART_COUNT", std::to_string(g));
+    set("LOCKSTEP_MAX_RESTARTS", std::to_string(o_.max_restarts));
+    set("LOCKSTEP_RUN_ID", o_.run_id);
+    set("LOCKSTEP_USE_AGENT_STORE", "1");
+    set(dist::kStoreTokenEnv, token_);
+    set(dist::kErrorFileEnv, w->error_file);
+    if (::isatty(1)) set("LOCKSTEP_STDOUT_IS_TTY", "1");
+    if (!o_.log_dir.empty()) {
+      const auto logs =
+          std::filesystem::path(o_.log_dir) / o_.run_id / attempt / std::to_string(w->rank);
+      std::filesystem::create_directories(logs);
+      const int flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC;
+      w->out_log = ::open((logs / "stdout.log").c_str(), flags, 0644);
+      w->err_log = ::open((logs / "stderr.log").c_str(), flags, 0644);
+      LS_CHECK(w->out_log >= 0 && w->err_log >= 0, "cannot create log files in ", logs.string(),
+               ": ", std::strerror(errno));
+    }
+    Worker* raw = w.get();
+    w->out = std::make_unique<LineSplitter>(
+        [this, raw](const std::string& line) { on_line(*raw, false, line); });
+    w->err = std::make_unique<LineSplitter>(
+        [this, raw](const std::string& line) { on_line(*raw, true, line); });
+    w->proc = std::make_unique<WorkerProcess>(spec);
+    workers_.push_back(std::move(w));
+  }
+}
+
+void Agent::on_line(Worker& w, bool is_err, const std::string& line) {
+  w.tail.push_back(line);
+  if (w.tail.size() > kTailLines) w.tail.pop_front();
+  const int log = is_err ? w.err_log : w.out_log;
+  if (log >= 0) write_all(log, line + "\n");
+  const bool terminal = o_.log_dir.empty() || o_.tee;
+  const auto& f = o_.local_ranks_filter;
+  if (terminal && (f.empty() || std::find(f.begin(), f.end(), w.local_rank) != f.end())) {
+    // One write per line: lines of different workers never mix.
+    write_all(is_err ? 2 : 1, "[rank" + std::to_string(w.rank) + "]: " + line + "\n");
+  }
+}
+
+void Agent::pump_output(std::chrono::milliseconds timeout) {
+  std::vector<pollfd> fds;
+  std::vector<std::pair<Worker*, bool>> who;
+  for (auto& w : workers_) {
+    if (w->proc->stdout_fd() >= 0) {
+      fds.push_back({w->proc->stdout_fd(), POLLIN, 0});
+      who.emplace_back(w.get(), false);
+    }
+    if (w->proc->stderr_fd() >= 0) {
+      fds.push_back({w->proc->stderr_fd(), POLLIN, 0});
+      who.emplace_back(w.get(), true);
+    }
+  }
+  fds.push_back({sigfd_, POLLIN, 0});  // SIGCHLD or a stop request wakes us up
+  const int n = ::poll(fds.data(), fds.size(), static_cast<int>(timeout.count()));
+  if (n <= 0) return;
+  for (size_t i = 0; i + 1 < fds.size(); ++i) {
+    if (fds[i].revents == 0) continue;
+    Worker& w = *who[i].first;
+    w.proc->drain(fds[i].fd, who[i].second ? *w.err : *w.out);
+  }
+}
+
+void Agent::reap() {
+  for (auto& w : workers_) w->proc->poll_exit();
+}
+
+bool Agent::all_exited() {
+  return std::all_of(workers_.begin(), workers_.end(),
+                     [](const auto& w) { return w->proc->exit_status().has_value(); });
+}
+
+void Agent::drain_after_exit() {
+  const auto deadline = Clock::now() + kDrainTimeout;
+  while (Clock::now() < deadline &&
+         std::any_of(workers_.begin(), workers_.end(),
+                     [](const auto& w) { return w->proc->streams_open(); })) {
+    pump_output(std::chrono::milliseconds(20));
+  }
+}
+
+void Agent::stop_workers(int sig) {
+  for (auto& w : workers_) {
+    if (!w->proc->exit_status()) w->proc->signal_group(sig);
+  }
+  const auto deadline = Clock::now() + kStopGrace;
+  reap();
+  while (!all_exited() && Clock::now() < deadline) {
+    pump_output(std::chrono::milliseconds(20));
+    take_signal();  // a second Ctrl-C changes nothing: the workers are already being stopped
+    reap();
+  }
+  for (auto& w : workers_) {
+    if (!w->proc->exit_status()) w->proc->signal_group(SIGKILL);
+  }
+  while (!all_exited()) {
+    pump_output(std::chrono::milliseconds(20));
+    reap();
+  }
+  drain_after_exit();
+}
+
+json Agent::describe_failure(const Worker& w) const {
+  const ExitStatus& s = *w.proc->exit_status();
+  json f = {{"rank", w.rank},
+            {"local_rank", w.local_rank},
+            {"node", o_.node_rank},
+            {"host", hostname()},
+            {"status", s.str()},
+            {"time", utc_now()},
+            {"tail", std::vector<std::string>(w.tail.begin(), w.tail.end())}};
+  std::ifstream in(w.error_file);
+  if (in) {
+    try {
+      const json e = json::parse(in);
+      if (e.contains("message")) f["error"] = e["message"].get<std::string>();
+    } catch (const std::exception&) {
+      f["error"] = "(the worker's error file " + w.error_file + " is not valid JSON)";
+    }
+  }
+  return f;
+}
+
+void Agent::print_summary(const json& f, int generation) const {
+  if (f.value("interrupted", false)) {
+    say("the job was stopped: the launcher on node " + std::to_string(f.value("node", 0)) +
+        " received " + f.value("signal", std::string("a signal")) + " at " +
+        f.value("time", std::string("?")));
+    return;
+  }
+  std::ostringstream s;
+  s << "the job failed: rank " << f.value("rank", -1) << " (local rank "
+    << f.value("local_rank", -1) << " on node " << f.value("node", -1) << ", host "
+    << f.value("host", std::string("?")) << ") ended with " << f.value("status", std::string("?"))
+    << " at " << f.value("time", std::string("?")) << "; restarts used: " << generation << " of "
+    << o_.max_restarts;
+  say(s.str());
+  if (f.contains("error")) say("its error: " + f["error"].get<std::string>());
+  const auto tail = f.value("tail", std::vector<std::string>{});
+  if (tail.empty()) {
+    say("rank " + std::to_string(f.value("rank", -1)) + " printed nothing");
+  } else {
+    std::string lines;
+    for (const auto& l : tail) lines += "  | " + l + "\n";
+    say("last lines of rank " + std::to_string(f.value("rank", -1)) + ":\n" +
+        lines.substr(0, lines.size() - 1));
+  }
+}
+
+GenResult Agent::run_generation(int g) {
+  start_workers(g);
+  GenResult result;
+  bool published = false, success_counted = false;
+  auto next_check = Clock::now();
+  try {
+    for (;;) {
+      const auto wait =
+          std::chrono::duration_cast<std::chrono::milliseconds>(next_check - Clock::now());
+      pump_output(std::max(std::chrono::milliseconds(0), wait));
+      if (const int sig = take_signal()) {
+        // Tell the other nodes first, so that they stop too (and do not restart).
+        try {
+          const json f = {{"interrupted", true},
+                          {"node", o_.node_rank},
+                          {"signal", signal_name(sig)},
+                          {"time", utc_now()}};
+          store_->compare_set(gen_key(g, "failure"), "", f.dump());
+        } catch (const Error&) {
+        }
+        say("received " + signal_name(sig) + "; stopping the workers");
+        stop_workers(sig);
+        result.outcome = Outcome::kInterrupted;
+        result.signal = sig;
+        return result;
+      }
+      reap();
+      if (!published) {
+        for (auto& w : workers_) {
+          const auto& st = w->proc->exit_status();
+          if (st && !st->ok()) {
+            drain_after_exit();  // its last lines belong in the summary
+            store_->compare_set(gen_key(g, "failure"), "", describe_failure(*w).dump());
+            published = true;
+            next_check = Clock::now();
+            break;
+          }
+        }
+      }
+      if (!published && !success_counted && all_exited()) {
+        drain_after_exit();
+        store_->add(gen_key(g, "succeeded"), 1);
+        success_counted = true;
+      }
+      if (Clock::now() < next_check) continue;
+      next_check = Clock::now() +
+                   std::chrono::milliseconds(static_cast<int64_t>(o_.monitor_interval_s * 1000));
+      if (store_->check({gen_key(g, "failure")})) {
+        result.outcome = Outcome::kFailed;
+        result.failure = json::parse(store_->get_string(gen_key(g, "failure")));
+        stop_workers(SIGTERM);
+        return result;
+      }
+      if (success_counted && store_->add(gen_key(g, "succeeded"), 0) >= o_.nnodes) {
+        result.outcome = Outcome::kSucceeded;
+        return result;
+      }
+    }
+  } catch (const Error& e) {
+    // Only a client loses its store: node 0's agent (and so the job's rendezvous) is gone.
+    result.outcome = Outcome::kStoreLost;
+    result.why = e.message();
+    stop_workers(SIGTERM);
+    return result;
+  }
+}
+
+void Agent::exit_sync() {
+  try {
+    store_->add(key("exit"), 1);
+    if (o_.node_rank == 0) {
+      int sig = 0;
+      wait_for_count(key("exit"), o_.nnodes,
+                     std::chrono::duration_cast<std::chrono::milliseconds>(kExitSyncTimeout), &sig);
+    }
+  } catch (const Error&) {
+    // Node 0 is gone after the outcome was known; nothing is lost.
+  }
+}
+
+int Agent::run() {
+  setup_signals();
+  char tmpl[] = "/tmp/lockstep-run-XXXXXX";
+  const char* tmp_root = std::getenv("TMPDIR");
+  std::string pattern =
+      std::string(tmp_root && *tmp_root ? tmp_root : "/tmp") + "/lockstep-run-XXXXXX";
+  std::vector<char> buf(pattern.begin(), pattern.end());
+  buf.push_back('\0');
+  char* made = ::mkdtemp(buf.data());
+  if (made == nullptr) made = ::mkdtemp(tmpl);
+  LS_CHECK(made != nullptr, "cannot create a temporary directory: ", std::strerror(errno));
+  tmp_dir_ = made;
+
+  connect_store();
+  if (o_.standalone) say("standalone: the store listens on port " + std::to_string(store_port_));
+  try {
+    rendezvous();
+  } catch (const AgentError& e) {
+    say(e.what());
+    return kExitJobFailed;
+  } catch (const Error& e) {
+    say("rendezvous failed: " + e.message());
+    return kExitJobFailed;
+  }
+  for (int g = 0;; ++g) {
+    GenResult r = run_generation(g);
+    switch (r.outcome) {
+      case Outcome::kSucceeded:
+        exit_sync();
+        return kExitOk;
+      case Outcome::kInterrupted:
+        return 128 + r.signal;
+      case Outcome::kStoreLost:
+        say("lost node 0's store at " + o_.master_addr + ":" + std::to_string(store_port_) +
+            " (its launcher exited or the network failed): " + r.why + "; workers stopped");
+        return kExitJobFailed;
+      case Outcome::kFailed:
+        break;
+    }
+    const bool interrupted = r.failure.value("interrupted", false);
+    if (g < o_.max_restarts && !interrupted) {
+      say("rank " + std::to_string(r.failure.value("rank", -1)) + " on node " +
+          std::to_string(r.failure.value("node", -1)) + " ended with " +
+          r.failure.value("status", std::string("?")) + "; restarting the whole group (restart " +
+          std::to_string(g + 1) + " of " + std::to_string(o_.max_restarts) + ")");
+      try {
+        store_->add(gen_key(g, "stopped"), 1);
+        int sig = 0;
+        const auto timeout =
+            std::chrono::milliseconds(static_cast<int64_t>(o_.rdzv_timeout_s * 1000));
+        if (!wait_for_count(gen_key(g, "stopped"), o_.nnodes, timeout, &sig)) {
+          if (sig != 0) return 128 + sig;
+          say("not every node stopped its workers within the rendezvous timeout; giving up");
+          print_summary(r.failure, g);
+          return kExitJobFailed;
+        }
+      } catch (const Error& e) {
+        say("lost node 0's store while restarting: " + e.message());
+        return kExitJobFailed;
+      }
+      continue;
+    }
+    print_summary(r.failure, g);
+    exit_sync();
+    return kExitJobFailed;
+  }
+}
+
+}  // namespace
+
+int run_agent(const RunOptions& opts) {
+  Agent agent(opts);
+  return agent.run();
+}
+
+}  // namespace lockstep::launch

@@ -1,0 +1,44 @@
+// The node agent of `lockstep run`: rendezvous with the other machines' agents through the TCP
+// store, start this machine's workers, relay their output, stop everyone on the first failure,
+// restart the whole group while restarts remain, and report.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace lockstep::launch {
+
+// Exit codes of `lockstep run`.
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitJobFailed = 1;
+inline constexpr int kExitUsage = 2;  // bad input, found before any worker started
+
+struct RunOptions {
+  int nproc_per_node = 1;
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  bool standalone = false;  // one machine; the store takes a free port
+  int max_restarts = 0;
+  double monitor_interval_s = 0.1;
+  std::string log_dir;                  // empty: no files
+  bool tee = false;                     // with log_dir: to the terminal as well
+  std::vector<int> local_ranks_filter;  // empty: every local rank reaches the terminal
+  std::string run_id = "none";
+  double rdzv_timeout_s = 900;
+  std::string program;  // resolved, absolute
+  std::vector<std::string> args;
+};
+
+// Thrown for bad input found by the agent itself (a port in use); exit code 2.
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Runs the agent of this node until the job ends; returns the launcher's exit code (0, 1, or
+// 128 + signal when SIGINT/SIGTERM stopped it).
+int run_agent(const RunOptions& opts);
+
+}  // namespace lockstep::launch

@@ -1,0 +1,233 @@
+// lockstep: the command-line tool. `lockstep run` is the launcher (torchrun's counterpart):
+//
+//   lockstep run [options] PROGRAM [ARGS...]      (or: lockstep run [options] -- PROGRAM ...)
+//
+// Options keep torchrun's names and defaults; each can also come from LOCKSTEP_<NAME> in the
+// environment (LOCKSTEP_NPROC_PER_NODE, LOCKSTEP_MASTER_PORT, ...). Exit codes: 0 success, 1 the
+// job failed, 2 bad input (nothing was started), 128 + signal when stopped by SIGINT/SIGTERM.
+#include <unistd.h>
+
+#include <charconv>
+#include <cstdio>
+#include <optional>
+#include <filesystem>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "agent.h"
+#include "lockstep/error.h"
+
+using namespace lockstep::launch;
+
+namespace {
+
+struct Usage : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+std::optional<long long> parse_int(const std::string& s) {
+  long long v = 0;
+  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (ec != std::errc() || end != s.data() + s.size() || s.empty()) return std::nullopt;
+  return v;
+}
+
+int count_gpus() {
+  int n = 0;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator("/dev", ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.size() > 6 && name.rfind("nvidia", 0) == 0 &&
+        name.find_first_not_of("0123456789", 6) == std::string::npos) {
+      ++n;
+    }
+  }
+  return n;
+}
+
+// PROGRAM as execve needs it: a path with a '/' as given, else the first executable on PATH.
+std::string resolve_program(const std::string& program) {
+  namespace fs = std::filesystem;
+  auto executable = [](const fs::path& p) {
+    std::error_code ec;
+    return fs::is_regular_file(p, ec) && ::access(p.c_str(), X_OK) == 0;
+  };
+  if (program.find('/') != std::string::npos) {
+    if (!executable(program)) {
+      std::error_code ec;
+      throw Usage("the program '" + program + "' " +
+                  (fs::exists(program, ec) ? "is not an executable file" : "does not exist"));
+    }
+    return fs::absolute(program).string();
+  }
+  const char* path = std::getenv("PATH");
+  std::stringstream dirs(path ? path : "/usr/local/bin:/usr/bin:/bin");
+  for (std::string d; std::getline(dirs, d, ':');) {
+    const fs::path p = fs::path(d.empty() ? "." : d) / program;
+    if (executable(p)) return fs::absolute(p).string();
+  }
+  throw Usage("the program '" + program + "' was not found on PATH");
+}
+
+struct Raw {
+  std::string nproc = "1";
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  bool standalone = false;
+  int max_restarts = 0;
+  double monitor_interval = 0.1;
+  std::string log_dir;
+  bool tee = false;
+  std::string local_ranks_filter;
+  std::string run_id;
+  double rdzv_timeout = 900;
+};
+
+RunOptions validate(const Raw& raw, std::vector<std::string> command) {
+  RunOptions o;
+  if (raw.nproc == "auto") {
+    const int gpus = count_gpus();
+    o.nproc_per_node = gpus > 0 ? gpus : 1;
+    std::fprintf(stderr, "lockstep run: --nproc-per-node auto = %d (%s)\n", o.nproc_per_node,
+                 gpus > 0 ? "one per GPU" : "no GPU found");
+  } else {
+    const auto n = parse_int(raw.nproc);
+    if (!n || *n < 1 || *n > 4096) {
+      throw Usage("--nproc-per-node expects a positive integer or 'auto', got '" + raw.nproc + "'");
+    }
+    o.nproc_per_node = static_cast<int>(*n);
+  }
+  if (raw.nnodes < 1) throw Usage("--nnodes must be at least 1, got " + std::to_string(raw.nnodes));
+  if (raw.node_rank < 0 || raw.node_rank >= raw.nnodes) {
+    throw Usage("--node-rank must be in [0, --nnodes " + std::to_string(raw.nnodes) + "), got " +
+                std::to_string(raw.node_rank));
+  }
+  if (raw.standalone && raw.nnodes != 1) {
+    throw Usage("--standalone runs on one machine; it cannot be combined with --nnodes " +
+                std::to_string(raw.nnodes));
+  }
+  if (raw.master_port < 1 || raw.master_port > 65535) {
+    throw Usage("--master-port must be in [1, 65535], got " + std::to_string(raw.master_port));
+  }
+  if (raw.max_restarts < 0) throw Usage("--max-restarts must be >= 0");
+  if (!(raw.monitor_interval > 0)) throw Usage("--monitor-interval must be > 0 seconds");
+  if (!(raw.rdzv_timeout > 0)) throw Usage("--rdzv-timeout must be > 0 seconds");
+  if (raw.tee && raw.log_dir.empty()) throw Usage("--tee needs --log-dir");
+  o.nnodes = raw.nnodes;
+  o.node_rank = raw.node_rank;
+  o.master_addr = raw.standalone ? "127.0.0.1" : raw.master_addr;
+  o.master_port = raw.master_port;
+  o.standalone = raw.standalone;
+  o.max_restarts = raw.max_restarts;
+  o.monitor_interval_s = raw.monitor_interval;
+  o.log_dir = raw.log_dir;
+  o.tee = raw.tee;
+  o.rdzv_timeout_s = raw.rdzv_timeout;
+  if (!raw.local_ranks_filter.empty()) {
+    std::stringstream ss(raw.local_ranks_filter);
+    for (std::string item; std::getline(ss, item, ',');) {
+      const auto r = parse_int(item);
+      if (!r || *r < 0 || *r >= o.nproc_per_node) {
+        throw Usage("--local-ranks-filter expects local ranks in [0, " +
+                    std::to_string(o.nproc_per_node) + ") separated by commas, got '" +
+                    raw.local_ranks_filter + "'");
+      }
+      o.local_ranks_filter.push_back(static_cast<int>(*r));
+    }
+  }
+  // torchrun: "none" unless given; --standalone gets a fresh id of its own.
+  o.run_id = !raw.run_id.empty() ? raw.run_id
+             : raw.standalone    ? "standalone-" + std::to_string(::getpid())
+                                 : "none";
+  if (o.run_id.find('/') != std::string::npos) throw Usage("--run-id must not contain '/'");
+  if (!command.empty() && command.front() == "--") command.erase(command.begin());
+  if (command.empty()) throw Usage("no program given: lockstep run [options] PROGRAM [ARGS...]");
+  o.program = resolve_program(command.front());
+  o.args.assign(command.begin() + 1, command.end());
+  return o;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app("lockstep: data-parallel training in C++", "lockstep");
+  app.set_version_flag("--version", std::string("lockstep ") + LOCKSTEP_VERSION);
+  app.require_subcommand(1);
+  CLI::App* run = app.add_subcommand(
+      "run",
+      "Start PROGRAM as the workers of a distributed job on this machine (torchrun's options "
+      "and worker environment)");
+  run->prefix_command();  // everything from PROGRAM on belongs to the program
+  Raw raw;
+  auto env = [](const std::string& name) { return "LOCKSTEP_" + name; };
+  run->add_option("--nproc-per-node", raw.nproc,
+                  "workers on this machine: an integer, or auto (one per GPU, else 1)")
+      ->envname(env("NPROC_PER_NODE"))
+      ->capture_default_str();
+  run->add_option("--nnodes", raw.nnodes, "machines in the job")
+      ->envname(env("NNODES"))
+      ->capture_default_str();
+  run->add_option("--node-rank", raw.node_rank, "this machine's rank in [0, nnodes)")
+      ->envname(env("NODE_RANK"))
+      ->capture_default_str();
+  run->add_option("--master-addr", raw.master_addr, "address of node 0 (hosts the store)")
+      ->envname(env("MASTER_ADDR"))
+      ->capture_default_str();
+  run->add_option("--master-port", raw.master_port, "port of node 0's store")
+      ->envname(env("MASTER_PORT"))
+      ->capture_default_str();
+  run->add_flag("--standalone", raw.standalone,
+                "one machine: the store takes a free port (no clash possible)")
+      ->envname(env("STANDALONE"));
+  run->add_option("--max-restarts", raw.max_restarts,
+                  "restart the whole group this many times after a failure")
+      ->envname(env("MAX_RESTARTS"))
+      ->capture_default_str();
+  run->add_option("--monitor-interval", raw.monitor_interval,
+                  "seconds between checks of the other machines' state")
+      ->envname(env("MONITOR_INTERVAL"))
+      ->capture_default_str();
+  run->add_option("--log-dir", raw.log_dir,
+                  "write each rank's output to DIR/<run-id>/attempt_<n>/<rank>/{stdout,stderr}.log")
+      ->envname(env("LOG_DIR"));
+  run->add_flag("--tee", raw.tee, "with --log-dir: to the terminal as well")->envname(env("TEE"));
+  run->add_option("--local-ranks-filter", raw.local_ranks_filter,
+                  "comma-separated local ranks whose output reaches the terminal (default all)")
+      ->envname(env("LOCAL_RANKS_FILTER"));
+  run->add_option("--run-id", raw.run_id, "the job's id (the same on every machine)")
+      ->envname(env("RUN_ID"));
+  run->add_option("--rdzv-timeout", raw.rdzv_timeout,
+                  "seconds to wait for every machine to join (and to restart)")
+      ->envname(env("RDZV_TIMEOUT"))
+      ->capture_default_str();
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version
+    std::fprintf(stderr, "lockstep%s: %s\nRun 'lockstep run --help' for the options.\n",
+                 run->parsed() ? " run" : "", e.what());
+    return kExitUsage;
+  }
+  try {
+    const RunOptions opts = validate(raw, run->remaining());
+    return run_agent(opts);
+  } catch (const Usage& e) {
+    std::fprintf(stderr, "lockstep run: %s\n", e.what());
+    return kExitUsage;
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "lockstep run: %s\n", e.what());
+    return kExitUsage;
+  } catch (const lockstep::Error& e) {
+    std::fprintf(stderr, "lockstep run: %s\n", e.message().c_str());
+    return kExitJobFailed;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "lockstep run: %s\n", e.what());
+    return kExitJobFailed;
+  }
+}

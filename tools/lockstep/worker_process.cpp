@@ -1,0 +1,214 @@
+// Starting, reading and stopping one worker process.
+#include "worker_process.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "lockstep/error.h"
+
+namespace lockstep::launch {
+
+std::string signal_name(int sig) {
+  switch (sig) {
+    case SIGHUP:
+      return "SIGHUP";
+    case SIGINT:
+      return "SIGINT";
+    case SIGQUIT:
+      return "SIGQUIT";
+    case SIGILL:
+      return "SIGILL";
+    case SIGTRAP:
+      return "SIGTRAP";
+    case SIGABRT:
+      return "SIGABRT";
+    case SIGBUS:
+      return "SIGBUS";
+    case SIGFPE:
+      return "SIGFPE";
+    case SIGKILL:
+      return "SIGKILL";
+    case SIGUSR1:
+      return "SIGUSR1";
+    case SIGSEGV:
+      return "SIGSEGV";
+    case SIGUSR2:
+      return "SIGUSR2";
+    case SIGPIPE:
+      return "SIGPIPE";
+    case SIGALRM:
+      return "SIGALRM";
+    case SIGTERM:
+      return "SIGTERM";
+    case SIGXCPU:
+      return "SIGXCPU";
+    case SIGXFSZ:
+      return "SIGXFSZ";
+    case SIGSYS:
+      return "SIGSYS";
+    default:
+      return "signal " + std::to_string(sig);
+  }
+}
+
+std::string ExitStatus::str() const {
+  if (signaled) return "signal " + signal_name(signal) + " (" + std::to_string(signal) + ")";
+  return "exit code " + std::to_string(code);
+}
+
+void LineSplitter::feed(const char* data, size_t n) {
+  size_t start = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (data[i] == '\n') {
+      partial_.append(data + start, i - start);
+      sink_(partial_);
+      partial_.clear();
+      start = i + 1;
+    } else if (partial_.size() + (i - start) + 1 >= kMaxLine) {
+      partial_.append(data + start, i + 1 - start);
+      sink_(partial_);
+      partial_.clear();
+      start = i + 1;
+    }
+  }
+  partial_.append(data + start, n - start);
+}
+
+void LineSplitter::finish() {
+  if (!partial_.empty()) sink_(partial_);
+  partial_.clear();
+}
+
+namespace {
+
+// Writes a message to fd 2 from the forked child, where only async-signal-safe calls are
+// allowed.
+void child_fail(const char* what, const char* path) {
+  const int err = errno;
+  const char* reason = strerror(err);  // glibc's table lookup; no allocation
+  const char* parts[] = {"lockstep run: cannot ", what, " ", path, ": ", reason, "\n"};
+  for (const char* p : parts) {
+    ssize_t ignored = ::write(2, p, std::strlen(p));
+    (void)ignored;
+  }
+  _exit(127);
+}
+
+}  // namespace
+
+WorkerProcess::WorkerProcess(const WorkerSpec& spec) {
+  int out[2], err[2];
+  LS_CHECK(::pipe2(out, O_CLOEXEC) == 0, "pipe2: ", std::strerror(errno));
+  if (::pipe2(err, O_CLOEXEC) != 0) {
+    ::close(out[0]);
+    ::close(out[1]);
+    LS_THROW("pipe2: ", std::strerror(errno));
+  }
+  // Everything the child needs is built before fork(): after it, only async-signal-safe calls.
+  std::vector<char*> argv, envp;
+  std::string program = spec.program;
+  std::vector<std::string> args = spec.args, env = spec.env;
+  argv.push_back(program.data());
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  for (auto& e : env) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  const pid_t parent = ::getpid();
+
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::setpgid(0, 0);
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) _exit(127);  // the launcher died before prctl took effect
+    const int devnull = ::open("/dev/null", O_RDONLY);
+    if (devnull < 0 || ::dup2(devnull, 0) < 0 || ::dup2(out[1], 1) < 0 || ::dup2(err[1], 2) < 0) {
+      child_fail("set up the output of", argv[0]);
+    }
+    ::syscall(SYS_close_range, 3u, ~0u, 0u);  // the store's sockets, other workers' pipes
+    // The launcher blocks and ignores signals for its own loop; the program starts clean.
+    sigset_t none;
+    sigemptyset(&none);
+    ::sigprocmask(SIG_SETMASK, &none, nullptr);
+    ::signal(SIGPIPE, SIG_DFL);
+    ::signal(SIGINT, SIG_DFL);
+    ::signal(SIGTERM, SIG_DFL);
+    ::execve(argv[0], argv.data(), envp.data());
+    child_fail("run", argv[0]);
+  }
+  const int fork_errno = errno;
+  ::close(out[1]);
+  ::close(err[1]);
+  if (pid < 0) {
+    ::close(out[0]);
+    ::close(err[0]);
+    LS_THROW("fork for ", spec.program, ": ", std::strerror(fork_errno));
+  }
+  ::setpgid(pid, pid);  // also from here, so that signal_group() works before the child runs
+  pid_ = pid;
+  out_fd_ = out[0];
+  err_fd_ = err[0];
+  ::fcntl(out_fd_, F_SETFL, ::fcntl(out_fd_, F_GETFL) | O_NONBLOCK);
+  ::fcntl(err_fd_, F_SETFL, ::fcntl(err_fd_, F_GETFL) | O_NONBLOCK);
+}
+
+WorkerProcess::~WorkerProcess() {
+  if (out_fd_ >= 0) ::close(out_fd_);
+  if (err_fd_ >= 0) ::close(err_fd_);
+  if (!status_ && pid_ > 0) {
+    // Not reaped yet: the agent's shutdown path kills before it destroys, so this is a safety
+    // net for error paths. Never leave a process behind.
+    signal_group(SIGKILL);
+    int st = 0;
+    ::waitpid(pid_, &st, 0);
+  }
+}
+
+bool WorkerProcess::drain(int fd, LineSplitter& splitter) {
+  char buf[16384];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n > 0) {
+      splitter.feed(buf, static_cast<size_t>(n));
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+    // End of file (or an error that ends the stream).
+    splitter.finish();
+    ::close(fd);
+    if (fd == out_fd_) out_fd_ = -1;
+    if (fd == err_fd_) err_fd_ = -1;
+    return false;
+  }
+}
+
+std::optional<ExitStatus> WorkerProcess::poll_exit() {
+  if (status_) return status_;
+  int st = 0;
+  const pid_t r = ::waitpid(pid_, &st, WNOHANG);
+  if (r != pid_) return std::nullopt;
+  ExitStatus s;
+  if (WIFSIGNALED(st)) {
+    s.signaled = true;
+    s.signal = WTERMSIG(st);
+  } else {
+    s.code = WEXITSTATUS(st);
+  }
+  status_ = s;
+  // The worker is gone; its children (same process group) must not outlive it.
+  ::kill(-pid_, SIGKILL);
+  return status_;
+}
+
+void WorkerProcess::signal_group(int sig) {
+  if (pid_ > 0) ::kill(-pid_, sig);
+}
+
+}  // namespace lockstep::launch

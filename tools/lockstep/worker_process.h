@@ -1,0 +1,81 @@
+// One worker process of `lockstep run`: started in its own process group with its output on
+// pipes, read back line by line, stopped with its whole process group.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace lockstep::launch {
+
+// How a worker ended, as waitpid() reported it.
+struct ExitStatus {
+  bool signaled = false;
+  int code = 0;    // exit code when !signaled
+  int signal = 0;  // terminating signal when signaled
+  bool ok() const { return !signaled && code == 0; }
+  std::string str() const;  // "exit code 3" / "signal SIGKILL (9)"
+};
+
+// "SIGKILL" for 9, "signal 42" for what has no name.
+std::string signal_name(int sig);
+
+// Lines a worker wrote on one stream. `sink` receives each whole line (without '\n'); a line
+// longer than kMaxLine is cut into pieces of that size, and a last line without a newline is
+// delivered at end of file.
+class LineSplitter {
+ public:
+  static constexpr size_t kMaxLine = 64 * 1024;
+  using Sink = std::function<void(const std::string& line)>;
+  explicit LineSplitter(Sink sink) : sink_(std::move(sink)) {}
+  void feed(const char* data, size_t n);
+  void finish();
+
+ private:
+  Sink sink_;
+  std::string partial_;
+};
+
+struct WorkerSpec {
+  std::string program;            // absolute path
+  std::vector<std::string> args;  // argv[1..]
+  std::vector<std::string> env;   // "NAME=value", complete
+};
+
+class WorkerProcess {
+ public:
+  // Starts the process (fork + exec): its own process group, stdin from /dev/null, stdout and
+  // stderr to pipes, killed by the kernel if the launcher dies (PR_SET_PDEATHSIG). Throws
+  // lockstep::Error when it cannot be started; a program that fails to exec exits 127 with the
+  // reason on its stderr.
+  explicit WorkerProcess(const WorkerSpec& spec);
+  ~WorkerProcess();
+  WorkerProcess(const WorkerProcess&) = delete;
+  WorkerProcess& operator=(const WorkerProcess&) = delete;
+
+  pid_t pid() const { return pid_; }
+  int stdout_fd() const { return out_fd_; }
+  int stderr_fd() const { return err_fd_; }
+  // Reads what is available on `fd` (one of the two above) into `splitter`; closes the fd at end
+  // of file. Returns false once the stream is closed.
+  bool drain(int fd, LineSplitter& splitter);
+  bool streams_open() const { return out_fd_ >= 0 || err_fd_ >= 0; }
+
+  // Non-blocking: the exit status once the process has exited (and been reaped).
+  std::optional<ExitStatus> poll_exit();
+  const std::optional<ExitStatus>& exit_status() const { return status_; }
+  // Sends `sig` to the worker's whole process group (its children too).
+  void signal_group(int sig);
+
+ private:
+  pid_t pid_ = -1;
+  int out_fd_ = -1, err_fd_ = -1;
+  std::optional<ExitStatus> status_;
+};
+
+}  // namespace lockstep::launch
