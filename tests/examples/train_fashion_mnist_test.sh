@@ -2,10 +2,11 @@
 # Checks examples/train_fashion_mnist end to end on the real Fashion-MNIST data: a shortened run
 # of each model must learn (test accuracy far above chance), bad input must exit with code 2 and
 # say why, and --save must write a loadable safetensors file.
-# Usage: train_fashion_mnist_test.sh <path-to-train_fashion_mnist> <case>
+# Usage: train_fashion_mnist_test.sh <path-to-train_fashion_mnist> <case> [<path-to-lockstep>]
 set -uo pipefail
 exe=$1
 case_name=$2
+tool=${3:-}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 fail() { echo "FAIL: $*"; exit 1; }
@@ -73,6 +74,20 @@ case "$case_name" in
     [ -s "$work/ddp.safetensors" ] || fail "rank 0 wrote no checkpoint"
     last=$(tail -n 1 "$work/rank0")
     [[ "$last" =~ ^final\ test_accuracy=([0-9.]+) ]] || fail "last line: $last"
+    awk -v a="${BASH_REMATCH[1]}" 'BEGIN { exit !(a >= 0.70) }' || fail "accuracy ${BASH_REMATCH[1]}"
+    ;;
+  demo)
+    # What `make demo` runs, shortened: DDP on 2 processes through `lockstep run --standalone`;
+    # only rank 0's lines reach the terminal, prefixed with its rank.
+    [ -x "$tool" ] || fail "no lockstep binary given"
+    "$tool" run --standalone --nproc-per-node 2 "$exe" --log-every 0 --max-steps 150 \
+      > "$work/out" 2> "$work/err" || { cat "$work/out" "$work/err"; fail "lockstep run failed"; }
+    cat "$work/out" "$work/err"
+    grep -q "^\[rank0\]: model=mlp .* world_size=2 global_batch=128" "$work/out" \
+      || fail "no header line from rank 0"
+    ! grep -q "^\[rank1\]" "$work/out" || fail "rank 1 printed to stdout"
+    last=$(tail -n 1 "$work/out")
+    [[ "$last" =~ ^\[rank0\]:\ final\ test_accuracy=([0-9.]+) ]] || fail "last line: $last"
     awk -v a="${BASH_REMATCH[1]}" 'BEGIN { exit !(a >= 0.70) }' || fail "accuracy ${BASH_REMATCH[1]}"
     ;;
   *) fail "unknown case $case_name" ;;
