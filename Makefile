@@ -2,7 +2,7 @@
 PRESET ?= release
 JOBS ?= $(shell nproc)
 
-.PHONY: deps build test test-asan bench train clean
+.PHONY: deps build test test-asan bench train demo clean
 
 deps:
 	bash scripts/install-deps.sh
@@ -21,6 +21,12 @@ test-asan:
 # make train ARGS="--model cnn --epochs 2").
 train: build
 	./build/$(PRESET)/examples/train_fashion_mnist $(ARGS)
+
+# The main job, distributed: Fashion-MNIST with DDP on 2 processes through the launcher (one
+# epoch of the MLP unless ARGS says otherwise); rank 0 prints the final accuracy.
+demo: build
+	./build/$(PRESET)/tools/lockstep run --standalone --nproc-per-node 2 \
+	  ./build/$(PRESET)/examples/train_fashion_mnist $(ARGS)
 
 bench: build
 	bash scripts/run-bench.sh build/$(PRESET)
