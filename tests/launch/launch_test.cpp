@@ -1,0 +1,475 @@
+// `lockstep run` end to end: the real launcher (tools/lockstep) starts launch_worker
+// (tests/launch/worker) on this machine; the tests check what the contract promises: the
+// workers' environment, prefixed whole lines of output, log files, exit codes, the failure
+// summary, restarts, that nothing is left running after a failure or a signal, several agents
+// forming one job, and a DDP run.
+#include <unistd.h>
+
+#include <algorithm>
+#include <regex>
+#include <set>
+
+#include <gmock/gmock.h>
+
+#include "launch/launcher_process.h"
+
+using namespace lockstep::testing::launch;
+using ::testing::ContainsRegex;
+using ::testing::HasSubstr;
+using ::testing::Ne;
+using ::testing::Not;
+
+namespace {
+
+class Launcher : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    std::string name = std::string(info->test_suite_name()) + "." + info->name();
+    std::replace(name.begin(), name.end(), '/', '_');
+    dir_ = fs::path(::testing::TempDir()) / ("launch_" + std::to_string(::getpid()) + "_" + name);
+    fs::remove_all(dir_);
+    out_ = dir_ / "out";
+    pids_ = dir_ / "pids";
+    fs::create_directories(out_);
+    fs::create_directories(pids_);
+  }
+  void TearDown() override {
+    kill_leftovers(pids_);
+    if (!HasFailure()) fs::remove_all(dir_);
+  }
+  // Makes every worker record its pid and its grandchild's in pids_.
+  std::vector<std::string> pid_env() const {
+    return {std::string(kPidDirEnv) + "=" + pids_.string()};
+  }
+
+  fs::path dir_, out_, pids_;
+};
+
+// The launcher's own lines on stderr: everything but workers' forwarded output.
+std::string own_lines(const std::string& err) {
+  std::string own;
+  for (const auto& line : split_lines(err)) {
+    if (line.rfind("[rank", 0) != 0) own += line + "\n";
+  }
+  return own;
+}
+
+// own_lines without the lines that quote a worker's output, which itself names its rank.
+std::string summary_lines(const std::string& err) {
+  std::string s;
+  for (const auto& line : split_lines(own_lines(err))) {
+    if (line.find("words of rank") == std::string::npos &&
+        line.find("output of rank") == std::string::npos &&
+        line.find("kills itself") == std::string::npos) {
+      s += line + "\n";
+    }
+  }
+  return s;
+}
+
+std::string omp_threads_for(int nproc) {
+  return std::to_string(std::max<long>(1, ::sysconf(_SC_NPROCESSORS_ONLN) / nproc));
+}
+
+TEST_F(Launcher, PrintsVersionAndHelp) {
+  const Outcome v = run_launcher({"--version"}, dir_, "version");
+  EXPECT_TRUE(v.exited_with(0)) << v.describe();
+  EXPECT_THAT(v.out, HasSubstr("lockstep 0.1.0")) << v.describe();
+  const Outcome h = run_launcher({"run", "--help"}, dir_, "help");
+  EXPECT_TRUE(h.exited_with(0)) << h.describe();
+  EXPECT_THAT(h.out + h.err, HasSubstr("--nproc-per-node")) << h.describe();
+}
+
+// Bad input: exit code 2, a `lockstep run: ` line naming the problem, and no worker started.
+void expect_usage_error(const Outcome& o, const fs::path& out_dir,
+                        const std::vector<std::string>& needles) {
+  EXPECT_TRUE(o.exited_with(2)) << o.describe();
+  bool named = false;
+  for (const auto& line : split_lines(o.err)) {
+    if (line.rfind("lockstep run: ", 0) != 0) continue;
+    bool all = true;
+    for (const auto& n : needles) all = all && line.find(n) != std::string::npos;
+    named = named || all;
+  }
+  EXPECT_TRUE(named) << "no line starting with 'lockstep run: ' names "
+                     << ::testing::PrintToString(needles) << "\n"
+                     << o.describe();
+  EXPECT_TRUE(dir_is_empty(out_dir)) << "a worker ran";
+  EXPECT_THAT(o.out + o.err, Not(HasSubstr("[rank"))) << o.describe();
+}
+
+TEST_F(Launcher, MissingProgramIsAUsageError) {
+  const Outcome o = run_launcher(
+      {"run", "--standalone", "--nproc-per-node", "2", "lockstep_no_such_program", "x"}, dir_,
+      "launch");
+  expect_usage_error(o, out_, {"lockstep_no_such_program"});
+}
+
+TEST_F(Launcher, NodeRankNotBelowNnodesIsAUsageError) {
+  const Outcome o =
+      run_launcher({"run", "--nnodes", "2", "--node-rank", "2", "--nproc-per-node", "1",
+                    "--master-port", std::to_string(free_port()), kWorker, "env", out_.string()},
+                   dir_, "launch");
+  expect_usage_error(o, out_, {"node-rank"});
+}
+
+TEST_F(Launcher, NonNumericNprocPerNodeIsAUsageError) {
+  const Outcome o = run_launcher(
+      {"run", "--standalone", "--nproc-per-node", "abc", kWorker, "env", out_.string()}, dir_,
+      "launch");
+  expect_usage_error(o, out_, {"abc"});
+}
+
+TEST_F(Launcher, MasterPortInUseIsAUsageError) {
+  // Hold the port with a listening socket on every address.
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_ANY);
+  socklen_t len = sizeof(a);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  ASSERT_EQ(::listen(fd, 4), 0);
+  ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  const std::string port = std::to_string(ntohs(a.sin_port));
+  const Outcome o = run_launcher(
+      {"run", "--nproc-per-node", "2", "--master-port", port, kWorker, "env", out_.string()}, dir_,
+      "launch");
+  ::close(fd);
+  expect_usage_error(o, out_, {port, "in use"});
+}
+
+TEST_F(Launcher, EveryRankGetsItsEnvironment) {
+  const Outcome o =
+      run_launcher({"run", "--standalone", "--nproc-per-node", "3", kWorker, "env", out_.string()},
+                   dir_, "launch");
+  ASSERT_TRUE(o.exited_with(0)) << o.describe();
+  const auto reports = read_env_reports(out_);
+  ASSERT_EQ(reports.size(), 3u) << o.describe();
+  const EnvReport& first = reports.begin()->second;
+  std::set<std::string> error_files;
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_TRUE(reports.count(r)) << "no report of rank " << r;
+    EnvReport e = reports.at(r);
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_EQ(e["RANK"], std::to_string(r));
+    EXPECT_EQ(e["LOCAL_RANK"], std::to_string(r));
+    EXPECT_EQ(e["WORLD_SIZE"], "3");
+    EXPECT_EQ(e["LOCAL_WORLD_SIZE"], "3");
+    EXPECT_EQ(e["GROUP_RANK"], "0");
+    EXPECT_THAT(e["MASTER_ADDR"], Ne(""));
+    EXPECT_EQ(e["MASTER_ADDR"], first.at("MASTER_ADDR"));
+    EXPECT_THAT(e["MASTER_PORT"], ContainsRegex("^[1-9][0-9]*$"));
+    EXPECT_EQ(e["MASTER_PORT"], first.at("MASTER_PORT"));
+    EXPECT_EQ(e["LOCKSTEP_RESTART_COUNT"], "0");
+    EXPECT_EQ(e["LOCKSTEP_MAX_RESTARTS"], "0");
+    EXPECT_THAT(e["LOCKSTEP_RUN_ID"], Ne(""));
+    EXPECT_EQ(e["LOCKSTEP_RUN_ID"], first.at("LOCKSTEP_RUN_ID"));
+    EXPECT_EQ(e["OMP_NUM_THREADS"], omp_threads_for(3));
+    EXPECT_EQ(e["LOCKSTEP_USE_AGENT_STORE"], "1");
+    EXPECT_THAT(e["LOCKSTEP_STORE_TOKEN"], Ne(""));
+    EXPECT_EQ(e["LOCKSTEP_STORE_TOKEN"], first.at("LOCKSTEP_STORE_TOKEN"));
+    EXPECT_THAT(e["LOCKSTEP_ERROR_FILE"], Ne(""));
+    error_files.insert(e["LOCKSTEP_ERROR_FILE"]);
+  }
+  EXPECT_EQ(error_files.size(), 3u) << "ranks share an error file";
+}
+
+TEST_F(Launcher, PassesTheUsersOmpNumThreadsThrough) {
+  const Outcome o =
+      run_launcher({"run", "--standalone", "--nproc-per-node", "2", kWorker, "env", out_.string()},
+                   dir_, "launch", {"OMP_NUM_THREADS=5"});
+  ASSERT_TRUE(o.exited_with(0)) << o.describe();
+  const auto reports = read_env_reports(out_);
+  ASSERT_EQ(reports.size(), 2u) << o.describe();
+  for (auto [r, e] : reports) EXPECT_EQ(e["OMP_NUM_THREADS"], "5") << "rank " << r;
+}
+
+TEST_F(Launcher, ReadsOptionsFromTheEnvironment) {
+  const std::string port = std::to_string(free_port());
+  const Outcome o = run_launcher({"run", kWorker, "env", out_.string()}, dir_, "launch",
+                                 {"LOCKSTEP_NPROC_PER_NODE=2", "LOCKSTEP_MASTER_PORT=" + port,
+                                  "LOCKSTEP_RUN_ID=from-env", "LOCKSTEP_MAX_RESTARTS=3"});
+  ASSERT_TRUE(o.exited_with(0)) << o.describe();
+  const auto reports = read_env_reports(out_);
+  EXPECT_EQ(reports.size(), 2u) << o.describe();
+  for (auto [r, e] : reports) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_EQ(e["WORLD_SIZE"], "2");
+    EXPECT_EQ(e["MASTER_PORT"], port);
+    EXPECT_EQ(e["LOCKSTEP_RUN_ID"], "from-env");
+    EXPECT_EQ(e["LOCKSTEP_MAX_RESTARTS"], "3");
+  }
+}
+
+// Everything after PROGRAM belongs to the program, options included; `--` marks PROGRAM too.
+TEST_F(Launcher, PassesProgramArgumentsThrough) {
+  const Outcome o = run_launcher({"run", "--standalone", "--nproc-per-node", "1", kWorker, "env",
+                                  out_.string(), "--nproc-per-node", "4", "x"},
+                                 dir_, "plain");
+  ASSERT_TRUE(o.exited_with(0)) << o.describe();
+  auto reports = read_env_reports(out_);
+  ASSERT_EQ(reports.size(), 1u) << o.describe();
+  EXPECT_EQ(reports[0]["ARGS"], "--nproc-per-node 4 x");
+  fs::remove_all(out_);
+  fs::create_directories(out_);
+  const Outcome d = run_launcher({"run", "--standalone", "--nproc-per-node", "1", "--", kWorker,
+                                  "env", out_.string(), "--tee"},
+                                 dir_, "dashes");
+  ASSERT_TRUE(d.exited_with(0)) << d.describe();
+  reports = read_env_reports(out_);
+  ASSERT_EQ(reports.size(), 1u) << d.describe();
+  EXPECT_EQ(reports[0]["ARGS"], "--tee");
+}
+
+TEST_F(Launcher, PrefixesEveryLineWithItsRank) {
+  const Outcome o =
+      run_launcher({"run", "--standalone", "--nproc-per-node", "2", kWorker, "env", out_.string()},
+                   dir_, "launch");
+  ASSERT_TRUE(o.exited_with(0)) << o.describe();
+  auto out = split_lines(o.out);
+  std::sort(out.begin(), out.end());
+  EXPECT_THAT(out,
+              ::testing::ElementsAre("[rank0]: hello from rank 0", "[rank1]: hello from rank 1"))
+      << o.describe();
+  // stderr to stderr.
+  EXPECT_EQ(count_lines_with(o.err, "[rank0]: env of rank 0 written"), 1u) << o.describe();
+  EXPECT_EQ(count_lines_with(o.err, "[rank1]: env of rank 1 written"), 1u) << o.describe();
+}
+
+TEST_F(Launcher, LinesOfRanksNeverInterleave) {
+  constexpr int kLines = 300;
+  const Outcome o = run_launcher(
+      {"run", "--standalone", "--nproc-per-node", "2", kWorker, "lines", std::to_string(kLines)},
+      dir_, "launch");
+  ASSERT_TRUE(o.exited_with(0)) << o.describe();
+  const std::regex whole(R"(^\[rank(\d)\]: \1:(\d+):\1{200}$)");
+  std::map<int, int> next;  // rank -> the line index expected next
+  int bad = 0;
+  for (const auto& line : split_lines(o.out)) {
+    std::smatch m;
+    if (!std::regex_match(line, m, whole)) {
+      if (++bad <= 3) ADD_FAILURE() << "not one whole line of one rank: " << line;
+      continue;
+    }
+    const int r = std::stoi(m[1]);
+    EXPECT_EQ(std::stoi(m[2]), next[r]) << "rank " << r << "'s lines out of order";
+    next[r] = std::stoi(m[2]) + 1;
+  }
+  EXPECT_EQ(bad, 0);
+  EXPECT_EQ(next[0], kLines);
+  EXPECT_EQ(next[1], kLines);
+}
+
+TEST_F(Launcher, FailedWorkerStopsEveryProcessAndIsSummarized) {
+  const Outcome o =
+      run_launcher({"run", "--standalone", "--nproc-per-node", "2", kWorker, "exit", "3"}, dir_,
+                   "launch", pid_env());
+  EXPECT_TRUE(o.exited_with(1)) << o.describe();
+  const std::string summary = summary_lines(o.err);
+  EXPECT_THAT(summary, HasSubstr("rank 1")) << o.describe();
+  EXPECT_THAT(summary, HasSubstr("node 0")) << o.describe();
+  EXPECT_THAT(summary, HasSubstr("exit code 3")) << o.describe();
+  EXPECT_THAT(summary, ContainsRegex("[0-9][0-9]:[0-9][0-9]:[0-9][0-9]")) << "no time\n"
+                                                                          << o.describe();
+  // Once forwarded, and at least once more quoted in the summary.
+  EXPECT_GE(count_lines_with(o.err, "last words of rank 1"), 2u) << o.describe();
+  // Both workers and both grandchildren.
+  EXPECT_EQ(recorded_pids(pids_).size(), 4u);
+  EXPECT_EQ(leftovers(pids_), "");
+}
+
+TEST_F(Launcher, WorkerKilledBySignalIsSummarized) {
+  const Outcome o =
+      run_launcher({"run", "--standalone", "--nproc-per-node", "2", kWorker, "sigkill"}, dir_,
+                   "launch", pid_env());
+  EXPECT_TRUE(o.exited_with(1)) << o.describe();
+  const std::string summary = summary_lines(o.err);
+  EXPECT_THAT(summary, HasSubstr("rank 1")) << o.describe();
+  EXPECT_THAT(summary, HasSubstr("SIGKILL")) << o.describe();
+  EXPECT_EQ(recorded_pids(pids_).size(), 4u);
+  EXPECT_EQ(leftovers(pids_), "");
+}
+
+TEST_F(Launcher, UncaughtExceptionReachesTheSummary) {
+  const Outcome o = run_launcher({"run", "--standalone", "--nproc-per-node", "2", kWorker, "throw"},
+                                 dir_, "launch");
+  EXPECT_TRUE(o.exited_with(1)) << o.describe();
+  // Not only in the worker's forwarded output (the default terminate handler prints it too).
+  EXPECT_THAT(own_lines(o.err), HasSubstr("boom from rank 1")) << o.describe();
+}
+
+TEST_F(Launcher, RestartsTheGroupAfterAFailure) {
+  const Outcome o = run_launcher({"run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+                                  "2", kWorker, "fail-first"},
+                                 dir_, "launch");
+  EXPECT_TRUE(o.exited_with(0)) << o.describe();
+  EXPECT_THAT(o.out, HasSubstr("[rank0]: restart count 1")) << o.describe();
+  EXPECT_THAT(o.out, HasSubstr("[rank1]: restart count 1")) << o.describe();
+  EXPECT_THAT(o.out, Not(HasSubstr("restart count 2"))) << o.describe();
+}
+
+TEST_F(Launcher, GivesUpWhenNoRestartRemains) {
+  const fs::path logs = dir_ / "logs";
+  const Outcome o =
+      run_launcher({"run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                    "--log-dir", logs.string(), "--run-id", "giveup", kWorker, "exit", "3"},
+                   dir_, "launch");
+  EXPECT_TRUE(o.exited_with(1)) << o.describe();
+  EXPECT_TRUE(fs::is_directory(logs / "giveup" / "attempt_0"));
+  EXPECT_TRUE(fs::is_directory(logs / "giveup" / "attempt_1"));
+  EXPECT_FALSE(fs::exists(logs / "giveup" / "attempt_2")) << "restarted more than --max-restarts";
+  EXPECT_THAT(read_text(logs / "giveup" / "attempt_1" / "1" / "stderr.log"),
+              HasSubstr("last words of rank 1 (stderr)"));
+}
+
+class LauncherSignal : public Launcher, public ::testing::WithParamInterface<int> {};
+
+TEST_P(LauncherSignal, StopsEveryWorkerAndExitsWith128PlusSignal) {
+  const int sig = GetParam();
+  const Launch l =
+      start_launcher({"run", "--standalone", "--nproc-per-node", "2", kWorker, "sleep"}, dir_,
+                     "launch", pid_env());
+  // Until both workers and their grandchildren run.
+  const auto deadline = std::chrono::steady_clock::now() + 60s;
+  while (recorded_pids(pids_).size() < 4 && running(l.pid) &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(20ms);
+  }
+  EXPECT_EQ(recorded_pids(pids_).size(), 4u);
+  ::kill(l.pid, sig);
+  const Outcome o = wait_launcher(l);
+  EXPECT_TRUE(o.exited_with(128 + sig)) << o.describe();
+  EXPECT_EQ(leftovers(pids_), "");
+}
+
+INSTANTIATE_TEST_SUITE_P(Signals, LauncherSignal, ::testing::Values(SIGTERM, SIGINT),
+                         [](const auto& info) { return std::string(sigabbrev_np(info.param)); });
+
+TEST_F(Launcher, TwoStandaloneJobsRunSideBySide) {
+  const fs::path a = out_ / "a", b = out_ / "b";
+  fs::create_directories(a);
+  fs::create_directories(b);
+  const Launch la = start_launcher(
+      {"run", "--standalone", "--nproc-per-node", "2", kWorker, "env", a.string()}, dir_, "a");
+  const Launch lb = start_launcher(
+      {"run", "--standalone", "--nproc-per-node", "2", kWorker, "env", b.string()}, dir_, "b");
+  const Outcome oa = wait_launcher(la), ob = wait_launcher(lb);
+  ASSERT_TRUE(oa.exited_with(0)) << oa.describe();
+  ASSERT_TRUE(ob.exited_with(0)) << ob.describe();
+  auto ra = read_env_reports(a), rb = read_env_reports(b);
+  ASSERT_EQ(ra.size(), 2u);
+  ASSERT_EQ(rb.size(), 2u);
+  EXPECT_NE(ra[0]["MASTER_PORT"], rb[0]["MASTER_PORT"]);
+}
+
+// Two agents on one machine form a job of 2 nodes x 2 workers; node 1 starts first and waits.
+TEST_F(Launcher, TwoAgentsFormOneJob) {
+  const std::string port = std::to_string(free_port());
+  auto args = [&](const char* node) {
+    return std::vector<std::string>{
+        "run",  //
+        "--nnodes",      "2",         "--node-rank",   node, "--nproc-per-node", "2",
+        "--master-addr", "127.0.0.1", "--master-port", port, "--run-id",         "two-agents",
+        kWorker,         "env",       out_.string()};
+  };
+  const Launch l1 = start_launcher(args("1"), dir_, "node1");
+  std::this_thread::sleep_for(1s);
+  const Launch l0 = start_launcher(args("0"), dir_, "node0");
+  const Outcome o0 = wait_launcher(l0), o1 = wait_launcher(l1);
+  ASSERT_TRUE(o0.exited_with(0)) << o0.describe();
+  ASSERT_TRUE(o1.exited_with(0)) << o1.describe();
+  const auto reports = read_env_reports(out_);
+  ASSERT_EQ(reports.size(), 4u);
+  for (int r = 0; r < 4; ++r) {
+    ASSERT_TRUE(reports.count(r)) << "no report of rank " << r;
+    EnvReport e = reports.at(r);
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_EQ(e["RANK"], std::to_string(r));
+    EXPECT_EQ(e["LOCAL_RANK"], std::to_string(r % 2));
+    EXPECT_EQ(e["GROUP_RANK"], std::to_string(r / 2));
+    EXPECT_EQ(e["WORLD_SIZE"], "4");
+    EXPECT_EQ(e["LOCAL_WORLD_SIZE"], "2");
+    EXPECT_EQ(e["MASTER_ADDR"], "127.0.0.1");
+    EXPECT_EQ(e["MASTER_PORT"], port);
+    EXPECT_EQ(e["LOCKSTEP_RUN_ID"], "two-agents");
+  }
+  EXPECT_THAT(o0.out, HasSubstr("[rank1]: hello from rank 1"));
+  EXPECT_THAT(o1.out, HasSubstr("[rank2]: hello from rank 2"));
+  EXPECT_THAT(o1.out, HasSubstr("[rank3]: hello from rank 3"));
+}
+
+TEST_F(Launcher, MissingNodeFailsTheRendezvous) {
+  const Outcome o = run_launcher(
+      {"run", "--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1", "--master-port",
+       std::to_string(free_port()), "--rdzv-timeout", "2", kWorker, "env", out_.string()},
+      dir_, "launch");
+  EXPECT_TRUE(WIFEXITED(o.status) && WEXITSTATUS(o.status) != 0) << o.describe();
+  // A line that says node rank 1 is missing.
+  const std::regex missing("missing", std::regex::icase), one(R"(\b1\b)");
+  bool named = false;
+  for (const auto& line : split_lines(o.err)) {
+    named = named || (std::regex_search(line, missing) && std::regex_search(line, one));
+  }
+  EXPECT_TRUE(named) << o.describe();
+  EXPECT_TRUE(dir_is_empty(out_)) << "a worker ran without the whole job";
+}
+
+TEST_F(Launcher, LogDirWithTeeWritesFilesAndTerminal) {
+  const fs::path logs = dir_ / "logs";
+  const Outcome o =
+      run_launcher({"run", "--standalone", "--nproc-per-node", "2", "--log-dir", logs.string(),
+                    "--tee", "--run-id", "teed", kWorker, "env", out_.string()},
+                   dir_, "launch");
+  ASSERT_TRUE(o.exited_with(0)) << o.describe();
+  for (int r = 0; r < 2; ++r) {
+    const std::string rs = std::to_string(r);
+    const fs::path d = logs / "teed" / "attempt_0" / rs;
+    EXPECT_EQ(read_text(d / "stdout.log"), "hello from rank " + rs + "\n") << d;
+    EXPECT_EQ(read_text(d / "stderr.log"), "env of rank " + rs + " written\n") << d;
+    EXPECT_THAT(o.out, HasSubstr("[rank" + rs + "]: hello from rank " + rs)) << o.describe();
+    EXPECT_THAT(o.err, HasSubstr("[rank" + rs + "]: env of rank " + rs + " written"))
+        << o.describe();
+  }
+}
+
+TEST_F(Launcher, LogDirWithoutTeeWritesOnlyFiles) {
+  const fs::path logs = dir_ / "logs";
+  const Outcome o =
+      run_launcher({"run", "--standalone", "--nproc-per-node", "2", "--log-dir", logs.string(),
+                    "--run-id", "quiet", kWorker, "env", out_.string()},
+                   dir_, "launch");
+  ASSERT_TRUE(o.exited_with(0)) << o.describe();
+  EXPECT_THAT(o.out + o.err, Not(HasSubstr("[rank"))) << o.describe();
+  for (int r = 0; r < 2; ++r) {
+    const std::string rs = std::to_string(r);
+    const fs::path d = logs / "quiet" / "attempt_0" / rs;
+    EXPECT_EQ(read_text(d / "stdout.log"), "hello from rank " + rs + "\n") << d;
+    EXPECT_EQ(read_text(d / "stderr.log"), "env of rank " + rs + " written\n") << d;
+  }
+}
+
+TEST_F(Launcher, LocalRanksFilterShowsOnlyThoseRanks) {
+  const Outcome o = run_launcher({"run", "--standalone", "--nproc-per-node", "2",
+                                  "--local-ranks-filter", "1", kWorker, "env", out_.string()},
+                                 dir_, "launch");
+  ASSERT_TRUE(o.exited_with(0)) << o.describe();
+  EXPECT_EQ(read_env_reports(out_).size(), 2u) << "rank 0 must still run";
+  EXPECT_THAT(split_lines(o.out), ::testing::ElementsAre("[rank1]: hello from rank 1"))
+      << o.describe();
+  EXPECT_THAT(o.err, HasSubstr("[rank1]: env of rank 1 written")) << o.describe();
+  EXPECT_THAT(o.err, Not(HasSubstr("[rank0]"))) << o.describe();
+}
+
+TEST_F(Launcher, DdpRanksEndWithIdenticalParameters) {
+  const Outcome o = run_launcher(
+      {"run", "--standalone", "--nproc-per-node", "2", kWorker, "ddp", out_.string(), "5"}, dir_,
+      "launch");
+  ASSERT_TRUE(o.exited_with(0)) << o.describe();
+  const std::string h0 = read_text(out_ / "rank0.hash"), h1 = read_text(out_ / "rank1.hash");
+  EXPECT_THAT(h0, ContainsRegex("^[0-9]+\n$"));
+  EXPECT_EQ(h0, h1) << "the ranks' parameters differ after DDP training";
+}
+
+}  // namespace

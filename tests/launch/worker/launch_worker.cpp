@@ -1,0 +1,224 @@
+// The program that tests/launch starts under `lockstep run`: argv[1] picks what a worker does
+// (report its environment, fail, die by a signal, sleep, flood its output, throw, train with DDP).
+//
+// With LAUNCH_TEST_PID_DIR set, every worker first records its pid and the pid of one grandchild
+// (`sleep 300`, in the worker's process group) as <dir>/<pid>.pid, so a test can check that the
+// launcher left nothing running. Ranks that are meant to fail wait until every local worker has
+// recorded its pids, so that the test knows how many processes to look for.
+#include <signal.h>
+#include <spawn.h>
+#include <unistd.h>
+
+extern char** environ;
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+#include "dist/ddp_helpers.h"
+#include "lockstep/dist/ddp.h"
+#include "lockstep/dist/error_file.h"
+#include "lockstep/dist/init.h"
+#include "lockstep/lockstep.h"
+
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+
+namespace {
+
+constexpr const char* kPidDirEnv = "LAUNCH_TEST_PID_DIR";
+// How long a failing rank waits before failing, so that the others are up and sleeping.
+constexpr auto kFailDelay = 300ms;
+constexpr auto kPidWait = 20s;
+// The variables `lockstep run` sets (or passes through) for a worker.
+constexpr const char* kReportedVars[] = {"RANK",
+                                         "LOCAL_RANK",
+                                         "WORLD_SIZE",
+                                         "LOCAL_WORLD_SIZE",
+                                         "GROUP_RANK",
+                                         "MASTER_ADDR",
+                                         "MASTER_PORT",
+                                         "LOCKSTEP_RESTART_COUNT",
+                                         "LOCKSTEP_MAX_RESTARTS",
+                                         "LOCKSTEP_RUN_ID",
+                                         "OMP_NUM_THREADS",
+                                         "LOCKSTEP_USE_AGENT_STORE",
+                                         "LOCKSTEP_STORE_TOKEN",
+                                         "LOCKSTEP_ERROR_FILE"};
+
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? std::atoi(v) : fallback;
+}
+
+// Writes `text` to `path` through a temporary name, so a reader never sees half a file.
+void write_file(const fs::path& path, const std::string& text) {
+  const fs::path tmp = path.string() + ".tmp";
+  std::ofstream(tmp) << text;
+  fs::rename(tmp, path);
+}
+
+void record_pid(const fs::path& dir, pid_t pid) {
+  write_file(dir / (std::to_string(pid) + ".pid"), std::to_string(pid) + "\n");
+}
+
+// Records this process and a `sleep 300` grandchild when LAUNCH_TEST_PID_DIR is set.
+void record_pids() {
+  const char* dir = std::getenv(kPidDirEnv);
+  if (dir == nullptr) return;
+  pid_t child = 0;
+  char sleep_name[] = "sleep", seconds[] = "300";
+  char* argv[] = {sleep_name, seconds, nullptr};
+  if (::posix_spawnp(&child, "sleep", nullptr, nullptr, argv, environ) != 0) {
+    std::fprintf(stderr, "launch_worker: cannot start sleep\n");
+    std::exit(90);
+  }
+  record_pid(dir, child);
+  record_pid(dir, ::getpid());
+}
+
+// Waits until every local worker recorded its two pids (or kPidWait passed).
+void wait_for_all_pids() {
+  const char* dir = std::getenv(kPidDirEnv);
+  if (dir == nullptr) return;
+  const auto want = static_cast<size_t>(2 * env_int("LOCAL_WORLD_SIZE", 1));
+  const auto deadline = std::chrono::steady_clock::now() + kPidWait;
+  while (std::chrono::steady_clock::now() < deadline) {
+    size_t n = 0;
+    for (const auto& e : fs::directory_iterator(dir)) n += e.path().extension() == ".pid";
+    if (n >= want) return;
+    std::this_thread::sleep_for(10ms);
+  }
+}
+
+// Ranks that are not the one failing wait here to be stopped by the launcher.
+int sleep_then_fail(std::chrono::seconds s) {
+  std::this_thread::sleep_for(s);
+  std::fprintf(stderr, "launch_worker: rank %d was not stopped within %lld s\n",
+               env_int("RANK", -1), static_cast<long long>(s.count()));
+  return 91;
+}
+
+int report_env(const fs::path& out_dir, int argc, char** argv) {
+  const int rank = env_int("RANK", -1);
+  std::string text;
+  for (const char* name : kReportedVars) {
+    if (const char* v = std::getenv(name)) text += std::string(name) + "=" + v + "\n";
+  }
+  std::string args;
+  for (int i = 3; i < argc; ++i) args += (i > 3 ? " " : "") + std::string(argv[i]);
+  text += "ARGS=" + args + "\n";
+  write_file(out_dir / ("rank" + std::to_string(rank) + ".env"), text);
+  std::printf("hello from rank %d\n", rank);
+  std::fprintf(stderr, "env of rank %d written\n", rank);
+  return 0;
+}
+
+// N lines of `R:i:` and 200 copies of the digit R, through stdio's buffer (which splits writes
+// at arbitrary points, not at line ends).
+int print_lines(int n) {
+  const int rank = env_int("RANK", 0);
+  const std::string body(200, static_cast<char>('0' + rank % 10));
+  for (int i = 0; i < n; ++i) std::printf("%d:%d:%s\n", rank, i, body.c_str());
+  return 0;
+}
+
+// FNV-1a over the bytes of every parameter.
+uint64_t params_hash(const lockstep::nn::Module& m) {
+  uint64_t h = 1469598103934665603ull;
+  for (const auto& p : m.parameters()) {
+    const lockstep::Tensor c = p.contiguous();
+    const auto* b = static_cast<const uint8_t*>(c.data_ptr());
+    const int64_t bytes = c.numel() * static_cast<int64_t>(lockstep::dtype_size(c.dtype()));
+    for (int64_t i = 0; i < bytes; ++i) h = (h ^ b[i]) * 1099511628211ull;
+  }
+  return h;
+}
+
+// Trains the DDP test MLP for `steps` steps on this rank's own data and writes its hash.
+int train_ddp(const fs::path& out_dir, int steps) {
+  using namespace lockstep;
+  using namespace lockstep::testing::ddp;
+  constexpr int64_t kBatch = 8;
+  dist::InitOptions io;
+  io.timeout = 60s;
+  auto pg = dist::init_process_group(io);
+  const int r = dist::rank();
+  auto model = std::make_shared<dist::DistributedDataParallel>(mlp(100 + r), pg);
+  optim::SGD opt(model->parameters(), {.lr = 0.1, .momentum = 0.9});
+  const Data data = make_data(steps * kBatch, 17 + r);
+  for (int s = 0; s < steps; ++s) {
+    opt.zero_grad();
+    cross_entropy(model->forward(data.x.narrow(0, s * kBatch, kBatch)),
+                  data.y.narrow(0, s * kBatch, kBatch))
+        .backward();
+    opt.step();
+  }
+  write_file(out_dir / ("rank" + std::to_string(r) + ".hash"),
+             std::to_string(params_hash(*model->module())) + "\n");
+  dist::destroy_process_group();
+  std::printf("rank %d trained %d steps\n", r, steps);
+  return 0;
+}
+
+int run(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: launch_worker MODE [ARGS...]\n");
+    return 64;
+  }
+  const std::string mode = argv[1];
+  const int rank = env_int("RANK", -1);
+  record_pids();
+  if (mode == "env" && argc >= 3) return report_env(argv[2], argc, argv);
+  if (mode == "exit" && argc >= 3) {
+    const int failing = argc >= 4 ? std::atoi(argv[3]) : 1;
+    if (rank != failing) return sleep_then_fail(60s);
+    wait_for_all_pids();
+    std::this_thread::sleep_for(kFailDelay);
+    std::printf("some output of rank %d\nlast words of rank %d (stdout)\n", rank, rank);
+    std::fprintf(stderr, "last words of rank %d (stderr)\n", rank);
+    std::fflush(stdout);
+    return std::atoi(argv[2]);
+  }
+  if (mode == "sigkill") {
+    if (rank != 1) return sleep_then_fail(60s);
+    wait_for_all_pids();
+    std::this_thread::sleep_for(kFailDelay);
+    std::printf("rank %d kills itself\n", rank);
+    std::fflush(stdout);
+    ::raise(SIGKILL);
+    return 92;
+  }
+  if (mode == "fail-first") {
+    const int restart = env_int("LOCKSTEP_RESTART_COUNT", -1);
+    if (restart == 0) {
+      if (rank != 0) return sleep_then_fail(60s);
+      std::this_thread::sleep_for(kFailDelay);
+      std::printf("rank %d fails on the first attempt\n", rank);
+      return 7;
+    }
+    std::printf("restart count %d\n", restart);
+    return 0;
+  }
+  if (mode == "sleep") return sleep_then_fail(120s);
+  if (mode == "lines" && argc >= 3) return print_lines(std::atoi(argv[2]));
+  if (mode == "throw") {
+    lockstep::dist::install_error_handler();
+    if (rank != 1) return sleep_then_fail(60s);
+    wait_for_all_pids();
+    std::this_thread::sleep_for(kFailDelay);
+    throw std::runtime_error("boom from rank " + std::to_string(rank));
+  }
+  if (mode == "ddp" && argc >= 4) return train_ddp(argv[2], std::atoi(argv[3]));
+  std::fprintf(stderr, "launch_worker: unknown mode or missing arguments: %s\n", mode.c_str());
+  return 64;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return run(argc, argv); }
