@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# `lockstep run` across two "machines": two network namespaces joined by a veth pair, one agent in
+# each (--nnodes 2), training the DDP test MLP for a few steps; both agents must exit 0 and both
+# ranks must end with identical parameters. Needs root (ip netns); without it the test fails.
+# Usage: two_machines.sh <path-to-lockstep> <path-to-launch_worker>
+set -uo pipefail
+tool=$1
+worker=$2
+fail() { echo "FAIL: $*"; exit 1; }
+
+[ "$(id -u)" -eq 0 ] || fail "needs root to create network namespaces (run as root)"
+command -v ip > /dev/null || fail "'ip' not found (install iproute2: scripts/install-deps.sh)"
+
+# Names unique to this run (interface names have at most 15 characters).
+id=$$
+ns0=lsn0_$id
+ns1=lsn1_$id
+veth0=lsv0_$id
+veth1=lsv1_$id
+subnet=10.231.$((id % 250 + 1))
+addr0=$subnet.1
+addr1=$subnet.2
+port=29555
+work=$(mktemp -d)
+cleanup() {
+  ip netns del "$ns0" 2> /dev/null
+  ip netns del "$ns1" 2> /dev/null
+  ip link del "$veth0" 2> /dev/null
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+ip netns add "$ns0" || fail "'ip netns add $ns0' failed (needs CAP_SYS_ADMIN)"
+ip netns add "$ns1" || fail "'ip netns add $ns1' failed"
+ip link add "$veth0" type veth peer name "$veth1" || fail "cannot create a veth pair"
+ip link set "$veth0" netns "$ns0" || fail "cannot move $veth0 into $ns0"
+ip link set "$veth1" netns "$ns1" || fail "cannot move $veth1 into $ns1"
+ip -n "$ns0" addr add "$addr0/24" dev "$veth0" || fail "cannot address $veth0"
+ip -n "$ns1" addr add "$addr1/24" dev "$veth1" || fail "cannot address $veth1"
+for ns in "$ns0" "$ns1"; do
+  ip -n "$ns" link set lo up || fail "cannot bring up lo in $ns"
+done
+ip -n "$ns0" link set "$veth0" up || fail "cannot bring up $veth0"
+ip -n "$ns1" link set "$veth1" up || fail "cannot bring up $veth1"
+
+mkdir -p "$work/out"
+# Node 1 first: its agent must wait for node 0's.
+for node in 1 0; do
+  ns_var=ns$node
+  timeout -k 10 240 ip netns exec "${!ns_var}" "$tool" run --nnodes 2 --node-rank "$node" \
+    --master-addr "$addr0" --master-port "$port" --nproc-per-node 1 --rdzv-timeout 120 \
+    "$worker" ddp "$work/out" 5 > "$work/node$node.log" 2>&1 &
+  pids[$node]=$!
+  sleep 1
+done
+status=0
+for node in 0 1; do
+  wait "${pids[$node]}"
+  rc=$?
+  echo "--- node $node (exit code $rc) ---"
+  cat "$work/node$node.log"
+  [ "$rc" -eq 0 ] || { echo "FAIL: node $node's agent exited $rc (124: hung)"; status=1; }
+done
+[ "$status" -eq 0 ] || exit 1
+
+h0=$(cat "$work/out/rank0.hash" 2> /dev/null)
+h1=$(cat "$work/out/rank1.hash" 2> /dev/null)
+[ -n "$h0" ] && [ -n "$h1" ] || fail "a rank wrote no parameter hash"
+[ "$h0" = "$h1" ] || fail "the ranks' parameters differ: $h0 vs $h1"
+# The ranks ran in different namespaces: rank 1 on node 1.
+grep -q "^\[rank1\]: rank 1 trained 5 steps" "$work/node1.log" || fail "rank 1 did not run on node 1"
+echo PASS
