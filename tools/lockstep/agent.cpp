@@ -238,8 +238,8 @@ void Agent::connect_store() {
       store_ = std::make_unique<dist::TCPStore>(so);
     } catch (const Error& e) {
       throw AgentError("node " + std::to_string(o_.node_rank) + " cannot reach node 0's store at " +
-                  o_.master_addr + ":" + std::to_string(o_.master_port) + " within " +
-                  std::to_string(static_cast<int>(o_.rdzv_timeout_s)) + " s: " + e.message());
+                       o_.master_addr + ":" + std::to_string(o_.master_port) + " within " +
+                       std::to_string(static_cast<int>(o_.rdzv_timeout_s)) + " s: " + e.message());
     }
   }
   store_port_ = store_->port();
@@ -263,9 +263,9 @@ void Agent::rendezvous() {
   const std::string me = "node" + std::to_string(o_.node_rank);
   if (store_->add(key(me + "/claims"), 1) > 1) {
     throw AgentError("another agent already joined as --node-rank " + std::to_string(o_.node_rank) +
-                " (host " + store_->get_string(key(me + "/host")) +
-                "); every machine needs its own --node-rank in [0, " + std::to_string(o_.nnodes) +
-                ")");
+                     " (host " + store_->get_string(key(me + "/host")) +
+                     "); every machine needs its own --node-rank in [0, " +
+                     std::to_string(o_.nnodes) + ")");
   }
   store_->set(key(me + "/host"), hostname());
   store_->set(key(me + "/nproc"), std::to_string(o_.nproc_per_node));
@@ -273,7 +273,8 @@ void Agent::rendezvous() {
   int sig = 0;
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(o_.rdzv_timeout_s * 1000));
   if (!wait_for_count(key("joined"), o_.nnodes, timeout, &sig)) {
-    if (sig != 0) throw AgentError("interrupted by " + signal_name(sig) + " while waiting for nodes");
+    if (sig != 0)
+      throw AgentError("interrupted by " + signal_name(sig) + " while waiting for nodes");
     std::string missing;
     int joined = 0;
     for (int r = 0; r < o_.nnodes; ++r) {
@@ -283,18 +284,18 @@ void Agent::rendezvous() {
         missing += (missing.empty() ? "" : ", ") + std::to_string(r);
       }
     }
-    throw AgentError("rendezvous timed out after " +
-                std::to_string(static_cast<int>(o_.rdzv_timeout_s)) +
-                " s: " + std::to_string(joined) + " of " + std::to_string(o_.nnodes) +
-                " nodes joined; missing node ranks: " + missing + " (started with --node-rank " +
-                "and the same --master-addr/--master-port/--run-id?)");
+    throw AgentError(
+        "rendezvous timed out after " + std::to_string(static_cast<int>(o_.rdzv_timeout_s)) +
+        " s: " + std::to_string(joined) + " of " + std::to_string(o_.nnodes) +
+        " nodes joined; missing node ranks: " + missing + " (started with --node-rank " +
+        "and the same --master-addr/--master-port/--run-id?)");
   }
   for (int r = 0; r < o_.nnodes; ++r) {
     const std::string n = store_->get_string(key("node" + std::to_string(r) + "/nproc"));
     if (n != std::to_string(o_.nproc_per_node)) {
       throw AgentError("nodes disagree on --nproc-per-node: " + std::to_string(o_.nproc_per_node) +
-                  " here (node " + std::to_string(o_.node_rank) + "), " + n + " on node " +
-                  std::to_string(r));
+                       " here (node " + std::to_string(o_.node_rank) + "), " + n + " on node " +
+                       std::to_string(r));
     }
   }
 }

@@ -7,10 +7,11 @@
 // job failed, 2 bad input (nothing was started), 128 + signal when stopped by SIGINT/SIGTERM.
 #include <unistd.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cstdio>
-#include <optional>
 #include <filesystem>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -145,7 +146,6 @@ RunOptions validate(const Raw& raw, std::vector<std::string> command) {
              : raw.standalone    ? "standalone-" + std::to_string(::getpid())
                                  : "none";
   if (o.run_id.find('/') != std::string::npos) throw Usage("--run-id must not contain '/'");
-  if (!command.empty() && command.front() == "--") command.erase(command.begin());
   if (command.empty()) throw Usage("no program given: lockstep run [options] PROGRAM [ARGS...]");
   o.program = resolve_program(command.front());
   o.args.assign(command.begin() + 1, command.end());
@@ -163,6 +163,7 @@ int main(int argc, char** argv) {
       "Start PROGRAM as the workers of a distributed job on this machine (torchrun's options "
       "and worker environment)");
   run->prefix_command();  // everything from PROGRAM on belongs to the program
+  run->allow_extras();    // ... also after "--"
   Raw raw;
   auto env = [](const std::string& name) { return "LOCKSTEP_" + name; };
   run->add_option("--nproc-per-node", raw.nproc,
@@ -206,8 +207,34 @@ int main(int argc, char** argv) {
       ->envname(env("RDZV_TIMEOUT"))
       ->capture_default_str();
 
+  // `lockstep run [options] -- PROGRAM ARGS`: what follows the first "--" is the command, as is.
+  // A "--" after PROGRAM is the program's: look for one before the first word that is neither
+  // an option nor an option's value.
+  std::vector<std::string> args(argv + 1, argv + argc), after_dashes;
+  auto dashes = args.end();
+  for (auto it = args.begin(); it != args.end(); ++it) {
+    if (*it == "--") {
+      dashes = it;
+      break;
+    }
+    if (*it == "run") continue;
+    if (it->rfind("--", 0) == 0) {
+      const bool is_flag = *it == "--standalone" || *it == "--tee" || *it == "--help" ||
+                           *it == "--version" || it->find('=') != std::string::npos;
+      if (!is_flag && std::next(it) != args.end()) ++it;  // its value
+      continue;
+    }
+    if (*it == "-h") continue;
+    break;  // PROGRAM
+  }
+  const bool has_dashes = dashes != args.end();
+  if (has_dashes) {
+    after_dashes.assign(dashes + 1, args.end());
+    args.erase(dashes, args.end());
+  }
+  std::reverse(args.begin(), args.end());  // CLI11 takes them in reverse order
   try {
-    app.parse(argc, argv);
+    app.parse(args);
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version
     std::fprintf(stderr, "lockstep%s: %s\nRun 'lockstep run --help' for the options.\n",
@@ -215,7 +242,18 @@ int main(int argc, char** argv) {
     return kExitUsage;
   }
   try {
-    const RunOptions opts = validate(raw, run->remaining());
+    std::vector<std::string> command = run->remaining();
+    if (!command.empty() && command.front().size() > 1 && command.front()[0] == '-') {
+      throw Usage("unknown option " + command.front() + " (see lockstep run --help)");
+    }
+    if (has_dashes) {
+      if (!command.empty()) {
+        throw Usage("'" + command.front() +
+                    "' before '--': give PROGRAM either before or after it");
+      }
+      command = after_dashes;
+    }
+    const RunOptions opts = validate(raw, command);
     return run_agent(opts);
   } catch (const Usage& e) {
     std::fprintf(stderr, "lockstep run: %s\n", e.what());
