@@ -162,6 +162,11 @@ int main(int argc, char** argv) {
       "run",
       "Start PROGRAM as the workers of a distributed job on this machine (torchrun's options "
       "and worker environment)");
+  run->footer(
+      "\nUsage: lockstep run [OPTIONS] PROGRAM [ARGS...]   (or: lockstep run [OPTIONS] -- PROGRAM "
+      "[ARGS...])\nExit codes: 0 success, 1 the job failed, 2 bad input (nothing started), "
+      "128+N stopped by signal N.\nEvery option can also be set as LOCKSTEP_<NAME> in the "
+      "environment. docs/LAUNCHER.md has the details.");
   run->prefix_command();  // everything from PROGRAM on belongs to the program
   run->allow_extras();    // ... also after "--"
   Raw raw;
