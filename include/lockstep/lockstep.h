@@ -1,6 +1,8 @@
 // The whole public API in one include.
 #pragma once
 
+#include "lockstep/amp/autocast.h"
+#include "lockstep/amp/grad_scaler.h"
 #include "lockstep/autograd/engine.h"
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/autograd/gradcheck.h"

@@ -7,6 +7,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "lockstep/amp/autocast.h"
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/autograd/node.h"
 #include "lockstep/ops/elementwise.h"
@@ -55,6 +56,9 @@ std::vector<Tensor> run(const std::vector<Tensor>& roots, const std::vector<Tens
   LS_CHECK(grad_roots.empty() || grad_roots.size() == roots.size(), "backward: got ",
            grad_roots.size(), " gradients for ", roots.size(), " outputs");
   NoGradGuard no_grad;  // backward itself is not recorded (no double backward)
+  // Gradients keep the dtypes of the forward; a backward() called inside an autocast scope must
+  // not recast them.
+  amp::detail::AutocastSuspend no_autocast;
 
   std::vector<Edge> root_edges;
   std::vector<Tensor> root_grads;
@@ -66,8 +70,10 @@ std::vector<Tensor> run(const std::vector<Tensor>& roots, const std::vector<Tens
              "or from tensors without requires_grad?");
     Tensor g = grad_roots.empty() ? Tensor() : grad_roots[i];
     if (!g.defined()) {
-      LS_CHECK(r.numel() == 1, "backward: a gradient can be created implicitly only for a "
-               "one-element output, got shape ", r.shape().str(), "; pass the output gradient");
+      LS_CHECK(r.numel() == 1,
+               "backward: a gradient can be created implicitly only for a "
+               "one-element output, got shape ",
+               r.shape().str(), "; pass the output gradient");
       g = ones_like(r);
     } else {
       LS_CHECK(g.shape() == r.shape(), "backward: gradient of shape ", g.shape().str(),
@@ -96,7 +102,8 @@ std::vector<Tensor> run(const std::vector<Tensor>& roots, const std::vector<Tens
 
   std::map<std::pair<Node*, uint32_t>, size_t> capture_index;
   for (size_t i = 0; i < capture_edges.size(); ++i) {
-    if (capture_edges[i].fn) capture_index[{capture_edges[i].fn.get(), capture_edges[i].input_nr}] = i;
+    if (capture_edges[i].fn)
+      capture_index[{capture_edges[i].fn.get(), capture_edges[i].input_nr}] = i;
   }
   std::vector<Tensor> captured(capture_edges.size());
   const bool capturing = !capture_edges.empty();
@@ -147,9 +154,9 @@ std::vector<Tensor> run(const std::vector<Tensor>& roots, const std::vector<Tens
       }
       if (!retain_graph) node->release();
     }
-    LS_CHECK(skip || outputs.size() == node->next_edges.size() || outputs.empty(),
-             "backward of ", node->name(), " returned ", outputs.size(),
-             " gradients for ", node->next_edges.size(), " inputs");
+    LS_CHECK(skip || outputs.size() == node->next_edges.size() || outputs.empty(), "backward of ",
+             node->name(), " returned ", outputs.size(), " gradients for ", node->next_edges.size(),
+             " inputs");
     for (size_t i = 0; i < node->next_edges.size(); ++i) {
       const Edge& e = node->next_edges[i];
       if (!e.fn) continue;
@@ -185,7 +192,8 @@ std::vector<Tensor> grad(const std::vector<Tensor>& outputs, const std::vector<T
 }
 
 void queue_callback(std::function<void()> callback) {
-  LS_CHECK(tl_state != nullptr, "queue_callback: only callable during a backward pass (from a "
+  LS_CHECK(tl_state != nullptr,
+           "queue_callback: only callable during a backward pass (from a "
            "hook or a node); this thread is not running one");
   tl_state->callbacks.push_back(std::move(callback));
 }

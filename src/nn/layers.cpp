@@ -4,6 +4,7 @@
 #include <cmath>
 #include <sstream>
 
+#include "lockstep/amp/autocast.h"
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/ops/elementwise.h"
 #include "lockstep/ops/linalg.h"
@@ -23,9 +24,10 @@ Tensor uniform_init(const Dims& shape, int64_t fan_in, Generator& gen) {
 
 Linear::Linear(int64_t in_features, int64_t out_features, Generator& gen, bool bias)
     : Module("Linear"), in_(in_features), out_(out_features) {
-  LS_CHECK(in_features > 0 && out_features > 0, "Linear: sizes must be positive, got in=",
-           in_features, " out=", out_features);
-  weight_ = register_parameter("weight", uniform_init({out_features, in_features}, in_features, gen));
+  LS_CHECK(in_features > 0 && out_features > 0,
+           "Linear: sizes must be positive, got in=", in_features, " out=", out_features);
+  weight_ =
+      register_parameter("weight", uniform_init({out_features, in_features}, in_features, gen));
   if (bias) bias_ = register_parameter("bias", uniform_init({out_features}, in_features, gen));
 }
 
@@ -33,18 +35,21 @@ Tensor Linear::forward(const Tensor& x) { return linear(x, weight_, bias_); }
 
 std::string Linear::extra_repr() const {
   std::ostringstream os;
-  os << "in_features=" << in_ << ", out_features=" << out_ << ", bias=" << (bias_.defined() ? "true" : "false");
+  os << "in_features=" << in_ << ", out_features=" << out_
+     << ", bias=" << (bias_.defined() ? "true" : "false");
   return os.str();
 }
 
 Conv2d::Conv2d(const Conv2dConfig& cfg, Generator& gen) : Module("Conv2d"), cfg_(cfg) {
-  LS_CHECK(cfg.groups > 0 && cfg.in_channels % cfg.groups == 0 && cfg.out_channels % cfg.groups == 0,
-           "Conv2d: groups=", cfg.groups, " must divide in_channels=", cfg.in_channels,
-           " and out_channels=", cfg.out_channels);
+  LS_CHECK(
+      cfg.groups > 0 && cfg.in_channels % cfg.groups == 0 && cfg.out_channels % cfg.groups == 0,
+      "Conv2d: groups=", cfg.groups, " must divide in_channels=", cfg.in_channels,
+      " and out_channels=", cfg.out_channels);
   const int64_t fan_in = cfg.in_channels / cfg.groups * cfg.kernel_size * cfg.kernel_size;
-  weight_ = register_parameter(
-      "weight", uniform_init({cfg.out_channels, cfg.in_channels / cfg.groups, cfg.kernel_size,
-                              cfg.kernel_size}, fan_in, gen));
+  weight_ =
+      register_parameter("weight", uniform_init({cfg.out_channels, cfg.in_channels / cfg.groups,
+                                                 cfg.kernel_size, cfg.kernel_size},
+                                                fan_in, gen));
   if (cfg.bias) bias_ = register_parameter("bias", uniform_init({cfg.out_channels}, fan_in, gen));
 }
 
@@ -97,6 +102,12 @@ BatchNorm::BatchNorm(int64_t num_features, int64_t spatial_dims, double eps, dou
 }
 
 Tensor BatchNorm::forward(const Tensor& x) {
+  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/amp/autocast.cpp
+    static const amp::CastPolicy policy = amp::cast_policy("batch_norm");
+    const Tensor x_ac = amp::detail::autocast_arg(x, policy);
+    amp::detail::AutocastSuspend off;
+    return forward(x_ac);
+  }
   const bool ok_rank = spatial_dims_ == 2 ? x.dim() == 4 : (x.dim() == 2 || x.dim() == 3);
   LS_CHECK(ok_rank && x.size(1) == num_features_, type_name(), ": expected input of shape ",
            spatial_dims_ == 2 ? "(N, C, H, W)" : "(N, C) or (N, C, L)", " with C=", num_features_,
@@ -115,7 +126,8 @@ Tensor BatchNorm::forward(const Tensor& x) {
     autograd::NoGradGuard no_grad;
     const double unbias = static_cast<double>(count) / static_cast<double>(count - 1);
     running_mean_.mul_(1.0 - momentum_).add_(mean_b.detach().reshape({num_features_}), momentum_);
-    running_var_.mul_(1.0 - momentum_).add_(var_b.detach().reshape({num_features_}), momentum_ * unbias);
+    running_var_.mul_(1.0 - momentum_)
+        .add_(var_b.detach().reshape({num_features_}), momentum_ * unbias);
     num_batches_tracked_.add_(1.0);
   } else {
     mean_b = running_mean_.reshape(bshape);

@@ -5,6 +5,7 @@
 #include <climits>
 #include <type_traits>
 
+#include "lockstep/amp/autocast.h"
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/autograd/node.h"
 #include "lockstep/ops/nn.h"
@@ -264,6 +265,14 @@ ConvShape check_conv_args(const Tensor& x, const Tensor& w, const Tensor& b,
 
 Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias,
               const Conv2dOptions& opts) {
+  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/amp/autocast.cpp
+    static const amp::CastPolicy policy = amp::cast_policy("conv2d");
+    const Tensor x_ac = amp::detail::autocast_arg(x, policy);
+    const Tensor weight_ac = amp::detail::autocast_arg(weight, policy);
+    const Tensor bias_ac = amp::detail::autocast_arg(bias, policy);
+    amp::detail::AutocastSuspend off;
+    return conv2d(x_ac, weight_ac, bias_ac, opts);
+  }
   const ConvShape s = check_conv_args(x, weight, bias, opts);
   if (is_half(x.dtype())) {
     // 16-bit floats are computed in f32; autograd flows through the conversions.

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <vector>
 
+#include "lockstep/amp/autocast.h"
 #include "lockstep/autograd/node.h"
 #include "lockstep/ops/parallel.h"
 #include "ops/common.h"
@@ -339,6 +340,13 @@ Tensor bias_grad(const Tensor& g2) {
 }  // namespace
 
 Tensor matmul(const Tensor& a, const Tensor& b) {
+  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/amp/autocast.cpp
+    static const amp::CastPolicy policy = amp::cast_policy("matmul");
+    const Tensor a_ac = amp::detail::autocast_arg(a, policy);
+    const Tensor b_ac = amp::detail::autocast_arg(b, policy);
+    amp::detail::AutocastSuspend off;
+    return matmul(a_ac, b_ac);
+  }
   check_matmul_args(a, b, "matmul");
   Tensor out = matmul_nograd(a.detach(), b.detach());
   record("MatmulBackward", {a, b}, out,
@@ -348,6 +356,14 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
 }
 
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
+  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/amp/autocast.cpp
+    static const amp::CastPolicy policy = amp::cast_policy("linear");
+    const Tensor x_ac = amp::detail::autocast_arg(x, policy);
+    const Tensor w_ac = amp::detail::autocast_arg(w, policy);
+    const Tensor b_ac = amp::detail::autocast_arg(b, policy);
+    amp::detail::AutocastSuspend off;
+    return linear(x_ac, w_ac, b_ac);
+  }
   detail::check_cpu(x, "linear");
   detail::check_cpu(w, "linear");
   detail::check_same_device(x, w, "linear");

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <vector>
 
+#include "lockstep/amp/autocast.h"
 #include "lockstep/autograd/node.h"
 #include "lockstep/ops/nn.h"
 #include "ops/common.h"
@@ -145,6 +146,14 @@ void check_affine(const Tensor& t, const Tensor& x, const Dims& normalized_shape
 
 Tensor layer_norm(const Tensor& x, const Dims& normalized_shape, const Tensor& weight,
                   const Tensor& bias, double eps) {
+  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/amp/autocast.cpp
+    static const amp::CastPolicy policy = amp::cast_policy("layer_norm");
+    const Tensor x_ac = amp::detail::autocast_arg(x, policy);
+    const Tensor weight_ac = amp::detail::autocast_arg(weight, policy);
+    const Tensor bias_ac = amp::detail::autocast_arg(bias, policy);
+    amp::detail::AutocastSuspend off;
+    return layer_norm(x_ac, normalized_shape, weight_ac, bias_ac, eps);
+  }
   detail::check_cpu(x, "layer_norm");
   LS_CHECK(is_floating(x.dtype()), "layer_norm: expected a floating-point input, got ",
            dtype_name(x.dtype()));

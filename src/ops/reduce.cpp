@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 
+#include "lockstep/amp/autocast.h"
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/autograd/node.h"
 #include "lockstep/ops/elementwise.h"
@@ -133,15 +134,15 @@ Tensor sum_impl(const Tensor& a, const Dims& dims, bool keepdim, bool divide, co
       if constexpr (std::is_floating_point_v<T>) {
         T* o = static_cast<T*>(out.data_ptr());
         if (outputs == 1 && a.is_contiguous()) {  // one long sum: split it into blocks
-          const double total = cpu::blocked_sum(a.numel(), [&](int64_t k) {
-            return static_cast<double>(base[k]);
-          });
+          const double total =
+              cpu::blocked_sum(a.numel(), [&](int64_t k) { return static_cast<double>(base[k]); });
           o[0] = static_cast<T>(total * scale);
           return;
         }
         for_outputs(outputs, p.count, [&](int64_t i) {
           double acc = 0;
-          visit_reduced(base, p, i, [&](const T* q, int64_t s, int64_t n) { acc += sum_run(q, s, n); });
+          visit_reduced(base, p, i,
+                        [&](const T* q, int64_t s, int64_t n) { acc += sum_run(q, s, n); });
           o[i] = static_cast<T>(acc * scale);
         });
       } else {
@@ -238,11 +239,12 @@ std::pair<Tensor, Tensor> extreme_dim(const Tensor& a, int64_t dim, bool keepdim
   Dims shape = a.shape();
   Dims kshape = shape;
   if (a.dim() > 0) kshape[d] = 1;
-  record(is_max ? "MaxBackward" : "MinBackward", {a}, values,
-         [indices, shape, kshape, d](const TensorList& g) {
-           if (shape.empty()) return TensorList{g[0].reshape(shape)};
-           return TensorList{scatter_along(g[0].reshape(kshape), indices.reshape(kshape), shape, d)};
-         });
+  record(
+      is_max ? "MaxBackward" : "MinBackward", {a}, values,
+      [indices, shape, kshape, d](const TensorList& g) {
+        if (shape.empty()) return TensorList{g[0].reshape(shape)};
+        return TensorList{scatter_along(g[0].reshape(kshape), indices.reshape(kshape), shape, d)};
+      });
   return {values, indices};
 }
 
@@ -250,17 +252,24 @@ Tensor extreme_all(const Tensor& a, bool is_max) {
   const char* op = is_max ? "max" : "min";
   Tensor values = extreme(a, kAllDims, false, is_max, op).first;
   Tensor saved = values.detach();
-  record(is_max ? "MaxAllBackward" : "MinAllBackward", {a}, values, [a, saved](const TensorList& g) {
-    // Ties share the gradient equally (as torch.max() over all elements does).
-    Tensor mask = eq(a, saved).to(g[0].dtype());
-    return TensorList{mul(mask, div(g[0], sum(mask)))};
-  });
+  record(is_max ? "MaxAllBackward" : "MinAllBackward", {a}, values,
+         [a, saved](const TensorList& g) {
+           // Ties share the gradient equally (as torch.max() over all elements does).
+           Tensor mask = eq(a, saved).to(g[0].dtype());
+           return TensorList{mul(mask, div(g[0], sum(mask)))};
+         });
   return values;
 }
 
 }  // namespace
 
 Tensor sum(const Tensor& a, const Dims& dims, bool keepdim) {
+  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/amp/autocast.cpp
+    static const amp::CastPolicy policy = amp::cast_policy("sum");
+    const Tensor a_ac = amp::detail::autocast_arg(a, policy);
+    amp::detail::AutocastSuspend off;
+    return sum(a_ac, dims, keepdim);
+  }
   Tensor out = sum_impl(a, dims, keepdim, false, "sum");
   if (autograd::needs_grad({&a})) {
     ReducePlan p = make_plan(a, dims, keepdim, "sum");
@@ -274,6 +283,12 @@ Tensor sum(const Tensor& a, const Dims& dims, bool keepdim) {
 Tensor sum(const Tensor& a) { return sum(a, Dims{}, false); }
 
 Tensor mean(const Tensor& a, const Dims& dims, bool keepdim) {
+  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/amp/autocast.cpp
+    static const amp::CastPolicy policy = amp::cast_policy("mean");
+    const Tensor a_ac = amp::detail::autocast_arg(a, policy);
+    amp::detail::AutocastSuspend off;
+    return mean(a_ac, dims, keepdim);
+  }
   Tensor out = sum_impl(a, dims, keepdim, true, "mean");
   if (autograd::needs_grad({&a})) {
     ReducePlan p = make_plan(a, dims, keepdim, "mean");
@@ -287,6 +302,12 @@ Tensor mean(const Tensor& a, const Dims& dims, bool keepdim) {
 Tensor mean(const Tensor& a) { return mean(a, Dims{}, false); }
 
 Tensor var(const Tensor& a, const Dims& dims, int64_t correction, bool keepdim) {
+  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/amp/autocast.cpp
+    static const amp::CastPolicy policy = amp::cast_policy("var");
+    const Tensor a_ac = amp::detail::autocast_arg(a, policy);
+    amp::detail::AutocastSuspend off;
+    return var(a_ac, dims, correction, keepdim);
+  }
   detail::check_cpu(a, "var");
   LS_CHECK(is_floating(a.dtype()), "var: needs a floating-point input, got ",
            dtype_name(a.dtype()));

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <limits>
 
+#include "lockstep/amp/autocast.h"
 #include "lockstep/autograd/node.h"
 #include "lockstep/ops/nn.h"
 #include "ops/common.h"
@@ -119,10 +120,22 @@ Tensor softmax_op(const Tensor& x, int64_t dim, bool log, const char* op, const 
 }  // namespace
 
 Tensor softmax(const Tensor& x, int64_t dim) {
+  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/amp/autocast.cpp
+    static const amp::CastPolicy policy = amp::cast_policy("softmax");
+    const Tensor x_ac = amp::detail::autocast_arg(x, policy);
+    amp::detail::AutocastSuspend off;
+    return softmax(x_ac, dim);
+  }
   return softmax_op(x, dim, false, "softmax", "SoftmaxBackward");
 }
 
 Tensor log_softmax(const Tensor& x, int64_t dim) {
+  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/amp/autocast.cpp
+    static const amp::CastPolicy policy = amp::cast_policy("log_softmax");
+    const Tensor x_ac = amp::detail::autocast_arg(x, policy);
+    amp::detail::AutocastSuspend off;
+    return log_softmax(x_ac, dim);
+  }
   return softmax_op(x, dim, true, "log_softmax", "LogSoftmaxBackward");
 }
 

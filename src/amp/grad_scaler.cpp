@@ -1,0 +1,110 @@
+// GradScaler: dynamic loss scaling.
+#include "lockstep/amp/grad_scaler.h"
+
+#include <cmath>
+
+#include "lockstep/autograd/grad_mode.h"
+#include "lockstep/error.h"
+#include "lockstep/ops/elementwise.h"
+#include "lockstep/ops/reduce.h"
+
+namespace lockstep::amp {
+
+GradScaler::GradScaler(GradScalerOptions opts) : opts_(opts), scale_(opts.init_scale) {
+  LS_CHECK(opts.init_scale > 0 && std::isfinite(opts.init_scale),
+           "GradScaler: init_scale must be positive and finite, got ", opts.init_scale);
+  LS_CHECK(opts.growth_factor > 1.0, "GradScaler: growth_factor must be > 1, got ",
+           opts.growth_factor);
+  LS_CHECK(opts.backoff_factor > 0.0 && opts.backoff_factor < 1.0,
+           "GradScaler: backoff_factor must be in (0, 1), got ", opts.backoff_factor);
+  LS_CHECK(opts.growth_interval >= 1, "GradScaler: growth_interval must be >= 1, got ",
+           opts.growth_interval);
+}
+
+Tensor GradScaler::scale(const Tensor& loss) const {
+  if (!opts_.enabled) return loss;
+  // In f32 whatever the loss's dtype: 65536 x an f16 loss would overflow f16 itself.
+  const Tensor l = is_half(loss.dtype()) ? loss.to(kFloat32) : loss;
+  return mul(l, scale_);
+}
+
+void GradScaler::unscale_(optim::Optimizer& opt) {
+  if (!opts_.enabled) return;
+  LS_CHECK(unscaled_ == nullptr,
+           "GradScaler: unscale_() was already called for this step; call update() after "
+           "step() before unscaling again");
+  autograd::NoGradGuard no_grad;
+  const double inv = 1.0 / scale_;
+  bool found = false;
+  for (auto& group : opt.param_groups()) {
+    for (auto& p : group.params) {
+      Tensor g = p.grad();
+      if (!g.defined()) continue;
+      g.mul_(inv);
+      // Non-finite anywhere: the sum of the absolute values is inf or NaN (one pass, in f64).
+      if (!found) found = !std::isfinite(sum(abs(g.to(kFloat64))).item());
+    }
+  }
+  unscaled_ = &opt;
+  found_inf_ = found;
+}
+
+bool GradScaler::step(optim::Optimizer& opt) {
+  if (!opts_.enabled) {
+    opt.step();
+    return true;
+  }
+  LS_CHECK(!stepped_, "GradScaler: step() was already called; call update() first");
+  if (unscaled_ == nullptr) unscale_(opt);
+  LS_CHECK(unscaled_ == &opt, "GradScaler: unscale_() was called for another optimizer");
+  stepped_ = true;
+  last_skipped_ = found_inf_;
+  if (found_inf_) return false;
+  opt.step();
+  return true;
+}
+
+void GradScaler::update() {
+  if (!opts_.enabled) return;
+  LS_CHECK(stepped_ || unscaled_ != nullptr,
+           "GradScaler: update() without step() or unscale_() since the last update");
+  if (found_inf_) {
+    scale_ *= opts_.backoff_factor;
+    growth_tracker_ = 0;
+  } else if (++growth_tracker_ == opts_.growth_interval) {
+    const double grown = scale_ * opts_.growth_factor;
+    if (std::isfinite(grown)) scale_ = grown;
+    growth_tracker_ = 0;
+  }
+  unscaled_ = nullptr;
+  found_inf_ = false;
+  stepped_ = false;
+}
+
+std::map<std::string, double> GradScaler::state_dict() const {
+  return {{"scale", scale_},
+          {"growth_factor", opts_.growth_factor},
+          {"backoff_factor", opts_.backoff_factor},
+          {"growth_interval", static_cast<double>(opts_.growth_interval)},
+          {"growth_tracker", static_cast<double>(growth_tracker_)}};
+}
+
+void GradScaler::load_state_dict(const std::map<std::string, double>& state) {
+  auto get = [&](const char* k) {
+    auto it = state.find(k);
+    LS_CHECK(it != state.end(), "GradScaler::load_state_dict: missing '", k, "'");
+    return it->second;
+  };
+  const double s = get("scale");
+  LS_CHECK(s > 0 && std::isfinite(s),
+           "GradScaler::load_state_dict: scale must be positive and "
+           "finite, got ",
+           s);
+  scale_ = s;
+  opts_.growth_factor = get("growth_factor");
+  opts_.backoff_factor = get("backoff_factor");
+  opts_.growth_interval = static_cast<int64_t>(get("growth_interval"));
+  growth_tracker_ = static_cast<int64_t>(get("growth_tracker"));
+}
+
+}  // namespace lockstep::amp
