@@ -7,11 +7,11 @@
 #include <thread>
 
 #include "dist/ddp_helpers.h"
+#include "dist/thread_ranks.h"
 #include "lockstep/dist/data_parallel.h"
 #include "lockstep/dist/ddp.h"
 #include "lockstep/dist/gloo/process_group_gloo.h"
 #include "lockstep/dist/hash_store.h"
-#include "dist/thread_ranks.h"
 #include "testing.h"
 
 using namespace lockstep;
@@ -116,9 +116,16 @@ TEST(DDP, NoSyncAccumulatesLocallyThenReducesOnce) {
   const auto want = param_values(*ref);
 
   std::vector<std::vector<std::vector<double>>> got(kWorld);
-  std::vector<int64_t> synced(kWorld);
+  std::vector<int64_t> synced(kWorld), launches(kWorld), buckets(kWorld);
   const auto errors = run_ranks(kWorld, [&](int r, ProcessGroupPtr pg) {
-    auto ddp = std::make_shared<DistributedDataParallel>(mlp(3), pg, many_buckets());
+    // Counts the all-reduces the reducer launches (one per bucket per synced backward).
+    DDPOptions o = many_buckets();
+    const CommHook inner = o.comm_hook;
+    o.comm_hook.start = [&, inner](ProcessGroup& g, GradBucket& b) {
+      ++launches[r];
+      return inner.start(g, b);
+    };
+    auto ddp = std::make_shared<DistributedDataParallel>(mlp(3), pg, o);
     optim::SGD opt(ddp->parameters(), {.lr = 0.5});
     opt.zero_grad();
     // Rank r's micro-batch k: rows of the big batch, so the union over ranks and k is all of it.
@@ -136,11 +143,14 @@ TEST(DDP, NoSyncAccumulatesLocallyThenReducesOnce) {
     opt.step();
     got[r] = param_values(*ddp->module());
     synced[r] = ddp->stats().synced_steps;
+    buckets[r] = static_cast<int64_t>(ddp->stats().bucket_bytes.size());
   });
   for (const auto& e : errors) ASSERT_EQ(e, "");
   for (int r = 0; r < kWorld; ++r) {
     expect_close_params(got[r], want, 1e-5, "rank " + std::to_string(r));
     EXPECT_EQ(synced[r], 1) << "no_sync backward passes must not communicate";
+    EXPECT_GT(buckets[r], 1);
+    EXPECT_EQ(launches[r], buckets[r]) << "one all-reduce per bucket, once per optimizer step";
   }
 }
 
