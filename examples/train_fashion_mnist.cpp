@@ -7,9 +7,11 @@
 #include <CLI/CLI.hpp>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "fashion_mnist_models.h"
@@ -46,7 +48,23 @@ struct Config {
   std::string comm_hook = "none";
   bool ddp_stats = false;
   int64_t dp = 1;
+  std::string amp = "none";         // none | bf16 | fp16
+  int64_t accum_steps = 1;          // micro-batches per optimizer step
+  std::string lr_scaling = "none";  // linear | sqrt | none, relative to base_batch
+  int64_t base_batch = 64;
+  int64_t warmup_steps = 0;
+  std::string schedule = "constant";  // constant | cosine
+  double clip_grad_norm = 0.0;        // 0: no clipping
 };
+
+// The learning rate for an effective batch: the article's rule, more devices -> larger batch ->
+// larger rate (linear, or sqrt for adaptive optimizers), relative to the batch `lr` was tuned at.
+double scaled_lr(const Config& cfg, int64_t effective_batch) {
+  const double ratio = static_cast<double>(effective_batch) / static_cast<double>(cfg.base_batch);
+  if (cfg.lr_scaling == "linear") return cfg.lr * ratio;
+  if (cfg.lr_scaling == "sqrt") return cfg.lr * std::sqrt(ratio);
+  return cfg.lr;
+}
 
 // Each rank evaluates its share of the test set (the non-padding sampler: every sample once over
 // all ranks); the counts are summed across ranks.
@@ -114,12 +132,31 @@ int run(const Config& cfg) {
     ddp = std::make_shared<dist::DistributedDataParallel>(model, pg, dopts);
   }
   nn::Module& net = ddp ? static_cast<nn::Module&>(*ddp) : *model;
+  const int64_t effective_batch = cfg.batch_size * cfg.accum_steps * world;
+  const double lr = scaled_lr(cfg, effective_batch);
   optim::SGD opt(model->parameters(),
-                 {.lr = cfg.lr, .momentum = cfg.momentum, .weight_decay = cfg.weight_decay});
+                 {.lr = lr, .momentum = cfg.momentum, .weight_decay = cfg.weight_decay});
   auto sampler =
       std::make_shared<data::DistributedSampler>(train->size(), world, pg->rank(), true, cfg.seed);
   data::DataLoader loader(
       train, sampler, {.batch_size = cfg.batch_size, .num_workers = cfg.workers, .prefetch = 4});
+  // The schedule counts optimizer steps (a step is accum_steps micro-batches).
+  const int64_t micro_per_epoch = loader.num_batches();
+  const int64_t steps_per_epoch = (micro_per_epoch + cfg.accum_steps - 1) / cfg.accum_steps;
+  int64_t total_steps = steps_per_epoch * cfg.epochs;
+  if (cfg.max_steps > 0) total_steps = std::min(total_steps, cfg.max_steps);
+  optim::Schedule schedule = optim::constant_schedule();
+  if (cfg.schedule == "cosine") {
+    LS_CHECK(total_steps > cfg.warmup_steps, "--warmup-steps ", cfg.warmup_steps,
+             " leaves nothing of the ", total_steps, " optimizer steps for the cosine decay");
+    schedule = cfg.warmup_steps > 0 ? optim::warmup_cosine(cfg.warmup_steps, total_steps)
+                                    : optim::cosine_decay(total_steps);
+  } else if (cfg.warmup_steps > 0) {
+    schedule = optim::linear_warmup(cfg.warmup_steps);
+  }
+  optim::LRScheduler scheduler(opt, schedule);
+  // f16 needs loss scaling (its range ends at 65504); bf16 has f32's range and does without.
+  amp::GradScaler scaler({.enabled = cfg.amp == "fp16"});
   if (main_rank) {
     std::printf(
         "model=%s params=%lld threads=%d train=%lld test=%lld batch=%lld world_size=%d "
@@ -128,6 +165,13 @@ int run(const Config& cfg) {
         static_cast<long long>(train->size()), static_cast<long long>(test ? test->size() : 0),
         static_cast<long long>(cfg.batch_size), world,
         static_cast<long long>(cfg.batch_size * world));
+    std::printf(
+        "amp=%s accum_steps=%lld effective_batch=%lld lr=%g (scaling %s from base batch %lld) "
+        "schedule=%s warmup_steps=%lld optimizer_steps=%lld\n",
+        cfg.amp.c_str(), static_cast<long long>(cfg.accum_steps),
+        static_cast<long long>(effective_batch), lr, cfg.lr_scaling.c_str(),
+        static_cast<long long>(cfg.base_batch), cfg.schedule.c_str(),
+        static_cast<long long>(cfg.warmup_steps), static_cast<long long>(total_steps));
   }
 
   using Clock = std::chrono::steady_clock;
@@ -139,27 +183,55 @@ int run(const Config& cfg) {
     double loss_sum = 0;
     int64_t epoch_steps = 0, epoch_samples = 0;
     const auto t0 = Clock::now();
+    int64_t micro = 0;  // micro-batches since the last optimizer step
+    double step_loss = 0;
     for (data::Batch& batch : loader) {
-      double l = 0;
-      opt.zero_grad();
+      // The last micro-batch of a step (or of the epoch) communicates and steps; the others
+      // accumulate locally inside no_sync().
+      const bool last = micro + 1 == cfg.accum_steps || batch.index + 1 == micro_per_epoch;
+      const double weight = 1.0 / static_cast<double>(cfg.accum_steps);
+      std::optional<dist::DistributedDataParallel::NoSync> no_sync;
+      if (ddp && !last) no_sync.emplace(*ddp);
       if (dp) {
-        l = dp->forward_backward(batch.input, batch.target, [](const Tensor& out, const Tensor& t) {
-          return cross_entropy(out, t);
-        });
+        step_loss += dp->forward_backward(
+            batch.input, batch.target,
+            [&](const Tensor& out, const Tensor& t) { return mul(cross_entropy(out, t), weight); });
       } else {
-        Tensor logits = net.forward(batch.input);           // (B,10)
-        Tensor loss = cross_entropy(logits, batch.target);  // ()
-        loss.backward();
-        l = loss.item();
+        Tensor loss;
+        {
+          amp::autocast ac(cfg.amp == "fp16" ? kFloat16 : kBFloat16, cfg.amp != "none");
+          Tensor logits = net.forward(batch.input);    // (B,10), bf16/f16 under autocast
+          loss = cross_entropy(logits, batch.target);  // () in f32 always
+        }
+        scaler.scale(mul(loss, weight)).backward();
+        step_loss += loss.item() * weight;
       }
-      opt.step();
+      no_sync.reset();
+      epoch_samples += batch.input.size(0);
+      if (!last) {
+        ++micro;
+        continue;
+      }
+      micro = 0;
+      if (cfg.clip_grad_norm > 0) {
+        scaler.unscale_(opt);
+        optim::clip_grad_norm(model->parameters(), cfg.clip_grad_norm);
+      }
+      scaler.step(opt);
+      scaler.update();
+      scheduler.step();
+      opt.zero_grad();
+      const double l = step_loss;
+      step_loss = 0;
       loss_sum += l;
       ++epoch_steps;
       ++steps;
-      epoch_samples += batch.input.size(0);
       if (main_rank && cfg.log_every > 0 && steps % cfg.log_every == 0)
-        std::printf("epoch %lld step %lld loss %.4f\n", static_cast<long long>(epoch),
-                    static_cast<long long>(steps), l);
+        std::printf("epoch %lld step %lld loss %.4f lr %.5g%s\n", static_cast<long long>(epoch),
+                    static_cast<long long>(steps), l, scheduler.last_lr(),
+                    scaler.is_enabled()
+                        ? (" loss_scale " + std::to_string(scaler.get_scale())).c_str()
+                        : "");
       if (cfg.max_steps > 0 && steps >= cfg.max_steps) {
         done = true;
         break;
@@ -245,6 +317,30 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_flag("--ddp-stats", cfg.ddp_stats, "Print DDP's bucket and communication statistics");
+  app.add_option("--amp", cfg.amp, "Mixed precision: autocast to bf16, or fp16 with loss scaling")
+      ->check(CLI::IsMember({"none", "bf16", "fp16"}))
+      ->capture_default_str();
+  app.add_option("--accum-steps", cfg.accum_steps,
+                 "Micro-batches per optimizer step (gradient accumulation)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--lr-scaling", cfg.lr_scaling,
+                 "Scale --lr with the effective batch (batch x accum x world) / --base-batch")
+      ->check(CLI::IsMember({"linear", "sqrt", "none"}))
+      ->capture_default_str();
+  app.add_option("--base-batch", cfg.base_batch, "The batch size --lr was tuned for")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--warmup-steps", cfg.warmup_steps,
+                 "Linear learning-rate warmup (optimizer steps)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--schedule", cfg.schedule, "Learning-rate schedule after warmup")
+      ->check(CLI::IsMember({"constant", "cosine"}))
+      ->capture_default_str();
+  app.add_option("--clip-grad-norm", cfg.clip_grad_norm, "Clip the gradient norm (0 = off)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -254,6 +350,13 @@ int main(int argc, char** argv) {
   if (cfg.batch_size <= 0) {
     std::fprintf(stderr, "error: --batch-size must be a positive integer, got %lld\n",
                  static_cast<long long>(cfg.batch_size));
+    return kUsageError;
+  }
+  if (cfg.dp > 1 && cfg.amp != "none") {
+    std::fprintf(stderr,
+                 "error: --amp runs in the calling thread's autocast scope; DataParallel's replica "
+                 "threads have none, so --amp cannot be combined with --dp %lld\n",
+                 static_cast<long long>(cfg.dp));
     return kUsageError;
   }
   if (!std::filesystem::is_directory(cfg.data)) {

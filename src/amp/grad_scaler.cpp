@@ -1,14 +1,50 @@
 // GradScaler: dynamic loss scaling.
 #include "lockstep/amp/grad_scaler.h"
 
+#include <atomic>
 #include <cmath>
 
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/error.h"
 #include "lockstep/ops/elementwise.h"
 #include "lockstep/ops/reduce.h"
+#include "ops/cpu/parallel.h"
 
 namespace lockstep::amp {
+
+namespace {
+
+// g *= inv in place; whether any element is inf or NaN. One pass for contiguous f32/f64 (the
+// master gradients); other layouts and dtypes take the op path.
+template <typename T>
+bool unscale_contiguous(T* p, int64_t n, double inv) {
+  std::atomic<bool> bad{false};
+  const T f = static_cast<T>(inv);
+  cpu::parallel_for(0, n, cpu::kElementwiseGrain, [&](int64_t b, int64_t e) {
+    bool local = false;
+    for (int64_t i = b; i < e; ++i) {
+      const T v = p[i] * f;
+      p[i] = v;
+      local |= !std::isfinite(v);
+    }
+    if (local) bad.store(true, std::memory_order_relaxed);
+  });
+  return bad.load();
+}
+
+bool unscale_and_check(Tensor& g, double inv) {
+  if (g.is_contiguous() && g.dtype() == kFloat32) {
+    return unscale_contiguous(g.data<float>(), g.numel(), inv);
+  }
+  if (g.is_contiguous() && g.dtype() == kFloat64) {
+    return unscale_contiguous(g.data<double>(), g.numel(), inv);
+  }
+  g.mul_(inv);
+  // Non-finite anywhere: the sum of the absolute values is inf or NaN.
+  return !std::isfinite(sum(abs(g.to(kFloat64))).item());
+}
+
+}  // namespace
 
 GradScaler::GradScaler(GradScalerOptions opts) : opts_(opts), scale_(opts.init_scale) {
   LS_CHECK(opts.init_scale > 0 && std::isfinite(opts.init_scale),
@@ -40,9 +76,7 @@ void GradScaler::unscale_(optim::Optimizer& opt) {
     for (auto& p : group.params) {
       Tensor g = p.grad();
       if (!g.defined()) continue;
-      g.mul_(inv);
-      // Non-finite anywhere: the sum of the absolute values is inf or NaN (one pass, in f64).
-      if (!found) found = !std::isfinite(sum(abs(g.to(kFloat64))).item());
+      found = unscale_and_check(g, inv) || found;
     }
   }
   unscaled_ = &opt;
