@@ -7,7 +7,7 @@ packages=(
   build-essential cmake ninja-build pkg-config
   libopenblas-openmp-dev zlib1g-dev libfmt-dev nlohmann-json3-dev libcli11-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  libgloo-dev
+  libgloo-dev libdnnl-dev
   iproute2 procps
   dataset-fashion-mnist
 )

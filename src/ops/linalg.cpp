@@ -13,6 +13,7 @@
 #include "lockstep/autograd/node.h"
 #include "lockstep/ops/parallel.h"
 #include "ops/common.h"
+#include "ops/cpu/bf16_gemm.h"
 #include "ops/cpu/dispatch.h"
 #include "ops/cpu/parallel.h"
 
@@ -136,22 +137,65 @@ void check_matmul_args(const Tensor& a, const Tensor& b, const char* op) {
 
 // a (..., m, k) @ b (..., k, n) -> (batch..., m, n) with broadcast batch dims, in f32 or f64,
 // no autograd. The operands are passed to BLAS as views (Note [BLAS operands]).
+// The broadcast batch dims of a (..., m, k) @ b (..., k, n).
+Dims broadcast_batch(const Tensor& a, const Tensor& b, const char* op) {
+  const Dims ab = batch_dims(a.shape()), bb = batch_dims(b.shape());
+  Dims batch;
+  const int64_t nd = std::max(ab.size(), bb.size());
+  for (int64_t i = 0; i < nd; ++i) {
+    const int64_t da = i - (nd - ab.size()) >= 0 ? ab[i - (nd - ab.size())] : 1;
+    const int64_t db = i - (nd - bb.size()) >= 0 ? bb[i - (nd - bb.size())] : 1;
+    LS_CHECK(da == db || da == 1 || db == 1, op, ": batch dimensions of shapes ", a.shape().str(),
+             " and ", b.shape().str(), " cannot be broadcast (", da, " vs ", db,
+             " at batch dimension ", i, ")");
+    batch.push_back(da == 1 ? db : da);
+  }
+  return batch;
+}
+
+// A BLAS-layout bf16 operand (Note [BLAS operands]) as oneDNN strides.
+cpu::Bf16Matrix as_bf16(const Tensor& t, const Matrix& m, int64_t offset = 0) {
+  cpu::Bf16Matrix r;
+  r.data = static_cast<const uint16_t*>(t.data_ptr()) + offset;
+  r.rs = m.trans == CblasNoTrans ? m.ld : 1;
+  r.cs = m.trans == CblasNoTrans ? 1 : m.ld;
+  return r;
+}
+
+// bf16 (..., m, k) @ (..., k, n) through oneDNN (Note [bf16 GEMM] in src/ops/cpu/bf16_gemm.cpp),
+// accumulated and returned in f32; undefined when oneDNN declines, and the caller converts.
+Tensor bmm_bf16(Tensor a, Tensor b, const char* op) {
+  const int64_t m = a.size(-2), k = a.size(-1), n = b.size(-1);
+  const Dims batch = broadcast_batch(a, b, op);
+  check_blas_size(m, n, k, op);
+  if (m == 0 || n == 0 || k == 0) return Tensor();
+  Tensor out = empty(with_matrix(batch, m, n), kFloat32);
+  a = blas_ready(a).expand(with_matrix(batch, m, k));
+  b = blas_ready(b).expand(with_matrix(batch, k, n));
+  Matrix ma, mb;
+  blas_layout(a, &ma);
+  blas_layout(b, &mb);
+  float* c = out.data<float>();
+  const int64_t nb = batch.numel();
+  for (int64_t i = 0; i < nb; ++i) {
+    int64_t oa = 0, ob = 0, rem = i;
+    for (int64_t d = batch.size() - 1; d >= 0; --d) {
+      const int64_t idx = rem % batch[d];
+      rem /= batch[d];
+      oa += idx * a.stride(d);
+      ob += idx * b.stride(d);
+    }
+    if (!cpu::bf16_gemm(m, n, k, as_bf16(a, ma, oa), as_bf16(b, mb, ob), c + i * m * n, n, false)) {
+      return Tensor();
+    }
+  }
+  return out;
+}
+
 template <typename T>
 Tensor bmm_kernel(Tensor a, Tensor b, const char* op) {
   const int64_t m = a.size(-2), k = a.size(-1), n = b.size(-1);
-  const Dims ab = batch_dims(a.shape()), bb = batch_dims(b.shape());
-  Dims batch;
-  {
-    const int64_t nd = std::max(ab.size(), bb.size());
-    for (int64_t i = 0; i < nd; ++i) {
-      const int64_t da = i - (nd - ab.size()) >= 0 ? ab[i - (nd - ab.size())] : 1;
-      const int64_t db = i - (nd - bb.size()) >= 0 ? bb[i - (nd - bb.size())] : 1;
-      LS_CHECK(da == db || da == 1 || db == 1, op, ": batch dimensions of shapes ", a.shape().str(),
-               " and ", b.shape().str(), " cannot be broadcast (", da, " vs ", db,
-               " at batch dimension ", i, ")");
-      batch.push_back(da == 1 ? db : da);
-    }
-  }
+  const Dims batch = broadcast_batch(a, b, op);
   check_blas_size(m, n, k, op);
   Tensor out = empty(with_matrix(batch, m, n), dtype_of<T>::value);
   const int64_t nb = batch.numel();
@@ -224,10 +268,20 @@ Tensor bmm_kernel(Tensor a, Tensor b, const char* op) {
 // matmul's value without autograd; a and b are checked, detached and of one floating dtype.
 Tensor matmul_nograd(const Tensor& a, const Tensor& b, const char* op = "matmul") {
   const DType dt = a.dtype();
-  if (is_half(dt)) return matmul_nograd(a.to(kFloat32), b.to(kFloat32), op).to(dt);
   const Tensor a2 = a.dim() == 1 ? a.unsqueeze(0) : a;  // (1, k)
   const Tensor b2 = b.dim() == 1 ? b.unsqueeze(1) : b;  // (k, 1)
-  Tensor out = cpu::dispatch_float(dt, op, [&]<typename T>() { return bmm_kernel<T>(a2, b2, op); });
+  Tensor out;
+  if (dt == kBFloat16 && cpu::bf16_gemm_available()) {
+    out = bmm_bf16(a2, b2, op);
+    if (out.defined()) out = out.to(kBFloat16);
+  }
+  if (!out.defined() && is_half(dt)) {
+    // No bf16 kernel (or f16): convert, multiply in f32, round once.
+    out = matmul_nograd(a2.to(kFloat32), b2.to(kFloat32), op).to(dt);
+  }
+  if (!out.defined()) {
+    out = cpu::dispatch_float(dt, op, [&]<typename T>() { return bmm_kernel<T>(a2, b2, op); });
+  }
   if (a.dim() > 1 && b.dim() > 1) return out;
   Dims shape = batch_dims(out.shape());
   if (a.dim() > 1) shape.push_back(a.size(-2));
@@ -288,8 +342,44 @@ void sum_rows(const Tensor& g, T* out) {
 }
 
 // linear's value without autograd; inputs checked and detached.
+// bf16 linear through oneDNN, the bias folded in as the f32 accumulator's start; undefined when
+// oneDNN declines.
+Tensor linear_bf16(const Tensor& x, const Tensor& w, const Tensor& bias) {
+  const int64_t in = w.size(1), out_f = w.size(0);
+  Dims out_shape = x.shape();
+  out_shape[out_shape.size() - 1] = out_f;
+  const int64_t rows = x.numel() / std::max<int64_t>(in, 1);
+  if (rows == 0 || in == 0 || out_f == 0) return Tensor();
+  check_blas_size(rows, out_f, in, "linear");
+  const Tensor x2 = blas_ready(x.reshape({rows, in}));  // (M, in)
+  const Tensor wt = blas_ready(w.t());                  // (in, out)
+  Tensor y = empty({rows, out_f}, kFloat32);
+  float* c = y.data<float>();
+  if (bias.defined()) {
+    const Tensor bf = bias.to(kFloat32).contiguous();
+    const float* pb = bf.data<float>();
+    cpu::parallel_for(0, rows,
+                      std::max<int64_t>(1, cpu::kElementwiseGrain / std::max<int64_t>(out_f, 1)),
+                      [&](int64_t b, int64_t e) {
+                        for (int64_t i = b; i < e; ++i) std::copy(pb, pb + out_f, c + i * out_f);
+                      });
+  }
+  Matrix ma, mb;
+  blas_layout(x2, &ma);
+  blas_layout(wt, &mb);
+  if (!cpu::bf16_gemm(rows, out_f, in, as_bf16(x2, ma), as_bf16(wt, mb), c, out_f,
+                      bias.defined())) {
+    return Tensor();
+  }
+  return y.to(kBFloat16).view(out_shape);
+}
+
 Tensor linear_nograd(const Tensor& x, const Tensor& w, const Tensor& bias) {
   const DType dt = x.dtype();
+  if (dt == kBFloat16 && cpu::bf16_gemm_available()) {
+    Tensor y = linear_bf16(x, w, bias);
+    if (y.defined()) return y;
+  }
   if (is_half(dt)) {
     return linear_nograd(x.to(kFloat32), w.to(kFloat32), bias.defined() ? bias.to(kFloat32) : bias)
         .to(dt);
@@ -338,6 +428,11 @@ Tensor bias_grad(const Tensor& g2) {
 }
 
 }  // namespace
+
+std::string bf16_matmul_backend() {
+  if (cpu::bf16_gemm_available()) return std::string("oneDNN ") + cpu::bf16_gemm_impl();
+  return "convert to f32 + sgemm";
+}
 
 Tensor matmul(const Tensor& a, const Tensor& b) {
   if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/amp/autocast.cpp

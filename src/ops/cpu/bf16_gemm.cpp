@@ -1,0 +1,121 @@
+// bf16 GEMM through oneDNN.
+//
+// Note [bf16 GEMM]
+// Under autocast, matrix products take bf16 operands and accumulate in f32. OpenBLAS has
+// cblas_sbgemm for that, but Debian 12's OpenBLAS 0.3.21 is built without it (the header
+// declares it, the library does not export it), and converting both operands to f32 and
+// calling sgemm is slower than f32 itself (bench/amp). oneDNN's matmul primitive (Debian's
+// libdnnl-dev) runs bf16 x bf16 -> f32 with the AVX-512 BF16 instructions: 3.4-3.8x sgemm's
+// throughput at the MLP's shapes on the 2-core EPYC (docs/PERFORMANCE.md). Primitives are
+// created once per (shape, layout, accumulate) and cached; oneDNN shares our OpenMP threads.
+#include "ops/cpu/bf16_gemm.h"
+
+#ifdef LOCKSTEP_HAVE_ONEDNN
+#include <oneapi/dnnl/dnnl.hpp>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#endif
+
+namespace lockstep::cpu {
+
+#ifdef LOCKSTEP_HAVE_ONEDNN
+
+namespace {
+
+using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                       bool>;  // m, n, k, a strides, b strides, ldc, accumulate
+
+struct Runtime {
+  dnnl::engine engine{dnnl::engine::kind::cpu, 0};
+  std::mutex mu;
+  std::map<Key, std::shared_ptr<dnnl::matmul>> cache;
+  std::string impl;
+};
+
+Runtime* runtime() {
+  // Created on first use; nullptr when oneDNN cannot make a bf16 matmul on this CPU (then it
+  // would fall back to slow reference code, which the sgemm path beats).
+  static Runtime* rt = []() -> Runtime* {
+    try {
+      auto r = std::make_unique<Runtime>();
+      using dt = dnnl::memory::data_type;
+      using tag = dnnl::memory::format_tag;
+      dnnl::memory::desc a({64, 64}, dt::bf16, tag::ab), b({64, 64}, dt::bf16, tag::ab),
+          c({64, 64}, dt::f32, tag::ab);
+      dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), r->engine);
+      r->impl = pd.impl_info_str();
+      if (r->impl.find("ref") != std::string::npos) return nullptr;  // no bf16 hardware path
+      return r.release();
+    } catch (const dnnl::error&) {
+      return nullptr;
+    }
+  }();
+  return rt;
+}
+
+}  // namespace
+
+bool bf16_gemm_available() { return runtime() != nullptr; }
+
+const char* bf16_gemm_impl() {
+  Runtime* rt = runtime();
+  return rt ? rt->impl.c_str() : "";
+}
+
+bool bf16_gemm(int64_t m, int64_t n, int64_t k, const Bf16Matrix& a, const Bf16Matrix& b, float* c,
+               int64_t ldc, bool accumulate) {
+  Runtime* rt = runtime();
+  if (rt == nullptr || m <= 0 || n <= 0 || k <= 0) return false;
+  using dt = dnnl::memory::data_type;
+  const Key key{m, n, k, a.rs, a.cs, b.rs, b.cs, ldc, accumulate};
+  const dnnl::memory::desc ad({m, k}, dt::bf16, {a.rs, a.cs});
+  const dnnl::memory::desc bd({k, n}, dt::bf16, {b.rs, b.cs});
+  const dnnl::memory::desc cd({m, n}, dt::f32, {ldc, 1});
+  std::shared_ptr<dnnl::matmul> prim;
+  {
+    std::lock_guard<std::mutex> lock(rt->mu);
+    auto it = rt->cache.find(key);
+    if (it != rt->cache.end()) {
+      prim = it->second;
+    } else {
+      try {
+        dnnl::primitive_attr attr;
+        if (accumulate) {
+          dnnl::post_ops ops;
+          ops.append_sum(1.0f);
+          attr.set_post_ops(ops);
+        }
+        dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(ad, bd, cd), attr, rt->engine);
+        prim = std::make_shared<dnnl::matmul>(pd);
+      } catch (const dnnl::error&) {
+        prim = nullptr;  // a layout it does not take: remembered, the caller falls back
+      }
+      rt->cache.emplace(key, prim);
+    }
+  }
+  if (!prim) return false;
+  dnnl::stream stream(rt->engine);
+  dnnl::memory am(ad, rt->engine, const_cast<uint16_t*>(a.data));
+  dnnl::memory bm(bd, rt->engine, const_cast<uint16_t*>(b.data));
+  dnnl::memory cm(cd, rt->engine, c);
+  prim->execute(stream, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}});
+  stream.wait();
+  return true;
+}
+
+#else  // !LOCKSTEP_HAVE_ONEDNN
+
+bool bf16_gemm_available() { return false; }
+const char* bf16_gemm_impl() { return ""; }
+bool bf16_gemm(int64_t, int64_t, int64_t, const Bf16Matrix&, const Bf16Matrix&, float*, int64_t,
+               bool) {
+  return false;
+}
+
+#endif
+
+}  // namespace lockstep::cpu

@@ -1,0 +1,28 @@
+// bf16 x bf16 -> f32 matrix products through oneDNN's matmul primitive, which uses the CPU's
+// AVX-512 BF16 / AMX instructions where it has them (Note [bf16 GEMM] in bf16_gemm.cpp).
+#pragma once
+
+#include <cstdint>
+
+namespace lockstep::cpu {
+
+// Whether this build has the oneDNN path (LOCKSTEP_HAVE_ONEDNN) and it works on this CPU.
+bool bf16_gemm_available();
+// The oneDNN implementation chosen for a bf16 product, e.g. "brg:avx512_core_bf16" ("" when
+// unavailable); for benchmarks and logs.
+const char* bf16_gemm_impl();
+
+// A row-major (rows x cols) bf16 matrix at `data`, element (i, j) at i * rs + j * cs (one of the
+// two strides is 1; see Note [BLAS operands] in src/ops/linalg.cpp).
+struct Bf16Matrix {
+  const uint16_t* data = nullptr;
+  int64_t rs = 0, cs = 1;
+};
+
+// c (m x n, row-major, leading dim ldc, f32) = a (m x k) @ b (k x n) + (accumulate ? c : 0).
+// Returns false when the oneDNN path is unavailable or refuses the layout; the caller then
+// converts and calls sgemm.
+bool bf16_gemm(int64_t m, int64_t n, int64_t k, const Bf16Matrix& a, const Bf16Matrix& b, float* c,
+               int64_t ldc, bool accumulate);
+
+}  // namespace lockstep::cpu

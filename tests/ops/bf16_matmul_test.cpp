@@ -1,0 +1,97 @@
+// bf16 matrix products (oneDNN where the build and the CPU have it, Note [bf16 GEMM]): every
+// operand layout BLAS takes, batches, linear with and without bias, and gradients, against a
+// double-precision product of the same bf16 values.
+#include <fstream>
+#include <sstream>
+
+#include "testing.h"
+
+using namespace lockstep;
+
+namespace {
+
+bool cpu_has_bf16_instructions() {
+  std::ifstream in("/proc/cpuinfo");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string s = ss.str();
+  return s.find(" avx512_bf16") != std::string::npos || s.find(" amx_bf16") != std::string::npos;
+}
+
+Tensor rand_bf16(const Dims& shape, uint64_t seed) {
+  Generator gen(seed);
+  return randn(shape, gen).to(kBFloat16);
+}
+
+// got (bf16) against the f64 product of the same bf16 inputs: one bf16 rounding of the result
+// (2^-8 relative) plus f32 accumulation, scaled by the size of the terms.
+void expect_bf16_close(const Tensor& got, const Tensor& want64, const std::string& what) {
+  ASSERT_EQ(got.dtype(), kBFloat16) << what;
+  ASSERT_EQ(got.shape(), want64.shape()) << what;
+  const auto g = got.to_vector<double>(), w = want64.to_vector<double>();
+  for (size_t i = 0; i < g.size(); ++i) {
+    ASSERT_NEAR(g[i], w[i], std::abs(w[i]) * 0.008 + 0.02) << what << " element " << i;
+  }
+}
+
+TEST(Bf16Matmul, UsesTheBf16KernelWhereTheCpuHasOne) {
+  const std::string backend = bf16_matmul_backend();
+#ifdef LOCKSTEP_EXPECT_ONEDNN
+  if (cpu_has_bf16_instructions()) {
+    EXPECT_EQ(backend.rfind("oneDNN", 0), 0u) << backend;
+    EXPECT_EQ(backend.find("ref"), std::string::npos) << backend;
+  }
+#endif
+  EXPECT_FALSE(backend.empty());
+}
+
+TEST(Bf16Matmul, EveryLayoutMatchesTheDoubleProduct) {
+  const Tensor a = rand_bf16({37, 53}, 1), b = rand_bf16({53, 29}, 2);
+  const Tensor at = rand_bf16({53, 37}, 3), bt = rand_bf16({29, 53}, 4);
+  auto ref = [](const Tensor& x, const Tensor& y) {
+    return matmul(x.to(kFloat64), y.to(kFloat64));
+  };
+  expect_bf16_close(matmul(a, b), ref(a, b), "a @ b");
+  expect_bf16_close(matmul(at.t(), b), ref(at.t(), b), "a^T view @ b");
+  expect_bf16_close(matmul(a, bt.t()), ref(a, bt.t()), "a @ b^T view");
+  expect_bf16_close(matmul(at.t(), bt.t()), ref(at.t(), bt.t()), "both transposed");
+  const Tensor rows = rand_bf16({80, 53}, 5).narrow(0, 10, 37);  // a row slice
+  expect_bf16_close(matmul(rows, b), ref(rows, b), "row slice");
+  const Tensor cols = rand_bf16({37, 106}, 6).narrow(1, 0, 53);  // ld > cols
+  expect_bf16_close(matmul(cols, b), ref(cols, b), "wider leading dimension");
+  const Tensor v = rand_bf16({53}, 7);
+  expect_bf16_close(matmul(a, v), ref(a, v), "matrix @ vector");
+  expect_bf16_close(matmul(v, b), ref(v, b), "vector @ matrix");
+}
+
+TEST(Bf16Matmul, BatchesBroadcastAndMatchTheDoubleProduct) {
+  const Tensor a = rand_bf16({3, 1, 8, 16}, 8), b = rand_bf16({4, 16, 5}, 9);
+  expect_bf16_close(matmul(a, b), matmul(a.to(kFloat64), b.to(kFloat64)), "broadcast batch");
+  const Tensor w = rand_bf16({16, 5}, 10);
+  expect_bf16_close(matmul(a, w), matmul(a.to(kFloat64), w.to(kFloat64)), "shared matrix");
+}
+
+TEST(Bf16Matmul, LinearWithAndWithoutBias) {
+  const Tensor x = rand_bf16({2, 33, 64}, 11), w = rand_bf16({48, 64}, 12), b = rand_bf16({48}, 13);
+  const Tensor want = linear(x.to(kFloat64), w.to(kFloat64), b.to(kFloat64));
+  expect_bf16_close(linear(x, w, b), want, "linear + bias");
+  expect_bf16_close(linear(x, w), linear(x.to(kFloat64), w.to(kFloat64)), "linear");
+}
+
+TEST(Bf16Matmul, GradientsMatchTheDoubleModel) {
+  const Tensor x = rand_bf16({24, 40}, 14), w0 = rand_bf16({30, 40}, 15), b0 = rand_bf16({30}, 16);
+  Tensor w = w0.detach().requires_grad_(), b = b0.detach().requires_grad_();
+  sum(linear(x, w, b)).backward();
+  Tensor w64 = w0.to(kFloat64).requires_grad_(), b64 = b0.to(kFloat64).requires_grad_();
+  sum(linear(x.to(kFloat64), w64, b64)).backward();
+  expect_bf16_close(w.grad(), w64.grad(), "weight gradient");
+  expect_bf16_close(b.grad(), b64.grad(), "bias gradient");
+}
+
+TEST(Bf16Matmul, EmptyShapes) {
+  EXPECT_EQ(matmul(rand_bf16({0, 4}, 1), rand_bf16({4, 3}, 2)).shape(), Dims({0, 3}));
+  const Tensor z = matmul(rand_bf16({2, 0}, 1), rand_bf16({0, 3}, 2));
+  for (double v : z.to_vector<double>()) EXPECT_EQ(v, 0.0);
+}
+
+}  // namespace
