@@ -46,7 +46,9 @@ Tensor reduce_grad(const Tensor& g, const Dims& shape, DType dtype) {
   return r.dtype() == dtype ? r : r.to(dtype);
 }
 Tensor reduce_grad(const Tensor& g, const InputMeta& x) { return reduce_grad(g, x.shape, x.dtype); }
-Tensor reduce_grad(const Tensor& g, const Tensor& x) { return reduce_grad(g, x.shape(), x.dtype()); }
+Tensor reduce_grad(const Tensor& g, const Tensor& x) {
+  return reduce_grad(g, x.shape(), x.dtype());
+}
 
 // Broadcasts a and b, promotes their dtypes, and runs op in the promoted type. Half types are
 // computed in f32 and stored back; no autograd.
@@ -65,7 +67,8 @@ Tensor binary_arith(const char* name, const Tensor& a, const Tensor& b, const Op
   Tensor ae = (a.dtype() == dt ? a : a.to(dt)).expand(shape);
   Tensor be = (b.dtype() == dt ? b : b.to(dt)).expand(shape);
   Tensor out = empty(shape, dt);
-  cpu::dispatch_numeric(dt, name, [&]<typename T>() { cpu::binary_loop<T, T, T>(out, ae, be, op); });
+  cpu::dispatch_numeric(dt, name,
+                        [&]<typename T>() { cpu::binary_loop<T, T, T>(out, ae, be, op); });
   return out;
 }
 
@@ -80,7 +83,8 @@ Tensor binary_compare(const char* name, const Tensor& a, const Tensor& b, const 
   Tensor ae = (a.dtype() == dt ? a : a.to(dt)).expand(shape);
   Tensor be = (b.dtype() == dt ? b : b.to(dt)).expand(shape);
   Tensor out = empty(shape, kBool);
-  cpu::dispatch_numeric(dt, name, [&]<typename T>() { cpu::binary_loop<bool, T, T>(out, ae, be, op); });
+  cpu::dispatch_numeric(dt, name,
+                        [&]<typename T>() { cpu::binary_loop<bool, T, T>(out, ae, be, op); });
   return out;
 }
 
@@ -139,7 +143,8 @@ Tensor unary_numeric(const char* name, const Tensor& a, const Op& op) {
   if (is_half(a.dtype())) return unary_numeric(name, a.to(kFloat32), op).to(a.dtype());
   Tensor ac = a.dtype() == kBool ? a.to(kUInt8) : a;
   Tensor out = empty(a.shape(), ac.dtype());
-  cpu::dispatch_numeric(ac.dtype(), name, [&]<typename T>() { cpu::unary_loop<T, T>(out, ac, op); });
+  cpu::dispatch_numeric(ac.dtype(), name,
+                        [&]<typename T>() { cpu::unary_loop<T, T>(out, ac, op); });
   return out;
 }
 
@@ -148,29 +153,30 @@ Tensor unary_numeric(const char* name, const Tensor& a, const Op& op) {
 // ---- binary arithmetic ----
 
 Tensor add(const Tensor& a, const Tensor& b, double alpha) {
-  Tensor out = alpha == 1.0
-                   ? binary_arith("add", a, b, [](auto x, auto y) { return x + y; })
-                   : binary_arith("add", a, b, [alpha](auto x, auto y) {
-                       return static_cast<decltype(x)>(x + alpha * y);
-                     });
-  record("AddBackward", {a, b}, out, [ma = InputMeta(a), mb = InputMeta(b), alpha](const TensorList& g) {
-    return TensorList{ma.requires_grad ? reduce_grad(g[0], ma) : Tensor(),
-                      mb.requires_grad ? reduce_grad(alpha == 1.0 ? g[0] : mul(g[0], alpha), mb)
-                                       : Tensor()};
-  });
+  Tensor out = alpha == 1.0 ? binary_arith("add", a, b, [](auto x, auto y) { return x + y; })
+                            : binary_arith("add", a, b, [alpha](auto x, auto y) {
+                                return static_cast<decltype(x)>(x + alpha * y);
+                              });
+  record("AddBackward", {a, b}, out,
+         [ma = InputMeta(a), mb = InputMeta(b), alpha](const TensorList& g) {
+           return TensorList{ma.requires_grad ? reduce_grad(g[0], ma) : Tensor(),
+                             mb.requires_grad
+                                 ? reduce_grad(alpha == 1.0 ? g[0] : mul(g[0], alpha), mb)
+                                 : Tensor()};
+         });
   return out;
 }
 
 Tensor sub(const Tensor& a, const Tensor& b, double alpha) {
-  Tensor out = alpha == 1.0
-                   ? binary_arith("sub", a, b, [](auto x, auto y) { return x - y; })
-                   : binary_arith("sub", a, b, [alpha](auto x, auto y) {
-                       return static_cast<decltype(x)>(x - alpha * y);
-                     });
-  record("SubBackward", {a, b}, out, [ma = InputMeta(a), mb = InputMeta(b), alpha](const TensorList& g) {
-    return TensorList{ma.requires_grad ? reduce_grad(g[0], ma) : Tensor(),
-                      mb.requires_grad ? reduce_grad(mul(g[0], -alpha), mb) : Tensor()};
-  });
+  Tensor out = alpha == 1.0 ? binary_arith("sub", a, b, [](auto x, auto y) { return x - y; })
+                            : binary_arith("sub", a, b, [alpha](auto x, auto y) {
+                                return static_cast<decltype(x)>(x - alpha * y);
+                              });
+  record("SubBackward", {a, b}, out,
+         [ma = InputMeta(a), mb = InputMeta(b), alpha](const TensorList& g) {
+           return TensorList{ma.requires_grad ? reduce_grad(g[0], ma) : Tensor(),
+                             mb.requires_grad ? reduce_grad(mul(g[0], -alpha), mb) : Tensor()};
+         });
   return out;
 }
 
@@ -184,7 +190,8 @@ Tensor mul(const Tensor& a, const Tensor& b) {
 }
 
 Tensor div(const Tensor& a, const Tensor& b) {
-  Tensor out = binary_arith("div", a, b, [](auto x, auto y) { return x / y; }, true);
+  Tensor out = binary_arith(
+      "div", a, b, [](auto x, auto y) { return x / y; }, true);
   record("DivBackward", {a, b}, out, [a, b](const TensorList& g) {
     Tensor ga, gb;
     if (a.requires_grad()) ga = reduce_grad(div(g[0], b), a);
@@ -195,9 +202,8 @@ Tensor div(const Tensor& a, const Tensor& b) {
 }
 
 Tensor pow(const Tensor& a, const Tensor& b) {
-  Tensor out = binary_arith("pow", a, b, [](auto x, auto y) {
-    return static_cast<decltype(x)>(std::pow(x, y));
-  }, true);
+  Tensor out = binary_arith(
+      "pow", a, b, [](auto x, auto y) { return static_cast<decltype(x)>(std::pow(x, y)); }, true);
   Tensor saved = out.detach();
   record("PowBackward", {a, b}, out, [a, b, saved](const TensorList& g) {
     Tensor ga, gb;
@@ -230,9 +236,8 @@ Tensor maximum(const Tensor& a, const Tensor& b) {
 }
 
 Tensor minimum(const Tensor& a, const Tensor& b) {
-  Tensor out = binary_arith("minimum", a, b, [](auto x, auto y) {
-    return (x != x) ? x : (x < y ? x : y);
-  });
+  Tensor out =
+      binary_arith("minimum", a, b, [](auto x, auto y) { return (x != x) ? x : (x < y ? x : y); });
   record("MinimumBackward", {a, b}, out,
          [a, b](const TensorList& g) { return minmax_backward(g[0], a, b, false); });
   return out;
@@ -242,9 +247,8 @@ Tensor minimum(const Tensor& a, const Tensor& b) {
 
 Tensor add(const Tensor& a, double s) {
   Tensor out = scalar_arith("add", a, s, [](auto x, auto y) { return x + y; });
-  record("AddScalarBackward", {a}, out, [dt = a.dtype()](const TensorList& g) {
-    return TensorList{g[0].to(dt)};
-  });
+  record("AddScalarBackward", {a}, out,
+         [dt = a.dtype()](const TensorList& g) { return TensorList{g[0].to(dt)}; });
   return out;
 }
 
@@ -252,36 +256,34 @@ Tensor sub(const Tensor& a, double s) { return add(a, -s); }
 
 Tensor mul(const Tensor& a, double s) {
   Tensor out = scalar_arith("mul", a, s, [](auto x, auto y) { return x * y; });
-  record("MulScalarBackward", {a}, out, [dt = a.dtype(), s](const TensorList& g) {
-    return TensorList{mul(g[0], s).to(dt)};
-  });
+  record("MulScalarBackward", {a}, out,
+         [dt = a.dtype(), s](const TensorList& g) { return TensorList{mul(g[0], s).to(dt)}; });
   return out;
 }
 
 Tensor div(const Tensor& a, double s) {
-  Tensor out = scalar_arith("div", a, s, [](auto x, auto y) { return x / y; }, true);
-  record("DivScalarBackward", {a}, out, [dt = a.dtype(), s](const TensorList& g) {
-    return TensorList{div(g[0], s).to(dt)};
-  });
+  Tensor out = scalar_arith(
+      "div", a, s, [](auto x, auto y) { return x / y; }, true);
+  record("DivScalarBackward", {a}, out,
+         [dt = a.dtype(), s](const TensorList& g) { return TensorList{div(g[0], s).to(dt)}; });
   return out;
 }
 
 Tensor rsub(const Tensor& a, double s) {
   Tensor out = scalar_arith("rsub", a, s, [](auto x, auto y) { return y - x; });
-  record("RsubBackward", {a}, out, [dt = a.dtype()](const TensorList& g) {
-    return TensorList{neg(g[0]).to(dt)};
-  });
+  record("RsubBackward", {a}, out,
+         [dt = a.dtype()](const TensorList& g) { return TensorList{neg(g[0]).to(dt)}; });
   return out;
 }
 
 Tensor pow(const Tensor& a, double e) {
   Tensor out;
   if (e == 2.0) {
-    out = scalar_arith("pow", a, e, [](auto x, auto) { return x * x; }, true);
+    out = scalar_arith(
+        "pow", a, e, [](auto x, auto) { return x * x; }, true);
   } else {
-    out = scalar_arith("pow", a, e, [](auto x, auto y) {
-      return static_cast<decltype(x)>(std::pow(x, y));
-    }, true);
+    out = scalar_arith(
+        "pow", a, e, [](auto x, auto y) { return static_cast<decltype(x)>(std::pow(x, y)); }, true);
   }
   record("PowScalarBackward", {a}, out, [a, e](const TensorList& g) {
     if (e == 0.0) return TensorList{zeros_like(a)};
@@ -303,8 +305,8 @@ Tensor exp(const Tensor& a) {
   Tensor out = unary_float("exp", a, [](auto x) { return std::exp(x); });
   Tensor saved = out.detach();
   record("ExpBackward", {a}, out, [saved](const TensorList& g) {
-    return TensorList{detail::map2_float("exp_backward", g[0], saved,
-                                         [](auto gv, auto y) { return gv * y; })};
+    return TensorList{
+        detail::map2_float("exp_backward", g[0], saved, [](auto gv, auto y) { return gv * y; })};
   });
   return out;
 }
@@ -312,8 +314,8 @@ Tensor exp(const Tensor& a) {
 Tensor log(const Tensor& a) {
   Tensor out = unary_float("log", a, [](auto x) { return std::log(x); });
   record("LogBackward", {a}, out, [a](const TensorList& g) {
-    return TensorList{detail::map2_float("log_backward", g[0], a,
-                                         [](auto gv, auto x) { return gv / x; })};
+    return TensorList{
+        detail::map2_float("log_backward", g[0], a, [](auto gv, auto x) { return gv / x; })};
   });
   return out;
 }
@@ -330,9 +332,8 @@ Tensor sqrt(const Tensor& a) {
 }
 
 Tensor rsqrt(const Tensor& a) {
-  Tensor out = unary_float("rsqrt", a, [](auto x) {
-    return static_cast<decltype(x)>(1) / std::sqrt(x);
-  });
+  Tensor out =
+      unary_float("rsqrt", a, [](auto x) { return static_cast<decltype(x)>(1) / std::sqrt(x); });
   Tensor saved = out.detach();
   record("RsqrtBackward", {a}, out, [saved](const TensorList& g) {
     return TensorList{detail::map2_float("rsqrt_backward", g[0], saved, [](auto gv, auto y) {
@@ -344,8 +345,10 @@ Tensor rsqrt(const Tensor& a) {
 
 Tensor abs(const Tensor& a) {
   Tensor out = unary_numeric("abs", a, [](auto x) {
-    if constexpr (std::is_unsigned_v<decltype(x)>) return x;
-    else return x < 0 ? static_cast<decltype(x)>(-x) : x;
+    if constexpr (std::is_unsigned_v<decltype(x)>)
+      return x;
+    else
+      return x < 0 ? static_cast<decltype(x)>(-x) : x;
   });
   record("AbsBackward", {a}, out, [a](const TensorList& g) {
     return TensorList{detail::map2_float("abs_backward", g[0], a, [](auto gv, auto x) {
@@ -367,9 +370,8 @@ Tensor sign(const Tensor& a) {
 }
 
 Tensor relu(const Tensor& a) {
-  Tensor out = unary_numeric("relu", a, [](auto x) {
-    return x > 0 ? x : static_cast<decltype(x)>(0);
-  });
+  Tensor out =
+      unary_numeric("relu", a, [](auto x) { return x > 0 ? x : static_cast<decltype(x)>(0); });
   record("ReluBackward", {a}, out, [a](const TensorList& g) {
     return TensorList{detail::map2_float("relu_backward", g[0], a, [](auto gv, auto x) {
       return x > 0 ? gv : static_cast<decltype(gv)>(0);
@@ -462,18 +464,42 @@ Tensor clamp_min(const Tensor& a, double lo) { return clamp(a, lo, INFINITY); }
 
 // ---- comparisons ----
 
-Tensor eq(const Tensor& a, const Tensor& b) { return binary_compare("eq", a, b, [](auto x, auto y) { return x == y; }); }
-Tensor ne(const Tensor& a, const Tensor& b) { return binary_compare("ne", a, b, [](auto x, auto y) { return x != y; }); }
-Tensor lt(const Tensor& a, const Tensor& b) { return binary_compare("lt", a, b, [](auto x, auto y) { return x < y; }); }
-Tensor le(const Tensor& a, const Tensor& b) { return binary_compare("le", a, b, [](auto x, auto y) { return x <= y; }); }
-Tensor gt(const Tensor& a, const Tensor& b) { return binary_compare("gt", a, b, [](auto x, auto y) { return x > y; }); }
-Tensor ge(const Tensor& a, const Tensor& b) { return binary_compare("ge", a, b, [](auto x, auto y) { return x >= y; }); }
-Tensor eq(const Tensor& a, double b) { return scalar_compare("eq", a, b, [](double x, double y) { return x == y; }); }
-Tensor ne(const Tensor& a, double b) { return scalar_compare("ne", a, b, [](double x, double y) { return x != y; }); }
-Tensor lt(const Tensor& a, double b) { return scalar_compare("lt", a, b, [](double x, double y) { return x < y; }); }
-Tensor le(const Tensor& a, double b) { return scalar_compare("le", a, b, [](double x, double y) { return x <= y; }); }
-Tensor gt(const Tensor& a, double b) { return scalar_compare("gt", a, b, [](double x, double y) { return x > y; }); }
-Tensor ge(const Tensor& a, double b) { return scalar_compare("ge", a, b, [](double x, double y) { return x >= y; }); }
+Tensor eq(const Tensor& a, const Tensor& b) {
+  return binary_compare("eq", a, b, [](auto x, auto y) { return x == y; });
+}
+Tensor ne(const Tensor& a, const Tensor& b) {
+  return binary_compare("ne", a, b, [](auto x, auto y) { return x != y; });
+}
+Tensor lt(const Tensor& a, const Tensor& b) {
+  return binary_compare("lt", a, b, [](auto x, auto y) { return x < y; });
+}
+Tensor le(const Tensor& a, const Tensor& b) {
+  return binary_compare("le", a, b, [](auto x, auto y) { return x <= y; });
+}
+Tensor gt(const Tensor& a, const Tensor& b) {
+  return binary_compare("gt", a, b, [](auto x, auto y) { return x > y; });
+}
+Tensor ge(const Tensor& a, const Tensor& b) {
+  return binary_compare("ge", a, b, [](auto x, auto y) { return x >= y; });
+}
+Tensor eq(const Tensor& a, double b) {
+  return scalar_compare("eq", a, b, [](double x, double y) { return x == y; });
+}
+Tensor ne(const Tensor& a, double b) {
+  return scalar_compare("ne", a, b, [](double x, double y) { return x != y; });
+}
+Tensor lt(const Tensor& a, double b) {
+  return scalar_compare("lt", a, b, [](double x, double y) { return x < y; });
+}
+Tensor le(const Tensor& a, double b) {
+  return scalar_compare("le", a, b, [](double x, double y) { return x <= y; });
+}
+Tensor gt(const Tensor& a, double b) {
+  return scalar_compare("gt", a, b, [](double x, double y) { return x > y; });
+}
+Tensor ge(const Tensor& a, double b) {
+  return scalar_compare("ge", a, b, [](double x, double y) { return x >= y; });
+}
 
 Tensor logical_not(const Tensor& a) { return eq(a, 0.0); }
 
@@ -543,14 +569,16 @@ bool equal(const Tensor& a, const Tensor& b) { return allclose(a, b, 0.0, 0.0); 
 namespace detail {
 void check_inplace(const Tensor& self, const char* op) {
   check_cpu(self, op);
-  LS_CHECK(!(autograd::grad_enabled() && self.requires_grad()), op, ": in-place operation on a "
+  LS_CHECK(!(autograd::grad_enabled() && self.requires_grad()), op,
+           ": in-place operation on a "
            "tensor that requires grad; run it under NoGradGuard (as an optimizer step does) or on "
            "a detach()ed tensor");
   // An expanded destination has elements that alias each other: a write to one is a write to
   // all, and parallel writers would race.
   for (int64_t d = 0; d < self.dim(); ++d)
     LS_CHECK(self.shape()[d] <= 1 || self.strides()[d] != 0, op, ": the destination of shape ",
-             self.shape().str(), " has strides ", self.strides().str(), " (an expanded view: "
+             self.shape().str(), " has strides ", self.strides().str(),
+             " (an expanded view: "
              "several elements share memory); write into a clone() or contiguous() copy instead");
 }
 }  // namespace detail
@@ -570,8 +598,8 @@ Tensor unaliased_source(const Tensor& src, const Tensor& dst) {
   if (src.dtype() == dst.dtype() && src.offset() == dst.offset() && src.strides() == dst.strides())
     return src;  // the same elements in the same order: each is read before it is written
   const int64_t es = src.element_size(), ed = dst.element_size();
-  const bool disjoint = extent_of(src) * es <= dst.offset() * ed ||
-                        extent_of(dst) * ed <= src.offset() * es;
+  const bool disjoint =
+      extent_of(src) * es <= dst.offset() * ed || extent_of(dst) * ed <= src.offset() * es;
   if (disjoint) return src;
   autograd::NoGradGuard no_grad;
   return src.clone();
@@ -608,6 +636,24 @@ Tensor& Tensor::copy_(const Tensor& src) {
   detail::check_inplace(*this, "copy_");
   detail::check_cpu(src, "copy_");
   Tensor s = unaliased_source(src.expand(shape()), *this);
+  // f32 <-> f16 between contiguous tensors: the bulk (F16C) conversions, in parallel chunks.
+  const bool f32_f16 = (dtype() == kFloat16 && s.dtype() == kFloat32) ||
+                       (dtype() == kFloat32 && s.dtype() == kFloat16);
+  if (f32_f16 && is_contiguous() && s.is_contiguous() && s.numel() == numel()) {
+    const bool to_half = dtype() == kFloat16;
+    void* d = data_ptr();
+    const void* from = s.data_ptr();
+    cpu::parallel_for(0, numel(), cpu::kElementwiseGrain, [&](int64_t b, int64_t e) {
+      if (to_half) {
+        float_to_f16_bits_n(static_cast<const float*>(from) + b, static_cast<uint16_t*>(d) + b,
+                            e - b);
+      } else {
+        f16_bits_to_float_n(static_cast<const uint16_t*>(from) + b, static_cast<float*>(d) + b,
+                            e - b);
+      }
+    });
+    return *this;
+  }
   cpu::dispatch_all(dtype(), "copy_", [&]<typename To>() {
     cpu::dispatch_all(s.dtype(), "copy_", [&]<typename From>() {
       cpu::unary_loop<To, From>(*this, s, [](From v) { return cpu::convert<To>(v); });
@@ -619,7 +665,8 @@ Tensor& Tensor::copy_(const Tensor& src) {
 Tensor& Tensor::add_(const Tensor& other, double alpha) {
   detail::check_inplace(*this, "add_");
   detail::check_cpu(other, "add_");
-  Tensor o = unaliased_source((other.dtype() == dtype() ? other : other.to(dtype())).expand(shape()), *this);
+  Tensor o = unaliased_source(
+      (other.dtype() == dtype() ? other : other.to(dtype())).expand(shape()), *this);
   cpu::dispatch_all(dtype(), "add_", [&]<typename T>() {
     if constexpr (std::is_same_v<T, bool>) {
       LS_THROW("add_: not defined for bool tensors");
@@ -639,14 +686,13 @@ Tensor& Tensor::add_(const Tensor& other, double alpha) {
   return *this;
 }
 
-Tensor& Tensor::add_(double value) {
-  return add_(full({}, value, dtype()));
-}
+Tensor& Tensor::add_(double value) { return add_(full({}, value, dtype())); }
 
 Tensor& Tensor::mul_(const Tensor& other) {
   detail::check_inplace(*this, "mul_");
   detail::check_cpu(other, "mul_");
-  Tensor o = unaliased_source((other.dtype() == dtype() ? other : other.to(dtype())).expand(shape()), *this);
+  Tensor o = unaliased_source(
+      (other.dtype() == dtype() ? other : other.to(dtype())).expand(shape()), *this);
   cpu::dispatch_all(dtype(), "mul_", [&]<typename T>() {
     if constexpr (cpu::is_half_type_v<T>) {
       cpu::binary_loop<T, T, T>(*this, *this, o, [](T x, T y) {
@@ -659,8 +705,6 @@ Tensor& Tensor::mul_(const Tensor& other) {
   return *this;
 }
 
-Tensor& Tensor::mul_(double value) {
-  return mul_(full({}, value, dtype()));
-}
+Tensor& Tensor::mul_(double value) { return mul_(full({}, value, dtype())); }
 
 }  // namespace lockstep

@@ -17,18 +17,24 @@ float bits_to_float(uint32_t u) {
 double f16_reference(uint16_t h) {
   const int sign = h >> 15, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
   double v;
-  if (exp == 0x1f) v = mant ? NAN : INFINITY;
-  else if (exp == 0) v = std::ldexp(mant, -24);
-  else v = std::ldexp(1024 + mant, exp - 25);
+  if (exp == 0x1f)
+    v = mant ? NAN : INFINITY;
+  else if (exp == 0)
+    v = std::ldexp(mant, -24);
+  else
+    v = std::ldexp(1024 + mant, exp - 25);
   return sign ? -v : v;
 }
 
 double bf16_reference(uint16_t h) {
   const int sign = h >> 15, exp = (h >> 7) & 0xff, mant = h & 0x7f;
   double v;
-  if (exp == 0xff) v = mant ? NAN : INFINITY;
-  else if (exp == 0) v = std::ldexp(mant, -133);
-  else v = std::ldexp(128 + mant, exp - 134);
+  if (exp == 0xff)
+    v = mant ? NAN : INFINITY;
+  else if (exp == 0)
+    v = std::ldexp(mant, -133);
+  else
+    v = std::ldexp(128 + mant, exp - 134);
   return sign ? -v : v;
 }
 
@@ -138,3 +144,52 @@ TEST(Half, TensorConversionAllPatterns) {
       if (!std::isnan(fp[i])) ASSERT_EQ(q[i], bits[i]) << i;
   }
 }
+
+namespace {
+
+// The bulk conversions (F16C where the CPU has it) give the scalar conversions' bits: every f16
+// value to f32, and f32 bit patterns swept over all exponents (normals, subnormals, overflow,
+// ties, NaN payloads) to f16. Odd lengths exercise the scalar tail.
+TEST(HalfBulk, MatchesTheScalarConversionsBitForBit) {
+  std::vector<uint16_t> all(65536 + 3);
+  for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<uint16_t>(i);
+  std::vector<float> wide(all.size());
+  lockstep::f16_bits_to_float_n(all.data(), wide.data(), static_cast<int64_t>(all.size()));
+  for (size_t i = 0; i < all.size(); ++i) {
+    const float want = lockstep::f16_bits_to_float(all[i]);
+    ASSERT_EQ(std::memcmp(&wide[i], &want, 4), 0) << "f16 bits " << all[i];
+  }
+  std::vector<float> src;
+  for (uint64_t u = 0; u <= 0xffffffffull; u += 0x1003) {  // every exponent, many mantissas
+    uint32_t v = static_cast<uint32_t>(u);
+    float f;
+    std::memcpy(&f, &v, 4);
+    src.push_back(f);
+  }
+  for (uint32_t v : {0x477ff000u, 0x477fefffu, 0x38800000u, 0x337fffffu, 0x33000001u, 0x7fc00001u,
+                     0xffbfffffu, 0x7f800000u}) {  // edges: overflow, min normal, ties, NaNs
+    float f;
+    std::memcpy(&f, &v, 4);
+    src.push_back(f);
+  }
+  std::vector<uint16_t> narrow(src.size());
+  lockstep::float_to_f16_bits_n(src.data(), narrow.data(), static_cast<int64_t>(src.size()));
+  for (size_t i = 0; i < src.size(); ++i) {
+    uint32_t v;
+    std::memcpy(&v, &src[i], 4);
+    ASSERT_EQ(narrow[i], lockstep::float_to_f16_bits(src[i])) << "f32 bits " << std::hex << v;
+  }
+}
+
+TEST(HalfBulk, CopyBetweenF32AndF16UsesThemAndKeepsValues) {
+  lockstep::Generator gen(3);
+  const lockstep::Tensor x = lockstep::randn({1000, 37}, gen);
+  const lockstep::Tensor h = x.to(lockstep::kFloat16);
+  const auto xs = x.to_vector<float>();
+  const auto hs = h.to(lockstep::kFloat32).to_vector<float>();
+  for (size_t i = 0; i < xs.size(); ++i) {
+    ASSERT_EQ(hs[i], lockstep::f16_bits_to_float(lockstep::float_to_f16_bits(xs[i]))) << i;
+  }
+}
+
+}  // namespace

@@ -30,6 +30,11 @@ inline uint16_t float_to_bf16_bits(float f) {
 float f16_bits_to_float(uint16_t h);
 uint16_t float_to_f16_bits(float f);
 
+// Bulk conversions of n contiguous values, bit-identical to the scalar ones above; they use the
+// CPU's F16C instructions when it has them (any x86-64 since 2012) and the scalar code otherwise.
+void f16_bits_to_float_n(const uint16_t* src, float* dst, int64_t n);
+void float_to_f16_bits_n(const float* src, uint16_t* dst, int64_t n);
+
 struct BFloat16 {
   uint16_t bits = 0;
   BFloat16() = default;
