@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <optional>
 #include <type_traits>
 
 #include "lockstep/amp/autocast.h"
@@ -10,6 +11,7 @@
 #include "lockstep/autograd/node.h"
 #include "lockstep/ops/nn.h"
 #include "ops/common.h"
+#include "ops/cpu/bf16_gemm.h"
 #include "ops/cpu/dispatch.h"
 #include "ops/cpu/im2col.h"
 #include "ops/cpu/parallel.h"
@@ -192,6 +194,128 @@ TensorList conv_backward(const Tensor& gout, const Tensor& x, const Tensor& w, c
   return {dx, dw, db};
 }
 
+// Note [bf16 conv]
+// Under autocast a bf16 conv keeps its column matrix in bf16 and runs its products through
+// oneDNN (Note [bf16 GEMM] in src/ops/cpu/bf16_gemm.cpp), accumulating in f32: the forward
+// output, the weight gradient (summed over batch chunks) and the column gradient (folded back
+// onto the input by col2im) stay f32 until the single rounding to bf16 at the end. When oneDNN
+// is unavailable or declines a shape, the conv is computed in f32 from converted operands.
+
+// c (m x n, f32, ldc) (+)= op(a) @ op(b) with bf16 a and b; false when oneDNN declines.
+bool gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const BFloat16* a,
+               int64_t lda, const BFloat16* b, int64_t ldb, bool accumulate, float* c,
+               int64_t ldc) {
+  cpu::Bf16Matrix ma, mb;
+  ma.data = reinterpret_cast<const uint16_t*>(a);
+  ma.rs = trans_a ? 1 : lda;
+  ma.cs = trans_a ? lda : 1;
+  mb.data = reinterpret_cast<const uint16_t*>(b);
+  mb.rs = trans_b ? 1 : ldb;
+  mb.cs = trans_b ? ldb : 1;
+  return cpu::bf16_gemm(m, n, k, ma, mb, c, ldc, accumulate);
+}
+
+// The bf16 forward (Note [bf16 conv]); false when oneDNN declined (out is then undefined).
+bool conv_forward_bf16(const Tensor& x, const Tensor& w, const Tensor& b, const ConvShape& s,
+                       Tensor& out) {
+  const auto* xp = static_cast<const BFloat16*>(x.data_ptr());
+  const auto* wp = static_cast<const BFloat16*>(w.data_ptr());
+  const Tensor b32 = b.defined() ? b.to(kFloat32).contiguous() : Tensor();
+  const float* bp = b.defined() ? b32.data<float>() : nullptr;
+  auto* op = static_cast<BFloat16*>(out.data_ptr());
+  const int64_t L = s.geo.out_plane(), K = s.k_per_group(), Og = s.out_per_group();
+  const int64_t O = s.out_channels;
+  const int64_t chunk = chunk_samples(s, sizeof(BFloat16));
+  Tensor cols = empty({s.groups * K, chunk * L}, kBFloat16);
+  Tensor obuf = empty({O, chunk * L}, kFloat32);
+  auto* cp = static_cast<BFloat16*>(cols.data_ptr());
+  float* obp = obuf.data<float>();
+  for (int64_t n0 = 0; n0 < s.batch; n0 += chunk) {
+    const int64_t nc = std::min(chunk, s.batch - n0), NL = nc * L;
+    im2col_chunk(xp, s, n0, nc, cp);
+    for (int64_t g = 0; g < s.groups; ++g) {
+      if (!gemm_bf16(false, false, Og, NL, K, wp + g * Og * K, K, cp + g * K * NL, NL, false,
+                     obp + g * Og * NL, NL)) {
+        return false;
+      }
+    }
+    parallel_items(nc * O, L, [&](int64_t i) {
+      const int64_t n = i / O, o = i % O;
+      const float* from = obp + o * NL + n * L;
+      BFloat16* to = op + ((n0 + n) * O + o) * L;
+      const float bias = bp ? bp[o] : 0.0f;
+      for (int64_t l = 0; l < L; ++l) to[l] = BFloat16(from[l] + bias);
+    });
+  }
+  return true;
+}
+
+// The bf16 backward (Note [bf16 conv]); empty when oneDNN declined.
+std::optional<TensorList> conv_backward_bf16(const Tensor& gout, const Tensor& x, const Tensor& w,
+                                             const ConvShape& s, bool need_x, bool need_w,
+                                             bool need_b) {
+  const auto* gp = static_cast<const BFloat16*>(gout.data_ptr());
+  const auto* xp = static_cast<const BFloat16*>(x.data_ptr());
+  const auto* wp = static_cast<const BFloat16*>(w.data_ptr());
+  const int64_t L = s.geo.out_plane(), K = s.k_per_group(), Og = s.out_per_group();
+  const int64_t O = s.out_channels;
+  Tensor dx32 = need_x ? zeros(x.shape(), kFloat32) : Tensor();
+  Tensor dw32 = need_w ? zeros(w.shape(), kFloat32) : Tensor();
+  if (need_x || need_w) {
+    const int64_t chunk = chunk_samples(s, sizeof(float));
+    Tensor cols = empty({s.groups * K, chunk * L}, kBFloat16);
+    Tensor dcols = need_x ? empty({s.groups * K, chunk * L}, kFloat32) : Tensor();
+    Tensor gbuf = empty({O, chunk * L}, kBFloat16);
+    auto* cp = static_cast<BFloat16*>(cols.data_ptr());
+    auto* gbp = static_cast<BFloat16*>(gbuf.data_ptr());
+    for (int64_t n0 = 0; n0 < s.batch; n0 += chunk) {
+      const int64_t nc = std::min(chunk, s.batch - n0), NL = nc * L;
+      parallel_items(nc * O, L, [&](int64_t i) {
+        const int64_t n = i / O, o = i % O;
+        std::copy_n(gp + ((n0 + n) * O + o) * L, L, gbp + o * NL + n * L);
+      });
+      if (need_w) {
+        // dW_g (Og, K) += gout_g (Og, nc * L) @ cols_g^T (nc * L, K), in f32.
+        im2col_chunk(xp, s, n0, nc, cp);
+        float* dwp = dw32.data<float>();
+        for (int64_t g = 0; g < s.groups; ++g) {
+          if (!gemm_bf16(false, true, Og, K, NL, gbp + g * Og * NL, NL, cp + g * K * NL, NL, true,
+                         dwp + g * Og * K, K)) {
+            return std::nullopt;
+          }
+        }
+      }
+      if (need_x) {
+        // dcols_g (K, nc * L) = W_g^T (K, Og) @ gout_g (Og, nc * L), folded back in f32.
+        float* dcp = dcols.data<float>();
+        for (int64_t g = 0; g < s.groups; ++g) {
+          if (!gemm_bf16(true, false, K, NL, Og, wp + g * Og * K, K, gbp + g * Og * NL, NL, false,
+                         dcp + g * K * NL, NL)) {
+            return std::nullopt;
+          }
+        }
+        col2im_chunk(dcp, s, n0, nc, dx32.data<float>());
+      }
+    }
+  }
+  Tensor db;
+  if (need_b) {
+    Tensor db32 = empty({O}, kFloat32);
+    float* dbp = db32.data<float>();
+    parallel_items(O, s.batch * L, [&](int64_t o) {
+      double acc = 0;
+      for (int64_t n = 0; n < s.batch; ++n) {
+        const BFloat16* p = gp + (n * O + o) * L;
+        for (int64_t l = 0; l < L; ++l) acc += static_cast<double>(static_cast<float>(p[l]));
+      }
+      dbp[o] = static_cast<float>(acc);
+    });
+    db = db32.to(kBFloat16);
+  }
+  return TensorList{need_x ? dx32.to(kBFloat16) : Tensor(), need_w ? dw32.to(kBFloat16) : Tensor(),
+                    db};
+}
+
 ConvShape check_conv_args(const Tensor& x, const Tensor& w, const Tensor& b,
                           const Conv2dOptions& o) {
   const char* op = "conv2d";
@@ -263,6 +387,38 @@ ConvShape check_conv_args(const Tensor& x, const Tensor& w, const Tensor& b,
 
 }  // namespace
 
+namespace {
+
+// conv2d of bf16 tensors through oneDNN products (Note [bf16 conv]), with its backward;
+// undefined when oneDNN declines the shapes.
+Tensor conv2d_bf16(const Tensor& x, const Tensor& weight, const Tensor& bias, const ConvShape& s) {
+  const Tensor xc = x.detach().contiguous();
+  const Tensor wc = weight.detach().contiguous();
+  const Tensor bc = bias.defined() ? bias.detach().contiguous() : Tensor();
+  Tensor out = empty({s.batch, s.out_channels, s.geo.out_h, s.geo.out_w}, kBFloat16);
+  if (out.numel() == 0 || !conv_forward_bf16(xc, wc, bc, s, out)) return Tensor();
+  const bool need_x = x.requires_grad(), need_w = weight.requires_grad();
+  const bool need_b = bias.defined() && bias.requires_grad();
+  autograd::record("Conv2dBackward", {x, weight, bias}, out,
+                   [xc, wc, s, need_x, need_w, need_b](const TensorList& g) {
+                     const Tensor gc = g[0].to(kBFloat16).contiguous();
+                     if (auto r = conv_backward_bf16(gc, xc, wc, s, need_x, need_w, need_b)) {
+                       return *r;
+                     }
+                     // oneDNN declined a backward product: f32 from converted operands.
+                     TensorList r32 =
+                         conv_backward<float>(gc.to(kFloat32), xc.to(kFloat32), wc.to(kFloat32), s,
+                                              need_x, need_w, need_b);
+                     for (auto& t : r32) {
+                       if (t.defined()) t = t.to(kBFloat16);
+                     }
+                     return r32;
+                   });
+  return out;
+}
+
+}  // namespace
+
 Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias,
               const Conv2dOptions& opts) {
   if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/amp/autocast.cpp
@@ -274,6 +430,10 @@ Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias,
     return conv2d(x_ac, weight_ac, bias_ac, opts);
   }
   const ConvShape s = check_conv_args(x, weight, bias, opts);
+  if (x.dtype() == kBFloat16 && cpu::bf16_gemm_available()) {
+    Tensor y = conv2d_bf16(x, weight, bias, s);
+    if (y.defined()) return y;
+  }
   if (is_half(x.dtype())) {
     // 16-bit floats are computed in f32; autograd flows through the conversions.
     Tensor b32 = bias.defined() ? bias.to(kFloat32) : Tensor();

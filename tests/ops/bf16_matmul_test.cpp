@@ -95,3 +95,49 @@ TEST(Bf16Matmul, EmptyShapes) {
 }
 
 }  // namespace
+
+namespace {
+
+// conv2d on bf16 (Note [bf16 conv]): forward and the three gradients against the f64 conv of
+// the same bf16 values, with padding, stride, dilation and groups.
+TEST(Bf16Conv, ForwardAndGradientsMatchTheDoubleConv) {
+  struct Case {
+    Dims x, w;
+    Conv2dOptions o;
+  };
+  const std::vector<Case> cases = {
+      {{4, 3, 12, 12}, {8, 3, 3, 3}, {}},
+      {{2, 4, 9, 11},
+       {6, 2, 3, 2},
+       {.stride_h = 2,
+        .stride_w = 1,
+        .pad_h = 1,
+        .pad_w = 2,
+        .dilation_h = 1,
+        .dilation_w = 2,
+        .groups = 2}},
+      {{3, 1, 28, 28}, {32, 1, 3, 3}, {}},  // the CNN's first layer (K = 9)
+  };
+  for (size_t c = 0; c < cases.size(); ++c) {
+    const Case& k = cases[c];
+    const std::string what = "case " + std::to_string(c);
+    const Tensor x0 = rand_bf16(k.x, 20 + c), w0 = rand_bf16(k.w, 30 + c),
+                 b0 = rand_bf16({k.w[0]}, 40 + c);
+    Tensor x = x0.detach().requires_grad_(), w = w0.detach().requires_grad_(),
+           b = b0.detach().requires_grad_();
+    Tensor y = conv2d(x, w, b, k.o);
+    Tensor x64 = x0.to(kFloat64).requires_grad_(), w64 = w0.to(kFloat64).requires_grad_(),
+           b64 = b0.to(kFloat64).requires_grad_();
+    Tensor y64 = conv2d(x64, w64, b64, k.o);
+    expect_bf16_close(y, y64.detach(), what + " output");
+    // A fixed upstream gradient, rounded to bf16 for both.
+    const Tensor g = rand_bf16(y.shape(), 50 + c);
+    sum(mul(y, g)).backward();
+    sum(mul(y64, g.to(kFloat64))).backward();
+    expect_bf16_close(x.grad(), x64.grad(), what + " input gradient");
+    expect_bf16_close(w.grad(), w64.grad(), what + " weight gradient");
+    expect_bf16_close(b.grad(), b64.grad(), what + " bias gradient");
+  }
+}
+
+}  // namespace
