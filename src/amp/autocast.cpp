@@ -1,6 +1,7 @@
 // Autocast state (per thread), the cast policy table and the per-scope cast cache.
 #include "lockstep/amp/autocast.h"
 
+#include <atomic>
 #include <unordered_map>
 #include <utility>
 
@@ -36,9 +37,13 @@ struct State {
   // Parameter (leaf requiring grad) -> its low-precision copy, keyed by impl; the copy holds
   // the parameter alive through its graph, so the key stays valid while cached.
   std::unordered_map<const TensorImpl*, Tensor> cache;
+  uint64_t cache_backward_epoch = 0;  // backward_epoch when the cache was filled
 };
 
 thread_local State tl_state;
+// Bumped by every backward (any thread): a backward releases the graphs it ran through, cast
+// nodes of cached copies included, so copies cached before it cannot serve a later forward.
+std::atomic<uint64_t> backward_epoch{0};
 
 }  // namespace
 
@@ -103,6 +108,11 @@ Tensor autocast_arg(const Tensor& t, CastPolicy policy) {
       if (!(t.is_leaf() && t.requires_grad() && autograd::grad_enabled())) {
         return t.to(tl_state.dtype);
       }
+      const uint64_t epoch = backward_epoch.load(std::memory_order_relaxed);
+      if (epoch != tl_state.cache_backward_epoch) {
+        tl_state.cache.clear();
+        tl_state.cache_backward_epoch = epoch;
+      }
       auto it = tl_state.cache.find(t.impl());
       if (it != tl_state.cache.end()) return it->second;
       Tensor low = t.to(tl_state.dtype);
@@ -112,6 +122,8 @@ Tensor autocast_arg(const Tensor& t, CastPolicy policy) {
   }
   return t;
 }
+
+void note_backward() { backward_epoch.fetch_add(1, std::memory_order_relaxed); }
 
 AutocastSuspend::AutocastSuspend() : prev_(tl_state.enabled) { tl_state.enabled = false; }
 AutocastSuspend::~AutocastSuspend() { tl_state.enabled = prev_; }

@@ -105,7 +105,7 @@ void GradScaler::update() {
   if (found_inf_) {
     scale_ *= opts_.backoff_factor;
     growth_tracker_ = 0;
-  } else if (++growth_tracker_ == opts_.growth_interval) {
+  } else if (++growth_tracker_ >= opts_.growth_interval) {
     const double grown = scale_ * opts_.growth_factor;
     if (std::isfinite(grown)) scale_ = grown;
     growth_tracker_ = 0;
@@ -120,7 +120,7 @@ std::map<std::string, double> GradScaler::state_dict() const {
           {"growth_factor", opts_.growth_factor},
           {"backoff_factor", opts_.backoff_factor},
           {"growth_interval", static_cast<double>(opts_.growth_interval)},
-          {"growth_tracker", static_cast<double>(growth_tracker_)}};
+          {"_growth_tracker", static_cast<double>(growth_tracker_)}};
 }
 
 void GradScaler::load_state_dict(const std::map<std::string, double>& state) {
@@ -134,11 +134,22 @@ void GradScaler::load_state_dict(const std::map<std::string, double>& state) {
            "GradScaler::load_state_dict: scale must be positive and "
            "finite, got ",
            s);
+  const double growth = get("growth_factor"), backoff = get("backoff_factor");
+  const double interval = get("growth_interval"), tracker = get("_growth_tracker");
+  LS_CHECK(growth > 1.0, "GradScaler::load_state_dict: growth_factor must be > 1, got ", growth);
+  LS_CHECK(backoff > 0.0 && backoff < 1.0,
+           "GradScaler::load_state_dict: backoff_factor must be in (0, 1), got ", backoff);
+  LS_CHECK(interval >= 1 && interval == std::floor(interval),
+           "GradScaler::load_state_dict: growth_interval must be a positive integer, got ",
+           interval);
+  LS_CHECK(tracker >= 0 && tracker == std::floor(tracker),
+           "GradScaler::load_state_dict: _growth_tracker must be a non-negative integer, got ",
+           tracker);
   scale_ = s;
-  opts_.growth_factor = get("growth_factor");
-  opts_.backoff_factor = get("backoff_factor");
-  opts_.growth_interval = static_cast<int64_t>(get("growth_interval"));
-  growth_tracker_ = static_cast<int64_t>(get("growth_tracker"));
+  opts_.growth_factor = growth;
+  opts_.backoff_factor = backoff;
+  opts_.growth_interval = static_cast<int64_t>(interval);
+  growth_tracker_ = static_cast<int64_t>(tracker);
 }
 
 }  // namespace lockstep::amp

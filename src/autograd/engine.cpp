@@ -59,6 +59,7 @@ std::vector<Tensor> run(const std::vector<Tensor>& roots, const std::vector<Tens
   // Gradients keep the dtypes of the forward; a backward() called inside an autocast scope must
   // not recast them.
   amp::detail::AutocastSuspend no_autocast;
+  amp::detail::note_backward();
 
   std::vector<Edge> root_edges;
   std::vector<Tensor> root_grads;
@@ -78,6 +79,11 @@ std::vector<Tensor> run(const std::vector<Tensor>& roots, const std::vector<Tens
     } else {
       LS_CHECK(g.shape() == r.shape(), "backward: gradient of shape ", g.shape().str(),
                " for an output of shape ", r.shape().str());
+      // Backward functions take gradients in their output's dtype (a bf16 output given an f32
+      // gradient under autocast): convert, as PyTorch does.
+      if (g.dtype() != r.dtype() && is_floating(g.dtype()) && is_floating(r.dtype())) {
+        g = g.to(r.dtype());
+      }
     }
     root_edges.push_back(gradient_edge(r));
     root_grads.push_back(g);

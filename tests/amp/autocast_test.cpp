@@ -173,3 +173,50 @@ TEST(Autocast, BackwardInsideTheScopeKeepsGradientDtypes) {
 }
 
 }  // namespace
+
+namespace {
+
+// Several forwards and backwards in one scope (gradient accumulation written naturally): the
+// copies cached before a backward are not reused after it, whose cast nodes it released. Three
+// identical micro-batches accumulate three times the gradient of one.
+TEST(Autocast, BackwardPerMicroBatchInsideOneScope) {
+  auto once = small_mlp(7), thrice = small_mlp(7);
+  Generator gen(8);
+  const Tensor x = randn({16, 16}, gen), y = randint(0, 4, {16}, gen);
+  {
+    amp::autocast ac;
+    cross_entropy(once->forward(x), y).backward();
+  }
+  {
+    amp::autocast ac;
+    for (int k = 0; k < 3; ++k) cross_entropy(thrice->forward(x), y).backward();
+  }
+  const auto p1 = once->parameters(), p3 = thrice->parameters();
+  for (size_t i = 0; i < p1.size(); ++i) {
+    const auto g1 = p1[i].grad().to_vector<double>(), g3 = p3[i].grad().to_vector<double>();
+    for (size_t j = 0; j < g1.size(); ++j) {
+      ASSERT_NEAR(g3[j], 3 * g1[j], 1e-6 * (1 + std::abs(g1[j]))) << "parameter " << i;
+    }
+  }
+}
+
+// An f32 output gradient for a bf16 output is converted to bf16 before the backward kernels.
+TEST(Autocast, RootGradientOfAnotherDtypeIsConverted) {
+  Generator gen(9);
+  Tensor w = randn({8, 5}, gen).requires_grad_();
+  const Tensor x = randn({3, 5}, gen);
+  Tensor out;
+  {
+    amp::autocast ac;
+    out = linear(x, w);
+  }
+  ASSERT_EQ(out.dtype(), kBFloat16);
+  out.backward(full({3, 8}, 1.0, kFloat32));
+  ASSERT_EQ(w.grad().dtype(), kFloat32);
+  Tensor w32 = w.detach().requires_grad_();
+  linear(x, w32).backward(full({3, 8}, 1.0, kFloat32));
+  const auto g = w.grad().to_vector<double>(), want = w32.grad().to_vector<double>();
+  for (size_t i = 0; i < g.size(); ++i) EXPECT_NEAR(g[i], want[i], 0.02 + 0.01 * std::abs(want[i]));
+}
+
+}  // namespace

@@ -121,8 +121,11 @@ TEST(GradScaler, StateDictRoundTrips) {
   amp::GradScaler b;
   b.load_state_dict(a.state_dict());
   EXPECT_EQ(b.state_dict(), a.state_dict());
-  EXPECT_DOUBLE_EQ(b.state_dict().at("growth_tracker"), 2.0);
+  EXPECT_DOUBLE_EQ(b.state_dict().at("_growth_tracker"), 2.0);
   lockstep::testing::expect_error([&] { b.load_state_dict({{"scale", -1.0}}); }, {"scale"});
+  auto bad = a.state_dict();
+  bad["backoff_factor"] = 2.0;
+  lockstep::testing::expect_error([&] { b.load_state_dict(bad); }, {"backoff_factor", "2"});
 }
 
 // Rank 1 alone overflows (its loss is multiplied by inf); after DDP's all-reduce both ranks see

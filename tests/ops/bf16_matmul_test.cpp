@@ -3,6 +3,7 @@
 // double-precision product of the same bf16 values.
 #include <fstream>
 #include <sstream>
+#include <thread>
 
 #include "testing.h"
 
@@ -138,6 +139,28 @@ TEST(Bf16Conv, ForwardAndGradientsMatchTheDoubleConv) {
     expect_bf16_close(w.grad(), w64.grad(), what + " weight gradient");
     expect_bf16_close(b.grad(), b64.grad(), what + " bias gradient");
   }
+}
+
+}  // namespace
+
+namespace {
+
+// One cached primitive executed from several threads at once (DataParallel's replicas do this):
+// every thread gets the single-threaded result.
+TEST(Bf16Matmul, ConcurrentProductsOfOneShapeAgree) {
+  const Tensor a = rand_bf16({64, 96}, 60), b = rand_bf16({96, 80}, 61);
+  const std::vector<double> want = matmul(a, b).to_vector<double>();
+  std::vector<int> mismatches(4, 0);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 50; ++i) {
+        if (matmul(a, b).to_vector<double>() != want) ++mismatches[t];
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < 4; ++t) EXPECT_EQ(mismatches[t], 0) << "thread " << t;
 }
 
 }  // namespace

@@ -56,8 +56,18 @@ using json = nlohmann::json;
 constexpr auto kStopGrace = std::chrono::seconds(3);
 // Lines of each worker's output kept for the failure summary.
 constexpr size_t kTailLines = 20;
-// How long node 0 keeps the store up for the other agents to read the outcome.
+// How long node 0 keeps the store up for the other agents to read the outcome (at least; also
+// three monitor intervals, since that is how long an agent may take to look).
 constexpr auto kExitSyncTimeout = std::chrono::seconds(10);
+// After a signal the wait is short: the user asked the job to stop.
+constexpr auto kExitSyncAfterSignal = std::chrono::seconds(3);
+// Once everyone joined, a store request that gets no reply for this long means node 0 (or the
+// network) is gone: the workers are stopped rather than left waiting for the rendezvous timeout.
+constexpr auto kStoreRequestTimeout = std::chrono::seconds(30);
+// Connection attempts to node 0's store are made in slices this long, so that a signal is seen.
+constexpr auto kConnectSlice = std::chrono::seconds(1);
+// SIGKILLed workers that have still not exited after this (stuck in the kernel) are given up.
+constexpr auto kKillWait = std::chrono::seconds(10);
 // How long the output of exited workers is still read (a grandchild that escaped the process
 // group could hold a pipe open forever).
 constexpr auto kDrainTimeout = std::chrono::seconds(1);
@@ -65,6 +75,13 @@ constexpr auto kDrainTimeout = std::chrono::seconds(1);
 // The agent's own failures, for the user: no source location.
 struct AgentError : std::runtime_error {
   using std::runtime_error::runtime_error;
+};
+
+// A signal stopped the agent before its workers ran.
+struct Interrupted : std::runtime_error {
+  explicit Interrupted(int sig)
+      : std::runtime_error("interrupted by " + signal_name(sig)), signal(sig) {}
+  int signal;
 };
 
 void write_all(int fd, const std::string& s) {
@@ -92,6 +109,12 @@ std::string hostname() {
   char buf[256] = {};
   ::gethostname(buf, sizeof buf - 1);
   return buf;
+}
+
+// JSON text of a failure record; invalid UTF-8 in a worker's lines becomes U+FFFD rather than an
+// exception.
+std::string dump(const nlohmann::json& j) {
+  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
 std::string random_hex(size_t bytes) {
@@ -156,8 +179,11 @@ class Agent {
   int world_size() const { return o_.nnodes * o_.nproc_per_node; }
 
   void setup_signals();
-  // A pending SIGINT/SIGTERM/SIGHUP, or 0. Reads everything queued on the signalfd.
+  // A SIGINT/SIGTERM/SIGHUP received so far (the first one), or 0. Reads everything queued on
+  // the signalfd; a signal is remembered until the agent acts on it.
   int take_signal();
+  // Reads a failed worker's remaining output (its last lines belong in the summary).
+  void drain_worker(Worker& w);
   void connect_store();
   void rendezvous();
   void start_workers(int g);
@@ -172,13 +198,15 @@ class Agent {
   void stop_workers(int sig);
   void drain_after_exit();
   json describe_failure(const Worker& w) const;
+  void publish_interrupted(int g, int sig);
   void print_summary(const json& f, int generation) const;
   bool wait_for_count(const std::string& k, int64_t want, std::chrono::milliseconds timeout,
                       int* interrupted);
-  void exit_sync();
+  void exit_sync(std::chrono::milliseconds timeout);
 
   RunOptions o_;
   int sigfd_ = -1;
+  int pending_signal_ = 0;
   std::string tmp_dir_;
   std::string token_;
   uint16_t store_port_ = 0;
@@ -199,12 +227,13 @@ void Agent::setup_signals() {
 }
 
 int Agent::take_signal() {
-  int stop = 0;
   signalfd_siginfo si{};
   while (::read(sigfd_, &si, sizeof si) == static_cast<ssize_t>(sizeof si)) {
-    if (si.ssi_signo != SIGCHLD && stop == 0) stop = static_cast<int>(si.ssi_signo);
+    if (si.ssi_signo != SIGCHLD && pending_signal_ == 0) {
+      pending_signal_ = static_cast<int>(si.ssi_signo);
+    }
   }
-  return stop;
+  return pending_signal_;
 }
 
 void Agent::connect_store() {
@@ -234,12 +263,29 @@ void Agent::connect_store() {
                        "machine");
     }
   } else {
-    try {
-      store_ = std::make_unique<dist::TCPStore>(so);
-    } catch (const Error& e) {
-      throw AgentError("node " + std::to_string(o_.node_rank) + " cannot reach node 0's store at " +
-                       o_.master_addr + ":" + std::to_string(o_.master_port) + " within " +
-                       std::to_string(static_cast<int>(o_.rdzv_timeout_s)) + " s: " + e.message());
+    // In slices, watching for signals: a Ctrl-C while node 0 is not up yet must not wait for
+    // the rendezvous timeout.
+    const auto deadline = Clock::now() + so.timeout;
+    for (;;) {
+      dist::TCPStoreOptions slice = so;
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      slice.timeout = std::clamp<std::chrono::milliseconds>(
+          left, std::chrono::milliseconds(1),
+          std::chrono::duration_cast<std::chrono::milliseconds>(kConnectSlice));
+      try {
+        store_ = std::make_unique<dist::TCPStore>(slice);
+        store_->set_timeout(so.timeout);
+        break;
+      } catch (const Error& e) {
+        if (const int sig = take_signal()) throw Interrupted(sig);
+        if (Clock::now() >= deadline) {
+          throw AgentError(
+              "node " + std::to_string(o_.node_rank) + " cannot reach node 0's store at " +
+              o_.master_addr + ":" + std::to_string(o_.master_port) + " within " +
+              std::to_string(static_cast<int>(o_.rdzv_timeout_s)) + " s: " + e.message());
+        }
+      }
     }
   }
   store_port_ = store_->port();
@@ -273,8 +319,7 @@ void Agent::rendezvous() {
   int sig = 0;
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(o_.rdzv_timeout_s * 1000));
   if (!wait_for_count(key("joined"), o_.nnodes, timeout, &sig)) {
-    if (sig != 0)
-      throw AgentError("interrupted by " + signal_name(sig) + " while waiting for nodes");
+    if (sig != 0) throw Interrupted(sig);
     std::string missing;
     int joined = 0;
     for (int r = 0; r < o_.nnodes; ++r) {
@@ -430,6 +475,19 @@ void Agent::drain_after_exit() {
   }
 }
 
+void Agent::drain_worker(Worker& w) {
+  const auto deadline = Clock::now() + kDrainTimeout;
+  while (w.proc->streams_open() && Clock::now() < deadline) {
+    std::vector<pollfd> fds;
+    if (w.proc->stdout_fd() >= 0) fds.push_back({w.proc->stdout_fd(), POLLIN, 0});
+    if (w.proc->stderr_fd() >= 0) fds.push_back({w.proc->stderr_fd(), POLLIN, 0});
+    if (::poll(fds.data(), fds.size(), 20) <= 0) continue;
+    for (const auto& p : fds) {
+      if (p.revents != 0) w.proc->drain(p.fd, p.fd == w.proc->stdout_fd() ? *w.out : *w.err);
+    }
+  }
+}
+
 void Agent::stop_workers(int sig) {
   for (auto& w : workers_) {
     if (!w->proc->exit_status()) w->proc->signal_group(sig);
@@ -438,14 +496,26 @@ void Agent::stop_workers(int sig) {
   reap();
   while (!all_exited() && Clock::now() < deadline) {
     pump_output(std::chrono::milliseconds(20));
-    take_signal();  // a second Ctrl-C changes nothing: the workers are already being stopped
+    take_signal();  // remembered: a Ctrl-C now still ends the job once this group is stopped
     reap();
   }
   for (auto& w : workers_) {
     if (!w->proc->exit_status()) w->proc->signal_group(SIGKILL);
   }
+  const auto kill_deadline = Clock::now() + kKillWait;
   while (!all_exited()) {
+    if (Clock::now() >= kill_deadline) {
+      for (auto& w : workers_) {
+        if (!w->proc->exit_status()) {
+          say("rank " + std::to_string(w->rank) + " (pid " + std::to_string(w->proc->pid()) +
+              ") did not exit " + std::to_string(kKillWait.count()) +
+              " s after SIGKILL (stuck in the kernel?); giving up on it");
+        }
+      }
+      break;
+    }
     pump_output(std::chrono::milliseconds(20));
+    take_signal();
     reap();
   }
   drain_after_exit();
@@ -479,6 +549,12 @@ void Agent::print_summary(const json& f, int generation) const {
         f.value("time", std::string("?")));
     return;
   }
+  if (f.value("rank", -1) < 0) {
+    say("the job failed: node " + std::to_string(f.value("node", -1)) + " (host " +
+        f.value("host", std::string("?")) + ") could not start its workers: " +
+        f.value("status", std::string("?")) + " at " + f.value("time", std::string("?")));
+    return;
+  }
   std::ostringstream s;
   s << "the job failed: rank " << f.value("rank", -1) << " (local rank "
     << f.value("local_rank", -1) << " on node " << f.value("node", -1) << ", host "
@@ -498,9 +574,42 @@ void Agent::print_summary(const json& f, int generation) const {
   }
 }
 
+void Agent::publish_interrupted(int g, int sig) {
+  try {
+    const json f = {{"interrupted", true},
+                    {"node", o_.node_rank},
+                    {"signal", signal_name(sig)},
+                    {"time", utc_now()}};
+    store_->compare_set(gen_key(g, "failure"), "", dump(f));
+  } catch (const Error&) {
+    // Node 0 is gone: the other nodes lose the store and stop anyway.
+  }
+}
+
 GenResult Agent::run_generation(int g) {
-  start_workers(g);
   GenResult result;
+  try {
+    start_workers(g);
+  } catch (const std::exception& e) {
+    // What did start is stopped, and the other nodes hear of it as of a failed worker.
+    const auto* le = dynamic_cast<const Error*>(&e);
+    const std::string why = le ? le->message() : std::string(e.what());
+    say("cannot start the workers: " + why);
+    result.outcome = Outcome::kFailed;
+    result.failure = {{"node", o_.node_rank},
+                      {"host", hostname()},
+                      {"rank", -1},
+                      {"local_rank", -1},
+                      {"status", "a start failure (" + why + ")"},
+                      {"time", utc_now()}};
+    try {
+      store_->compare_set(gen_key(g, "failure"), "", dump(result.failure));
+      result.failure = json::parse(store_->get_string(gen_key(g, "failure")));
+    } catch (const Error&) {
+    }
+    stop_workers(SIGTERM);
+    return result;
+  }
   bool published = false, success_counted = false;
   auto next_check = Clock::now();
   try {
@@ -510,14 +619,7 @@ GenResult Agent::run_generation(int g) {
       pump_output(std::max(std::chrono::milliseconds(0), wait));
       if (const int sig = take_signal()) {
         // Tell the other nodes first, so that they stop too (and do not restart).
-        try {
-          const json f = {{"interrupted", true},
-                          {"node", o_.node_rank},
-                          {"signal", signal_name(sig)},
-                          {"time", utc_now()}};
-          store_->compare_set(gen_key(g, "failure"), "", f.dump());
-        } catch (const Error&) {
-        }
+        publish_interrupted(g, sig);
         say("received " + signal_name(sig) + "; stopping the workers");
         stop_workers(sig);
         result.outcome = Outcome::kInterrupted;
@@ -529,8 +631,8 @@ GenResult Agent::run_generation(int g) {
         for (auto& w : workers_) {
           const auto& st = w->proc->exit_status();
           if (st && !st->ok()) {
-            drain_after_exit();  // its last lines belong in the summary
-            store_->compare_set(gen_key(g, "failure"), "", describe_failure(*w).dump());
+            drain_worker(*w);  // its last lines belong in the summary
+            store_->compare_set(gen_key(g, "failure"), "", dump(describe_failure(*w)));
             published = true;
             next_check = Clock::now();
             break;
@@ -565,13 +667,12 @@ GenResult Agent::run_generation(int g) {
   }
 }
 
-void Agent::exit_sync() {
+void Agent::exit_sync(std::chrono::milliseconds timeout) {
   try {
     store_->add(key("exit"), 1);
     if (o_.node_rank == 0) {
       int sig = 0;
-      wait_for_count(key("exit"), o_.nnodes,
-                     std::chrono::duration_cast<std::chrono::milliseconds>(kExitSyncTimeout), &sig);
+      wait_for_count(key("exit"), o_.nnodes, timeout, &sig);
     }
   } catch (const Error&) {
     // Node 0 is gone after the outcome was known; nothing is lost.
@@ -591,24 +692,36 @@ int Agent::run() {
   LS_CHECK(made != nullptr, "cannot create a temporary directory: ", std::strerror(errno));
   tmp_dir_ = made;
 
-  connect_store();
-  if (o_.standalone) say("standalone: the store listens on port " + std::to_string(store_port_));
   try {
+    connect_store();
+    if (o_.standalone) say("standalone: the store listens on port " + std::to_string(store_port_));
     rendezvous();
+  } catch (const Interrupted& e) {
+    say(std::string(e.what()) + " before the workers started");
+    return 128 + e.signal;
   } catch (const AgentError& e) {
     say(e.what());
     return kExitJobFailed;
+  } catch (const UsageError&) {
+    throw;
   } catch (const Error& e) {
     say("rendezvous failed: " + e.message());
     return kExitJobFailed;
   }
+  // Everyone joined: from now on a silent store means node 0 is gone.
+  store_->set_timeout(kStoreRequestTimeout);
+  const auto normal_exit_wait = std::max<std::chrono::milliseconds>(
+      kExitSyncTimeout,
+      std::chrono::milliseconds(static_cast<int64_t>(o_.monitor_interval_s * 3000)) +
+          std::chrono::seconds(5));
   for (int g = 0;; ++g) {
     GenResult r = run_generation(g);
     switch (r.outcome) {
       case Outcome::kSucceeded:
-        exit_sync();
+        exit_sync(normal_exit_wait);
         return kExitOk;
       case Outcome::kInterrupted:
+        exit_sync(kExitSyncAfterSignal);  // node 0 lets the others read why
         return 128 + r.signal;
       case Outcome::kStoreLost:
         say("lost node 0's store at " + o_.master_addr + ":" + std::to_string(store_port_) +
@@ -618,6 +731,13 @@ int Agent::run() {
         break;
     }
     const bool interrupted = r.failure.value("interrupted", false);
+    if (const int sig = take_signal()) {  // a Ctrl-C while the failed group was being stopped
+      publish_interrupted(g + 1, sig);
+      print_summary(r.failure, g);
+      say("received " + signal_name(sig) + "; not restarting");
+      exit_sync(kExitSyncAfterSignal);
+      return 128 + sig;
+    }
     if (g < o_.max_restarts && !interrupted) {
       say("rank " + std::to_string(r.failure.value("rank", -1)) + " on node " +
           std::to_string(r.failure.value("node", -1)) + " ended with " +
@@ -629,7 +749,13 @@ int Agent::run() {
         const auto timeout =
             std::chrono::milliseconds(static_cast<int64_t>(o_.rdzv_timeout_s * 1000));
         if (!wait_for_count(gen_key(g, "stopped"), o_.nnodes, timeout, &sig)) {
-          if (sig != 0) return 128 + sig;
+          if (sig != 0) {
+            // The others go on to generation g+1: meet them there with the stop.
+            publish_interrupted(g + 1, sig);
+            say("received " + signal_name(sig) + " while restarting; not restarting");
+            exit_sync(kExitSyncAfterSignal);
+            return 128 + sig;
+          }
           say("not every node stopped its workers within the rendezvous timeout; giving up");
           print_summary(r.failure, g);
           return kExitJobFailed;
@@ -641,7 +767,7 @@ int Agent::run() {
       continue;
     }
     print_summary(r.failure, g);
-    exit_sync();
+    exit_sync(normal_exit_wait);
     return kExitJobFailed;
   }
 }

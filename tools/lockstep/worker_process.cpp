@@ -59,26 +59,27 @@ std::string signal_name(int sig) {
 }
 
 std::string ExitStatus::str() const {
-  if (signaled) return "signal " + signal_name(signal) + " (" + std::to_string(signal) + ")";
+  if (signaled) {
+    const std::string name = signal_name(signal);
+    return name.rfind("SIG", 0) == 0 ? "signal " + name + " (" + std::to_string(signal) + ")"
+                                     : name;
+  }
   return "exit code " + std::to_string(code);
 }
 
 void LineSplitter::feed(const char* data, size_t n) {
-  size_t start = 0;
   for (size_t i = 0; i < n; ++i) {
     if (data[i] == '\n') {
-      partial_.append(data + start, i - start);
       sink_(partial_);
       partial_.clear();
-      start = i + 1;
-    } else if (partial_.size() + (i - start) + 1 >= kMaxLine) {
-      partial_.append(data + start, i + 1 - start);
-      sink_(partial_);
-      partial_.clear();
-      start = i + 1;
+      continue;
     }
+    if (partial_.size() == kMaxLine) {  // a full piece, and more of the line follows
+      sink_(partial_);
+      partial_.clear();
+    }
+    partial_.push_back(data[i]);
   }
-  partial_.append(data + start, n - start);
 }
 
 void LineSplitter::finish() {
@@ -91,9 +92,17 @@ namespace {
 // Writes a message to fd 2 from the forked child, where only async-signal-safe calls are
 // allowed.
 void child_fail(const char* what, const char* path) {
-  const int err = errno;
-  const char* reason = strerror(err);  // glibc's table lookup; no allocation
-  const char* parts[] = {"lockstep run: cannot ", what, " ", path, ": ", reason, "\n"};
+  // errno as digits: strerror is not async-signal-safe.
+  char num[16];
+  int err = errno, len = 0;
+  char rev[16];
+  do {
+    rev[len++] = static_cast<char>('0' + err % 10);
+    err /= 10;
+  } while (err > 0 && len < 15);
+  for (int i = 0; i < len; ++i) num[i] = rev[len - 1 - i];
+  num[len] = '\0';
+  const char* parts[] = {"lockstep run: cannot ", what, " ", path, ": errno ", num, "\n"};
   for (const char* p : parts) {
     ssize_t ignored = ::write(2, p, std::strlen(p));
     (void)ignored;
@@ -172,7 +181,9 @@ WorkerProcess::~WorkerProcess() {
 
 bool WorkerProcess::drain(int fd, LineSplitter& splitter) {
   char buf[16384];
-  for (;;) {
+  // A bounded number of reads per call: a worker that prints without pause must not keep the
+  // agent from its signals, its other workers and the store.
+  for (int reads = 0; reads < kMaxReadsPerDrain; ++reads) {
     const ssize_t n = ::read(fd, buf, sizeof buf);
     if (n > 0) {
       splitter.feed(buf, static_cast<size_t>(n));
@@ -187,6 +198,7 @@ bool WorkerProcess::drain(int fd, LineSplitter& splitter) {
     if (fd == err_fd_) err_fd_ = -1;
     return false;
   }
+  return true;
 }
 
 std::optional<ExitStatus> WorkerProcess::poll_exit() {

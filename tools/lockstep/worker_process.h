@@ -49,6 +49,7 @@ struct WorkerSpec {
 
 class WorkerProcess {
  public:
+  static constexpr int kMaxReadsPerDrain = 16;
   // Starts the process (fork + exec): its own process group, stdin from /dev/null, stdout and
   // stderr to pipes, killed by the kernel if the launcher dies (PR_SET_PDEATHSIG). Throws
   // lockstep::Error when it cannot be started; a program that fails to exec exits 127 with the

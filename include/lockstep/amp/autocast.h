@@ -52,6 +52,10 @@ namespace detail {
 // leaf tensors that require grad (parameters) are cast once per outermost scope.
 Tensor autocast_arg(const Tensor& t, CastPolicy policy);
 
+// Called by the autograd engine at the start of every backward: cached low-precision copies
+// made before it are dropped (their cast nodes are released by that backward).
+void note_backward();
+
 // Turns autocast off on this thread while alive: an op that has cast its arguments calls its
 // own implementation without casting again.
 class AutocastSuspend {

@@ -51,8 +51,8 @@ class GradScaler {
   // Whether the last step() was skipped.
   bool last_step_skipped() const { return last_skipped_; }
 
-  // "scale", "growth_factor", "backoff_factor", "growth_interval", "growth_tracker" (PyTorch's
-  // names), for checkpoints.
+  // "scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker" (PyTorch's
+  // names), for checkpoints. Loading checks every value.
   std::map<std::string, double> state_dict() const;
   void load_state_dict(const std::map<std::string, double>& state);
 

@@ -29,10 +29,21 @@ namespace {
 using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                        bool>;  // m, n, k, a strides, b strides, ldc, accumulate
 
+// A primitive with its own descriptor. Scratchpads are the caller's (user mode), so one
+// primitive may run on several threads at once (DataParallel's replicas): oneDNN's default,
+// library-managed scratchpad would make concurrent executions of a primitive unsafe.
+struct Entry {
+  dnnl::matmul::primitive_desc pd;
+  dnnl::matmul prim;
+};
+
+// Primitives kept at most; shapes in training repeat, so this only bounds odd workloads.
+constexpr size_t kMaxCachedPrimitives = 512;
+
 struct Runtime {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   std::mutex mu;
-  std::map<Key, std::shared_ptr<dnnl::matmul>> cache;
+  std::map<Key, std::shared_ptr<Entry>> cache;
   std::string impl;
 };
 
@@ -75,34 +86,40 @@ bool bf16_gemm(int64_t m, int64_t n, int64_t k, const Bf16Matrix& a, const Bf16M
   const dnnl::memory::desc ad({m, k}, dt::bf16, {a.rs, a.cs});
   const dnnl::memory::desc bd({k, n}, dt::bf16, {b.rs, b.cs});
   const dnnl::memory::desc cd({m, n}, dt::f32, {ldc, 1});
-  std::shared_ptr<dnnl::matmul> prim;
+  std::shared_ptr<Entry> entry;
   {
     std::lock_guard<std::mutex> lock(rt->mu);
     auto it = rt->cache.find(key);
     if (it != rt->cache.end()) {
-      prim = it->second;
+      entry = it->second;
     } else {
       try {
         dnnl::primitive_attr attr;
+        attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
         if (accumulate) {
           dnnl::post_ops ops;
           ops.append_sum(1.0f);
           attr.set_post_ops(ops);
         }
         dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(ad, bd, cd), attr, rt->engine);
-        prim = std::make_shared<dnnl::matmul>(pd);
+        entry = std::make_shared<Entry>(Entry{pd, dnnl::matmul(pd)});
       } catch (const dnnl::error&) {
-        prim = nullptr;  // a layout it does not take: remembered, the caller falls back
+        entry = nullptr;  // a layout it does not take: remembered, the caller falls back
       }
-      rt->cache.emplace(key, prim);
+      if (rt->cache.size() >= kMaxCachedPrimitives) rt->cache.clear();
+      rt->cache.emplace(key, entry);
     }
   }
-  if (!prim) return false;
+  if (!entry) return false;
   dnnl::stream stream(rt->engine);
   dnnl::memory am(ad, rt->engine, const_cast<uint16_t*>(a.data));
   dnnl::memory bm(bd, rt->engine, const_cast<uint16_t*>(b.data));
   dnnl::memory cm(cd, rt->engine, c);
-  prim->execute(stream, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}});
+  dnnl::memory scratch(entry->pd.scratchpad_desc(), rt->engine);  // this call's own
+  entry->prim.execute(stream, {{DNNL_ARG_SRC, am},
+                               {DNNL_ARG_WEIGHTS, bm},
+                               {DNNL_ARG_DST, cm},
+                               {DNNL_ARG_SCRATCHPAD, scratch}});
   stream.wait();
   return true;
 }
