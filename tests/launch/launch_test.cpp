@@ -473,3 +473,21 @@ TEST_F(Launcher, DdpRanksEndWithIdenticalParameters) {
 }
 
 }  // namespace
+
+namespace {
+
+// A node waiting for node 0's store (which never comes) stops at Ctrl-C with 130, long before
+// the 900 s rendezvous timeout.
+TEST_F(Launcher, SignalWhileWaitingForNodeZeroExitsAtOnce) {
+  const Launch l = start_launcher({"run", "--nnodes", "2", "--node-rank", "1", "--master-port",
+                                   std::to_string(free_port()), kWorker, "sleep"},
+                                  dir_, "launch", pid_env());
+  std::this_thread::sleep_for(1500ms);  // inside the connect loop
+  ::kill(l.pid, SIGINT);
+  const Outcome o = wait_launcher(l);
+  EXPECT_TRUE(o.exited_with(130)) << o.describe();
+  EXPECT_THAT(o.err, ::testing::HasSubstr("interrupted by SIGINT before the workers started"));
+  EXPECT_TRUE(recorded_pids(pids_).empty());
+}
+
+}  // namespace
