@@ -104,6 +104,17 @@ void col2im_chunk(const T* cols, const ConvShape& s, int64_t n0, int64_t nc, T* 
   });
 }
 
+// gout (N, O, L) samples [n0, n0 + nc) -> gbuf (O, nc * L), the layout of the forward's
+// products.
+template <typename T>
+void gout_to_columns(const T* gp, const ConvShape& s, int64_t n0, int64_t nc, T* gbp) {
+  const int64_t L = s.geo.out_plane(), O = s.out_channels, NL = nc * L;
+  parallel_items(nc * O, L, [&](int64_t i) {
+    const int64_t n = i / O, o = i % O;
+    std::copy_n(gp + ((n0 + n) * O + o) * L, L, gbp + o * NL + n * L);
+  });
+}
+
 template <typename T>
 void conv_forward(const Tensor& x, const Tensor& w, const Tensor& b, const ConvShape& s,
                   Tensor& out) {
@@ -158,11 +169,7 @@ TensorList conv_backward(const Tensor& gout, const Tensor& x, const Tensor& w, c
     T* gbp = static_cast<T*>(gbuf.data_ptr());
     for (int64_t n0 = 0; n0 < s.batch; n0 += chunk) {
       const int64_t nc = std::min(chunk, s.batch - n0), NL = nc * L;
-      // gout (nc, O, L) -> gbuf (O, nc * L), the layout of the forward's products.
-      parallel_items(nc * O, L, [&](int64_t i) {
-        const int64_t n = i / O, o = i % O;
-        std::copy_n(gp + ((n0 + n) * O + o) * L, L, gbp + o * NL + n * L);
-      });
+      gout_to_columns(gp, s, n0, nc, gbp);
       if (need_w) {
         // dW_g (Og, K) += gout_g (Og, nc * L) @ cols_g^T (nc * L, K)
         im2col_chunk(xp, s, n0, nc, cp);
@@ -270,10 +277,7 @@ std::optional<TensorList> conv_backward_bf16(const Tensor& gout, const Tensor& x
     auto* gbp = static_cast<BFloat16*>(gbuf.data_ptr());
     for (int64_t n0 = 0; n0 < s.batch; n0 += chunk) {
       const int64_t nc = std::min(chunk, s.batch - n0), NL = nc * L;
-      parallel_items(nc * O, L, [&](int64_t i) {
-        const int64_t n = i / O, o = i % O;
-        std::copy_n(gp + ((n0 + n) * O + o) * L, L, gbp + o * NL + n * L);
-      });
+      gout_to_columns(gp, s, n0, nc, gbp);
       if (need_w) {
         // dW_g (Og, K) += gout_g (Og, nc * L) @ cols_g^T (nc * L, K), in f32.
         im2col_chunk(xp, s, n0, nc, cp);

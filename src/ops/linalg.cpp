@@ -153,6 +153,19 @@ Dims broadcast_batch(const Tensor& a, const Tensor& b, const char* op) {
   return batch;
 }
 
+// Element offsets of batch entry i (row-major over `batch`) in a and b (expanded to it).
+std::pair<int64_t, int64_t> batch_offsets(int64_t i, const Dims& batch, const Tensor& a,
+                                          const Tensor& b) {
+  int64_t oa = 0, ob = 0, rem = i;
+  for (int64_t d = batch.size() - 1; d >= 0; --d) {
+    const int64_t idx = rem % batch[d];
+    rem /= batch[d];
+    oa += idx * a.stride(d);
+    ob += idx * b.stride(d);
+  }
+  return {oa, ob};
+}
+
 // A BLAS-layout bf16 operand (Note [BLAS operands]) as oneDNN strides.
 cpu::Bf16Matrix as_bf16(const Tensor& t, const Matrix& m, int64_t offset = 0) {
   cpu::Bf16Matrix r;
@@ -178,13 +191,7 @@ Tensor bmm_bf16(Tensor a, Tensor b, const char* op) {
   float* c = out.data<float>();
   const int64_t nb = batch.numel();
   for (int64_t i = 0; i < nb; ++i) {
-    int64_t oa = 0, ob = 0, rem = i;
-    for (int64_t d = batch.size() - 1; d >= 0; --d) {
-      const int64_t idx = rem % batch[d];
-      rem /= batch[d];
-      oa += idx * a.stride(d);
-      ob += idx * b.stride(d);
-    }
+    const auto [oa, ob] = batch_offsets(i, batch, a, b);
     if (!cpu::bf16_gemm(m, n, k, as_bf16(a, ma, oa), as_bf16(b, mb, ob), c + i * m * n, n, false)) {
       return Tensor();
     }
@@ -243,13 +250,7 @@ Tensor bmm_kernel(Tensor a, Tensor b, const char* op) {
   auto run = [&](int64_t begin, int64_t end) {
     Matrix ma = ma0, mbi = mb;
     for (int64_t i = begin; i < end; ++i) {
-      int64_t oa = 0, ob = 0, rem = i;
-      for (int64_t d = batch.size() - 1; d >= 0; --d) {
-        const int64_t idx = rem % batch[d];
-        rem /= batch[d];
-        oa += idx * a.stride(d);
-        ob += idx * b.stride(d);
-      }
+      const auto [oa, ob] = batch_offsets(i, batch, a, b);
       ma.data = pa + oa;
       mbi.data = pb + ob;
       gemm<T>(m, n, k, ma, mbi, T(0), c + i * m * n, n);
