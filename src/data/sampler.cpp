@@ -67,25 +67,45 @@ DistributedSampler::DistributedSampler(int64_t size, const DistributedSamplerOpt
   LS_CHECK(options.pad || !options.drop_last,
            "DistributedSampler: drop_last needs pad=true (without padding nothing is dropped "
            "or repeated); got drop_last=true, pad=false");
-  if (!options.pad) {
-    num_samples_ = size > options.rank ? (size - options.rank + r - 1) / r : 0;
-    total_size_ = size;
+  count();
+}
+
+void DistributedSampler::count() {
+  const int64_t r = options_.num_replicas;
+  const int64_t left = size_ - std::min(start_, size_);
+  if (!options_.pad) {
+    num_samples_ = left > options_.rank ? (left - options_.rank + r - 1) / r : 0;
+    total_size_ = left;
   } else {
     // As torch: with drop_last the tail that does not fill a round of ranks is dropped.
-    num_samples_ = options.drop_last && size % r != 0 ? size / r : (size + r - 1) / r;
+    num_samples_ = options_.drop_last && left % r != 0 ? left / r : (left + r - 1) / r;
     total_size_ = num_samples_ * r;
   }
 }
 
+void DistributedSampler::set_epoch(int64_t epoch) {
+  epoch_ = epoch;
+  start_ = 0;
+  count();
+}
+
+void DistributedSampler::set_start_index(int64_t consumed) {
+  LS_CHECK(consumed >= 0, "DistributedSampler::set_start_index: consumed must be >= 0, got ",
+           consumed);
+  start_ = consumed;
+  count();
+}
+
 std::vector<int64_t> DistributedSampler::indices() const {
-  std::vector<int64_t> order =
+  const std::vector<int64_t> perm =
       options_.shuffle ? random_permutation(size_, options_.seed + static_cast<uint64_t>(epoch_))
                        : iota(size_);
-  // Pad by repeating the permutation from its start (cyclically when it is shorter than the
-  // padding), or truncate for drop_last.
-  order.reserve(static_cast<size_t>(std::max(total_size_, size_)));
+  // The positions not yet consumed, padded by repeating the permutation from its start
+  // (cyclically when it is shorter than the padding), or truncated for drop_last.
+  std::vector<int64_t> order(perm.begin() + std::min(start_, size_), perm.end());
+  order.reserve(static_cast<size_t>(std::max<int64_t>(total_size_, order.size())));
   for (int64_t k = 0; static_cast<int64_t>(order.size()) < total_size_; ++k)
-    order.push_back(order[k % size_]);
+    order.push_back(perm[k % size_]);
   order.resize(static_cast<size_t>(total_size_));
 
   std::vector<int64_t> mine;

@@ -194,3 +194,89 @@ TEST(SequentialSampler, InOrder) {
 }
 
 }  // namespace
+
+// Resuming an epoch with the same rank count continues exactly where each rank stopped: every
+// rank's indices after set_start_index(k * R) are its uninterrupted indices from position k on.
+TEST(DistributedSampler, StartIndexWithTheSameRanksIsTheTailOfTheEpoch) {
+  for (int64_t size : {0, 1, 7, 10, 101}) {
+    for (int64_t r : {1, 2, 3}) {
+      for (bool drop_last : {false, true}) {
+        for (bool pad : {true, false}) {
+          if (!pad && drop_last) continue;
+          DistributedSamplerOptions o{
+              .num_replicas = r, .seed = 5, .drop_last = drop_last, .pad = pad};
+          for (int64_t k = 0; k * r <= size + r; ++k) {
+            for (int64_t rank = 0; rank < r; ++rank) {
+              o.rank = rank;
+              DistributedSampler full(size, o), resumed(size, o);
+              full.set_epoch(2);
+              resumed.set_epoch(2);
+              resumed.set_start_index(k * r);
+              const Indices all = full.indices();
+              const Indices tail(all.begin() + std::min<size_t>(k, all.size()), all.end());
+              if (!pad && k * r > size) continue;  // beyond the data: nothing left
+              EXPECT_EQ(resumed.indices(), tail)
+                  << "size " << size << " ranks " << r << " rank " << rank << " k " << k
+                  << " drop_last " << drop_last << " pad " << pad;
+              EXPECT_EQ(resumed.num_samples(), static_cast<int64_t>(tail.size()));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// A checkpoint taken with N ranks and resumed with M: the samples read before (a prefix of the
+// epoch's order) and after cover the epoch, none skipped and none read twice but for padding.
+TEST(DistributedSampler, StartIndexWithOtherRanksSkipsNothingAndRepeatsNothing) {
+  const int64_t size = 103;
+  for (int64_t n : {1, 2, 4}) {
+    for (int64_t m : {1, 2, 3}) {
+      for (int64_t steps : {0, 1, 5, 12}) {
+        const int64_t batch = 2;
+        // N ranks each read `steps` batches of `batch`: positions [0, consumed) of the order.
+        const int64_t consumed = steps * batch * n;
+        std::multiset<int64_t> seen;
+        for (int64_t rank = 0; rank < n; ++rank) {
+          DistributedSampler s(size, n, rank, true, 9);
+          s.set_epoch(1);
+          const Indices mine = s.indices();
+          seen.insert(mine.begin(), mine.begin() + steps * batch);
+        }
+        int64_t padded = 0;
+        std::multiset<int64_t> after;
+        for (int64_t rank = 0; rank < m; ++rank) {
+          DistributedSampler s(size, m, rank, true, 9);
+          s.set_epoch(1);
+          s.set_start_index(consumed);
+          const Indices mine = s.indices();
+          after.insert(mine.begin(), mine.end());
+          padded += s.num_samples();
+          EXPECT_EQ(s.num_samples(), (size - consumed + m - 1) / m);
+        }
+        padded -= size - consumed;
+        ASSERT_GE(padded, 0);
+        ASSERT_LT(padded, m);
+        std::multiset<int64_t> both = seen;
+        both.insert(after.begin(), after.end());
+        // Every sample at least once; exactly `padded` extra reads in all.
+        for (int64_t i = 0; i < size; ++i) EXPECT_GE(both.count(i), 1u) << "sample " << i;
+        EXPECT_EQ(static_cast<int64_t>(both.size()), size + padded)
+            << "n " << n << " m " << m << " steps " << steps;
+      }
+    }
+  }
+}
+
+TEST(DistributedSampler, SetEpochClearsTheStartIndex) {
+  DistributedSampler s(50, 2, 1, true, 3);
+  s.set_epoch(0);
+  const Indices whole = s.indices();
+  s.set_start_index(20);
+  EXPECT_EQ(s.num_samples(), 15);
+  s.set_epoch(0);
+  EXPECT_EQ(s.start_index(), 0);
+  EXPECT_EQ(s.indices(), whole);
+  expect_error([&] { s.set_start_index(-1); }, {"consumed must be >= 0"});
+}

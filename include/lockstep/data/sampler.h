@@ -57,7 +57,17 @@ class DistributedSampler : public Sampler {
   std::vector<int64_t> indices() const override;
   // This rank's count; the same on every rank unless pad is false.
   int64_t num_samples() const override { return num_samples_; }
-  void set_epoch(int64_t epoch) override { epoch_ = epoch; }
+  // Starts a new epoch from its first index (clears set_start_index).
+  void set_epoch(int64_t epoch) override;
+  // Resumes the current epoch after its first `consumed` positions: the samples that all ranks
+  // together already read, possibly with another number of ranks (a checkpoint taken with N
+  // ranks resumed with M). Ranks together read a prefix of the epoch's order, so the rest is
+  // order[consumed, size), padded (from the start of the order, as always) or truncated for the
+  // new rank count and dealt out as usual: no sample of the epoch is skipped, none is read again
+  // except as padding. With the same rank count, indices() is exactly the tail of what the
+  // uninterrupted epoch gives this rank. Call after set_epoch().
+  void set_start_index(int64_t consumed);
+  int64_t start_index() const { return start_; }
 
   int64_t epoch() const { return epoch_; }
   int64_t size() const { return size_; }
@@ -71,6 +81,9 @@ class DistributedSampler : public Sampler {
   int64_t num_samples_ = 0;
   int64_t total_size_ = 0;
   int64_t epoch_ = 0;
+  int64_t start_ = 0;
+
+  void count();  // num_samples_ and total_size_ for the positions from start_ on
 };
 
 // A permutation of [0, size) from Philox seeded with `seed` (Fisher-Yates); what
