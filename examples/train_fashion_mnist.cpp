@@ -6,9 +6,12 @@
 // machine-readable: "final test_accuracy=... train_loss=... steps=... samples_per_s=...".
 #include <CLI/CLI.hpp>
 
+#include <signal.h>
+
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <optional>
@@ -16,7 +19,8 @@
 
 #include "fashion_mnist_models.h"
 #include "lockstep/data/data.h"
-#include "lockstep/io/safetensors.h"
+#include "lockstep/dist/checkpoint.h"
+#include "lockstep/io/checkpoint.h"
 #include "lockstep/lockstep.h"
 #include "lockstep/nn/layers.h"
 #include "lockstep/optim/optimizer.h"
@@ -43,7 +47,11 @@ struct Config {
   int64_t log_every = 100;
   bool eval = true;
   int64_t workers = 1;
-  std::string save;
+  std::string save;           // checkpoint path (rank 0 writes)
+  int64_t save_every = 0;     // optimizer steps between periodic checkpoints (0: only at the end)
+  int64_t keep = 0;           // periodic checkpoints kept (0: all)
+  std::string resume;         // a checkpoint file, or "auto": the latest beside --save
+  int64_t crash_at_step = 0;  // testing: the last rank kills itself after this step (attempt 0)
   double bucket_mb = 25.0;
   std::string comm_hook = "none";
   bool ddp_stats = false;
@@ -97,6 +105,18 @@ dist::CommHook comm_hook_named(const std::string& name) {
   return dist::allreduce_hook();
 }
 
+// What a checkpoint of this program holds besides model and optimizer: the configuration that
+// must match for the run to continue as it was.
+io::Metadata run_metadata(const Config& cfg) {
+  return {{"model", cfg.model}, {"amp", cfg.amp}, {"seed", std::to_string(cfg.seed)}};
+}
+
+// The first attempt of a run (not a restart by `lockstep run --max-restarts`).
+bool first_attempt() {
+  const char* restart = std::getenv("LOCKSTEP_RESTART_COUNT");
+  return restart == nullptr || std::string(restart) == "0";
+}
+
 int run(const Config& cfg) {
   if (cfg.threads > 0) set_num_threads(cfg.threads);
   data::MnistOptions mopts;
@@ -141,8 +161,8 @@ int run(const Config& cfg) {
   data::DataLoader loader(
       train, sampler, {.batch_size = cfg.batch_size, .num_workers = cfg.workers, .prefetch = 4});
   // The schedule counts optimizer steps (a step is accum_steps micro-batches).
-  const int64_t micro_per_epoch = loader.num_batches();
-  const int64_t steps_per_epoch = (micro_per_epoch + cfg.accum_steps - 1) / cfg.accum_steps;
+  const int64_t full_epoch_batches = loader.num_batches();
+  const int64_t steps_per_epoch = (full_epoch_batches + cfg.accum_steps - 1) / cfg.accum_steps;
   int64_t total_steps = steps_per_epoch * cfg.epochs;
   if (cfg.max_steps > 0) total_steps = std::min(total_steps, cfg.max_steps);
   optim::Schedule schedule = optim::constant_schedule();
@@ -157,6 +177,66 @@ int run(const Config& cfg) {
   optim::LRScheduler scheduler(opt, schedule);
   // f16 needs loss scaling (its range ends at 65504); bf16 has f32's range and does without.
   amp::GradScaler scaler({.enabled = cfg.amp == "fp16"});
+
+  // Where training stands: optimizer steps taken in all, and within `epoch` the samples all
+  // ranks together consumed. A checkpoint stores exactly this.
+  int64_t steps = 0, epoch = 0, epoch_consumed = 0;
+  std::vector<std::string> param_names;
+  for (const auto& [name, p] : model->named_parameters()) param_names.push_back(name);
+  auto checkpoint = [&] {
+    io::TrainingCheckpoint ckpt;
+    ckpt.model = model->state_dict();
+    ckpt.optimizer = opt.state_dict();
+    ckpt.optimizer_param_names = param_names;
+    if (scaler.is_enabled()) ckpt.scaler = scaler.state_dict();
+    ckpt.step = steps;
+    ckpt.epoch = epoch;
+    ckpt.epoch_samples = epoch_consumed;
+    ckpt.world_size = world;
+    ckpt.rng["init"] = {gen.seed(), gen.offset()};
+    ckpt.user = run_metadata(cfg);
+    return ckpt;
+  };
+  if (!cfg.resume.empty()) {
+    const std::string path = dist::resolve_resume(*pg, cfg.resume, cfg.save);
+    if (path.empty()) {
+      if (main_rank)
+        std::printf("resume: no checkpoint beside %s yet, starting from step 0\n",
+                    cfg.save.c_str());
+    } else {
+      io::TrainingCheckpoint ckpt = dist::load_checkpoint(*pg, path);
+      try {
+        model->load_state_dict(ckpt.model);
+      } catch (const Error& e) {
+        LS_THROW("--resume ", path, " holds another model than --model ", cfg.model, ": ",
+                 e.message());
+      }
+      for (const auto& [key, value] : run_metadata(cfg)) {
+        auto it = ckpt.user.find(key);
+        if (main_rank && (it == ckpt.user.end() || it->second != value))
+          std::printf("warning: --resume %s was written with --%s %s, this run has --%s %s\n",
+                      path.c_str(), key.c_str(),
+                      it == ckpt.user.end() ? "(unset)" : it->second.c_str(), key.c_str(),
+                      value.c_str());
+      }
+      opt.load_state_dict(ckpt.optimizer);
+      if (scaler.is_enabled()) scaler.load_state_dict(ckpt.scaler);
+      if (auto it = ckpt.rng.find("init"); it != ckpt.rng.end()) {
+        gen.manual_seed(it->second.seed);
+        gen.set_offset(it->second.offset);
+      }
+      steps = ckpt.step;
+      epoch = ckpt.epoch;
+      epoch_consumed = ckpt.epoch_samples;
+      scheduler.set_step(steps);
+      if (main_rank)
+        std::printf(
+            "resumed %s: step %lld, epoch %lld after %lld of its samples (written by %lld "
+            "ranks, now %d)\n",
+            path.c_str(), static_cast<long long>(steps), static_cast<long long>(epoch),
+            static_cast<long long>(epoch_consumed), static_cast<long long>(ckpt.world_size), world);
+    }
+  }
   if (main_rank) {
     std::printf(
         "model=%s params=%lld threads=%d train=%lld test=%lld batch=%lld world_size=%d "
@@ -175,16 +255,19 @@ int run(const Config& cfg) {
   }
 
   using Clock = std::chrono::steady_clock;
-  int64_t steps = 0, samples = 0;
+  int64_t samples = 0;
   double train_seconds = 0, last_loss = 0, accuracy = -1;
-  bool done = false;
-  for (int64_t epoch = 0; epoch < cfg.epochs && !done; ++epoch) {
+  bool done = cfg.max_steps > 0 && steps >= cfg.max_steps;
+  while (epoch < cfg.epochs && !done) {
     loader.set_epoch(epoch);
+    sampler->set_start_index(epoch_consumed);  // 0 but in the epoch a checkpoint resumes
+    const int64_t micro_per_epoch = loader.num_batches();
     double loss_sum = 0;
     int64_t epoch_steps = 0, epoch_samples = 0;
     const auto t0 = Clock::now();
     int64_t micro = 0;  // micro-batches since the last optimizer step
     double step_loss = 0;
+    bool epoch_finished = micro_per_epoch == 0;
     for (data::Batch& batch : loader) {
       // The last micro-batch of a step (or of the epoch) communicates and steps; the others
       // accumulate locally inside no_sync().
@@ -208,6 +291,7 @@ int run(const Config& cfg) {
       }
       no_sync.reset();
       epoch_samples += batch.input.size(0);
+      epoch_consumed += batch.input.size(0) * world;  // every rank read a batch as large
       if (!last) {
         ++micro;
         continue;
@@ -226,6 +310,21 @@ int run(const Config& cfg) {
       loss_sum += l;
       ++epoch_steps;
       ++steps;
+      const bool epoch_end = batch.index + 1 == micro_per_epoch;
+      epoch_finished = epoch_end;
+      if (cfg.save_every > 0 && steps % cfg.save_every == 0) {
+        io::TrainingCheckpoint ckpt = checkpoint();
+        if (epoch_end) ckpt.epoch = epoch + 1, ckpt.epoch_samples = 0;  // resume at the next one
+        const std::string path = io::checkpoint_path_for_step(cfg.save, steps);
+        dist::save_checkpoint(*pg, path, ckpt, cfg.keep);
+        if (main_rank) std::printf("saved %s\n", path.c_str());
+      }
+      if (cfg.crash_at_step > 0 && steps == cfg.crash_at_step && pg->rank() == world - 1 &&
+          first_attempt()) {
+        std::fprintf(stderr, "--crash-at-step %lld: rank %d kills itself\n",
+                     static_cast<long long>(steps), pg->rank());
+        ::kill(::getpid(), SIGKILL);
+      }
       if (main_rank && cfg.log_every > 0 && steps % cfg.log_every == 0)
         std::printf("epoch %lld step %lld loss %.4f lr %.5g%s\n", static_cast<long long>(epoch),
                     static_cast<long long>(steps), l, scheduler.last_lr(),
@@ -253,12 +352,12 @@ int run(const Config& cfg) {
                   100.0 * loader.wait_seconds() / secs);
     }
     loader.reset_wait_seconds();
+    if (epoch_finished) ++epoch, epoch_consumed = 0;  // the next one starts at its first sample
   }
-  if (!cfg.save.empty() && main_rank) {
-    io::save_safetensors(cfg.save, model->state_dict(), {{"format", "pt"}, {"model", cfg.model}});
-    std::printf("saved %s\n", cfg.save.c_str());
+  if (!cfg.save.empty()) {
+    dist::save_checkpoint(*pg, cfg.save, checkpoint());  // rank 0 writes, the others wait
+    if (main_rank) std::printf("saved %s\n", cfg.save.c_str());
   }
-  pg->barrier()->wait();  // the other ranks exit only once rank 0's file is complete
   if (ddp && cfg.ddp_stats && main_rank) std::printf("ddp: %s\n", ddp->stats().str().c_str());
   if (main_rank) {
     std::printf("final test_accuracy=%.4f train_loss=%.4f steps=%lld samples_per_s=%.1f\n",
@@ -271,6 +370,8 @@ int run(const Config& cfg) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Line by line even into a pipe (`lockstep run`), so a killed run loses no printed line.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   Config cfg;
   CLI::App app{"Train an MLP or a CNN on Fashion-MNIST with lockstep."};
   app.add_option("--data", cfg.data, "Directory with the Fashion-MNIST IDX files")
@@ -281,7 +382,9 @@ int main(int argc, char** argv) {
   app.add_option("--epochs", cfg.epochs, "Epochs")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app.add_option("--max-steps", cfg.max_steps, "Stop after N optimizer steps (0 = no limit)")
+  app.add_option("--max-steps", cfg.max_steps,
+                 "Stop after N optimizer steps of the run, those before a resumed checkpoint "
+                 "included (0 = no limit)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--batch-size", cfg.batch_size, "Batch size per process")->capture_default_str();
@@ -306,7 +409,22 @@ int main(int argc, char** argv) {
   app.add_option("--workers", cfg.workers, "DataLoader worker threads")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-  app.add_option("--save", cfg.save, "Write the final parameters here (safetensors; rank 0)");
+  app.add_option("--save", cfg.save,
+                 "Checkpoint file (safetensors: model, optimizer, scaler, position), written by "
+                 "rank 0 at the end and, with --save-every, beside it as <name>.step<N>.<ext>");
+  app.add_option("--save-every", cfg.save_every,
+                 "Checkpoint every N optimizer steps (0 = at the end only)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--keep", cfg.keep, "Keep the newest N periodic checkpoints (0 = all)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--resume", cfg.resume,
+                 "Continue from a checkpoint file, or 'auto': the newest beside --save if any");
+  app.add_option("--crash-at-step", cfg.crash_at_step,
+                 "Testing: the last rank kills itself (SIGKILL) after this optimizer step, on the "
+                 "first attempt of a `lockstep run` only")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--bucket-mb", cfg.bucket_mb, "DDP gradient bucket size in MiB")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
@@ -357,6 +475,11 @@ int main(int argc, char** argv) {
                  "error: --amp runs in the calling thread's autocast scope; DataParallel's replica "
                  "threads have none, so --amp cannot be combined with --dp %lld\n",
                  static_cast<long long>(cfg.dp));
+    return kUsageError;
+  }
+  if ((cfg.save_every > 0 || cfg.resume == "auto") && cfg.save.empty()) {
+    std::fprintf(stderr, "error: %s needs --save PATH (where the checkpoints go)\n",
+                 cfg.save_every > 0 ? "--save-every" : "--resume auto");
     return kUsageError;
   }
   if (!std::filesystem::is_directory(cfg.data)) {

@@ -55,7 +55,7 @@ case "$case_name" in
     "$exe" --log-every 0 --max-steps 3 --no-eval --save "$work/model.safetensors" > "$work/out" 2>&1 \
       || { cat "$work/out"; fail "run with --save failed"; }
     [ -s "$work/model.safetensors" ] || fail "no file written"
-    grep -a -q '"1.weight"' "$work/model.safetensors" || fail "parameter names missing from header"
+    grep -a -q '"model.1.weight"' "$work/model.safetensors" || fail "parameter names missing from header"
     grep -q "final test_accuracy=-1" "$work/out" || fail "--no-eval still evaluated"
     ;;
   dp) train_check 0.70 --model mlp --dp 2 --max-steps 150 --threads 1 ;;

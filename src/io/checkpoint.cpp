@@ -1,0 +1,362 @@
+// Training checkpoints on top of safetensors: naming, metadata, SHA-256, periodic files.
+#include "lockstep/io/checkpoint.h"
+
+#include <openssl/evp.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <set>
+
+#include <signal.h>
+
+#include "lockstep/autograd/grad_mode.h"
+
+namespace lockstep::io {
+
+// Note [Checkpoint layout]
+// One safetensors file, so that Python's safetensors.torch.load_file reads it as it is:
+//   tensors   "model.<name>"             the module's state_dict (parameters and buffers)
+//             "optim.<param>.<field>"    optimizer state per parameter (<param> is the name
+//                                         when the caller gave names, else the index)
+//             "optim.step", "optim.group.<g>.lr"
+//   metadata  "format": "pt", "lockstep.checkpoint": "1",
+//             "step", "epoch", "epoch_samples", "world_size" (decimal),
+//             "scaler.<key>" (%.17g: doubles round-trip exactly),
+//             "rng.<name>": "<seed> <offset>", "user.<key>",
+//             "optim.param_names": JSON array of the names <param> stands for,
+//             "sha256": hex SHA-256 of the data section (all tensor bytes in file order).
+// Nothing time-dependent is stored: two runs that reach the same state write the same bytes,
+// which is what the exact-resume tests compare.
+
+namespace {
+
+constexpr const char* kFormatKey = "lockstep.checkpoint";
+constexpr const char* kFormatVersion = "1";
+constexpr const char* kStepSuffix = ".step";
+constexpr int kStepDigits = 8;
+
+using json = nlohmann::json;
+
+class Sha256 {
+ public:
+  Sha256() : ctx_(EVP_MD_CTX_new(), EVP_MD_CTX_free) {
+    LS_CHECK(ctx_ && EVP_DigestInit_ex(ctx_.get(), EVP_sha256(), nullptr) == 1,
+             "checkpoint: cannot initialise SHA-256 (OpenSSL)");
+  }
+  void update(const void* data, size_t n) {
+    if (n > 0) LS_CHECK(EVP_DigestUpdate(ctx_.get(), data, n) == 1, "checkpoint: SHA-256 failed");
+  }
+  std::string hex() {
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned int len = 0;
+    LS_CHECK(EVP_DigestFinal_ex(ctx_.get(), md, &len) == 1, "checkpoint: SHA-256 failed");
+    static const char* digits = "0123456789abcdef";
+    std::string out;
+    for (unsigned int i = 0; i < len; ++i) {
+      out.push_back(digits[md[i] >> 4]);
+      out.push_back(digits[md[i] & 15]);
+    }
+    return out;
+  }
+
+ private:
+  std::unique_ptr<EVP_MD_CTX, void (*)(EVP_MD_CTX*)> ctx_;
+};
+
+std::string format_double(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+
+template <typename T>
+T parse_number(const std::string& path, const std::string& key, const std::string& s) {
+  T v{};
+  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  LS_CHECK(ec == std::errc() && end == s.data() + s.size(), "load_checkpoint: ", path,
+           ": metadata '", key, "' should be a number, found '", s, "'");
+  return v;
+}
+
+double parse_double(const std::string& path, const std::string& key, const std::string& s) {
+  char* end = nullptr;
+  errno = 0;
+  const double v = std::strtod(s.c_str(), &end);
+  LS_CHECK(!s.empty() && end == s.c_str() + s.size() && errno == 0, "load_checkpoint: ", path,
+           ": metadata '", key, "' should be a number, found '", s, "'");
+  return v;
+}
+
+// "<index>.<field>" of Optimizer::state_dict, or -1 for its other entries ("step", "group.*").
+int64_t param_index(const std::string& key, std::string* field) {
+  const size_t dot = key.find('.');
+  if (dot == std::string::npos || dot == 0) return -1;
+  int64_t index = -1;
+  const auto [end, ec] = std::from_chars(key.data(), key.data() + dot, index);
+  if (ec != std::errc() || end != key.data() + dot) return -1;
+  *field = key.substr(dot + 1);
+  return index;
+}
+
+bool is_reserved_optim_key(const std::string& key) {
+  return key == "step" || key.rfind("group.", 0) == 0;
+}
+
+std::filesystem::path parent_dir(const std::string& base) {
+  std::filesystem::path dir = std::filesystem::path(base).parent_path();
+  return dir.empty() ? std::filesystem::path(".") : dir;
+}
+
+}  // namespace
+
+SafetensorsContents checkpoint_contents(const TrainingCheckpoint& ckpt) {
+  autograd::NoGradGuard no_grad;
+  NamedTensors tensors;
+  tensors.reserve(ckpt.model.size() + ckpt.optimizer.size());
+  for (const auto& [name, t] : ckpt.model) tensors.emplace_back("model." + name, t);
+  const auto& names = ckpt.optimizer_param_names;
+  for (const auto& [key, t] : ckpt.optimizer) {
+    std::string field;
+    const int64_t index = param_index(key, &field);
+    if (index >= 0 && !names.empty()) {
+      LS_CHECK(index < static_cast<int64_t>(names.size()), "save_checkpoint: optimizer state '",
+               key, "' is for parameter ", index, " but optimizer_param_names has ", names.size(),
+               " names");
+      tensors.emplace_back("optim." + names[index] + "." + field, t);
+    } else {
+      tensors.emplace_back("optim." + key, t);
+    }
+  }
+  for (const std::string& n : names)
+    LS_CHECK(!n.empty() && !is_reserved_optim_key(n), "save_checkpoint: parameter name '", n,
+             "' cannot name optimizer state ('step' and 'group.*' are reserved)");
+
+  Metadata meta;
+  meta["format"] = "pt";
+  meta[kFormatKey] = kFormatVersion;
+  meta["step"] = std::to_string(ckpt.step);
+  meta["epoch"] = std::to_string(ckpt.epoch);
+  meta["epoch_samples"] = std::to_string(ckpt.epoch_samples);
+  meta["world_size"] = std::to_string(ckpt.world_size);
+  for (const auto& [k, v] : ckpt.scaler) meta["scaler." + k] = format_double(v);
+  for (const auto& [k, g] : ckpt.rng)
+    meta["rng." + k] = std::to_string(g.seed) + " " + std::to_string(g.offset);
+  for (const auto& [k, v] : ckpt.user) meta["user." + k] = v;
+  if (!names.empty()) meta["optim.param_names"] = json(names).dump();
+
+  // The data section is these tensors' bytes, contiguous, in this order (save_safetensors).
+  Sha256 sha;
+  for (auto& [name, t] : tensors) {
+    LS_CHECK(t.defined(), "save_checkpoint: tensor '", name, "' is undefined");
+    t = t.to(kCPU).contiguous();
+    sha.update(t.data_ptr(), static_cast<size_t>(t.nbytes()));
+  }
+  meta["sha256"] = sha.hex();
+  return {std::move(tensors), std::move(meta)};
+}
+
+void save_checkpoint(const std::string& path, const TrainingCheckpoint& ckpt) {
+  SafetensorsContents c = checkpoint_contents(ckpt);
+  std::error_code ec;
+  const std::filesystem::path dir = std::filesystem::path(path).parent_path();
+  if (!dir.empty() && !std::filesystem::is_directory(dir, ec)) {
+    std::filesystem::create_directories(dir, ec);
+    LS_CHECK(!ec, "save_checkpoint: cannot create the directory ", dir.string(), " for ", path,
+             ": ", ec.message());
+  }
+  save_safetensors(path, c.tensors, c.metadata);
+}
+
+TrainingCheckpoint load_checkpoint(const std::string& path) {
+  return checkpoint_from_contents(load_safetensors(path), path);
+}
+
+TrainingCheckpoint checkpoint_from_contents(SafetensorsContents c, const std::string& path) {
+  const Metadata& meta = c.metadata;
+  auto get = [&](const std::string& key) -> const std::string& {
+    auto it = meta.find(key);
+    LS_CHECK(it != meta.end(), "load_checkpoint: ", path, " has no metadata '", key,
+             "'; it is not a lockstep training checkpoint (a file of model weights only loads "
+             "with load_safetensors)");
+    return it->second;
+  };
+  LS_CHECK(get(kFormatKey) == kFormatVersion, "load_checkpoint: ", path,
+           ": checkpoint format version ", get(kFormatKey), ", this build reads version ",
+           kFormatVersion);
+  Sha256 sha;
+  for (const auto& [name, t] : c.tensors) sha.update(t.data_ptr(), static_cast<size_t>(t.nbytes()));
+  const std::string digest = sha.hex();
+  LS_CHECK(digest == get("sha256"), "load_checkpoint: ", path,
+           ": the data is corrupt: its SHA-256 is ", digest, " but the header recorded ",
+           get("sha256"));
+
+  TrainingCheckpoint ckpt;
+  ckpt.step = parse_number<int64_t>(path, "step", get("step"));
+  ckpt.epoch = parse_number<int64_t>(path, "epoch", get("epoch"));
+  ckpt.epoch_samples = parse_number<int64_t>(path, "epoch_samples", get("epoch_samples"));
+  ckpt.world_size = parse_number<int64_t>(path, "world_size", get("world_size"));
+  if (auto it = meta.find("optim.param_names"); it != meta.end()) {
+    try {
+      ckpt.optimizer_param_names = json::parse(it->second).get<std::vector<std::string>>();
+    } catch (const json::exception& e) {
+      LS_THROW("load_checkpoint: ", path,
+               ": metadata 'optim.param_names' is not a JSON list of "
+               "strings (",
+               e.what(), ")");
+    }
+  }
+  std::map<std::string, int64_t> index_of;
+  for (size_t i = 0; i < ckpt.optimizer_param_names.size(); ++i)
+    index_of[ckpt.optimizer_param_names[i]] = static_cast<int64_t>(i);
+  for (const auto& [k, v] : meta) {
+    if (k.rfind("scaler.", 0) == 0) {
+      ckpt.scaler[k.substr(7)] = parse_double(path, k, v);
+    } else if (k.rfind("rng.", 0) == 0) {
+      const size_t space = v.find(' ');
+      LS_CHECK(space != std::string::npos, "load_checkpoint: ", path, ": metadata '", k,
+               "' should be '<seed> <offset>', found '", v, "'");
+      ckpt.rng[k.substr(4)] = {parse_number<uint64_t>(path, k, v.substr(0, space)),
+                               parse_number<uint64_t>(path, k, v.substr(space + 1))};
+    } else if (k.rfind("user.", 0) == 0) {
+      ckpt.user[k.substr(5)] = v;
+    }
+  }
+  for (auto& [name, t] : c.tensors) {
+    if (name.rfind("model.", 0) == 0) {
+      ckpt.model.emplace_back(name.substr(6), t);
+      continue;
+    }
+    LS_CHECK(name.rfind("optim.", 0) == 0, "load_checkpoint: ", path, ": tensor '", name,
+             "' is neither model.* nor optim.*");
+    std::string key = name.substr(6);
+    if (!index_of.empty() && !is_reserved_optim_key(key)) {
+      const size_t dot = key.rfind('.');
+      auto it = dot == std::string::npos ? index_of.end() : index_of.find(key.substr(0, dot));
+      LS_CHECK(it != index_of.end(), "load_checkpoint: ", path, ": optimizer state '", name,
+               "' names no parameter of optim.param_names");
+      key = std::to_string(it->second) + key.substr(dot);
+    }
+    ckpt.optimizer.emplace_back(std::move(key), t);
+  }
+  return ckpt;
+}
+
+std::string checkpoint_path_for_step(const std::string& base, int64_t step) {
+  LS_CHECK(step >= 0, "checkpoint_path_for_step: step must be >= 0, got ", step);
+  const std::filesystem::path p(base);
+  char digits[32];
+  std::snprintf(digits, sizeof digits, "%0*lld", kStepDigits, static_cast<long long>(step));
+  return (p.parent_path() / (p.stem().string() + kStepSuffix + digits + p.extension().string()))
+      .string();
+}
+
+std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string& base) {
+  const std::filesystem::path p(base);
+  const std::string prefix = p.stem().string() + kStepSuffix;
+  const std::string ext = p.extension().string();
+  std::vector<std::pair<int64_t, std::string>> out;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(parent_dir(base), ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.size() <= prefix.size() + ext.size() || name.rfind(prefix, 0) != 0 ||
+        name.compare(name.size() - ext.size(), ext.size(), ext) != 0)
+      continue;
+    const std::string digits = name.substr(prefix.size(), name.size() - prefix.size() - ext.size());
+    int64_t step = -1;
+    const auto [end, perr] = std::from_chars(digits.data(), digits.data() + digits.size(), step);
+    if (perr != std::errc() || end != digits.data() + digits.size() || step < 0) continue;
+    out.emplace_back(step, (p.parent_path() / name).string());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+namespace {
+
+// The __metadata__ of a lockstep checkpoint, reading only the header (a large checkpoint is not
+// read to learn its step); false if `path` is not a readable lockstep checkpoint.
+bool header_metadata(const std::string& path, json* meta) {
+  std::ifstream in(path, std::ios::binary);
+  unsigned char len_le[8];
+  if (!in.read(reinterpret_cast<char*>(len_le), 8)) return false;
+  uint64_t hlen = 0;
+  for (int i = 0; i < 8; ++i) hlen |= static_cast<uint64_t>(len_le[i]) << (8 * i);
+  if (hlen > (uint64_t{100} << 20)) return false;
+  std::string h(hlen, '\0');
+  if (!in.read(h.data(), static_cast<std::streamsize>(hlen))) return false;
+  json header = json::parse(h, nullptr, /*allow_exceptions=*/false);
+  if (!header.is_object() || !header.contains("__metadata__")) return false;
+  *meta = std::move(header["__metadata__"]);
+  return meta->is_object() && meta->contains(kFormatKey);
+}
+
+std::string header_string(const json& meta, const char* key) {
+  return meta.contains(key) && meta[key].is_string() ? meta[key].get<std::string>() : "";
+}
+
+}  // namespace
+
+int64_t checkpoint_step(const std::string& path) {
+  json meta;
+  if (!header_metadata(path, &meta)) return -1;
+  const std::string s = header_string(meta, "step");
+  int64_t step = -1;
+  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), step);
+  return !s.empty() && ec == std::errc() && end == s.data() + s.size() ? step : -1;
+}
+
+std::string checkpoint_digest(const std::string& path) {
+  json meta;
+  return header_metadata(path, &meta) ? header_string(meta, "sha256") : "";
+}
+
+std::string latest_checkpoint(const std::string& base) {
+  std::string best;
+  int64_t best_step = -1;
+  // A periodic file's name is its step; `base` (the end-of-run checkpoint) says it in its header.
+  for (const auto& [step, path] : list_checkpoints(base)) {
+    if (step > best_step) best_step = step, best = path;
+  }
+  std::error_code ec;
+  if (std::filesystem::exists(base, ec)) {
+    const int64_t step = checkpoint_step(base);
+    if (step >= 0 && step >= best_step) best_step = step, best = base;
+  }
+  return best;
+}
+
+std::vector<std::string> prune_checkpoints(const std::string& base, int64_t keep) {
+  LS_CHECK(keep >= 0, "prune_checkpoints: keep must be >= 0, got ", keep);
+  std::vector<std::string> removed;
+  std::error_code ec;
+  if (keep > 0) {
+    auto all = list_checkpoints(base);
+    for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) {
+      if (std::filesystem::remove(all[i].second, ec)) removed.push_back(all[i].second);
+    }
+  }
+  // Temporary files "<file>.tmp.<pid>[.<n>]" of writers killed mid-write (save_safetensors).
+  const std::string stem = std::filesystem::path(base).stem().string();
+  for (const auto& entry : std::filesystem::directory_iterator(parent_dir(base), ec)) {
+    const std::string name = entry.path().filename().string();
+    const size_t tmp = name.rfind(".tmp.");
+    if (tmp == std::string::npos || name.rfind(stem, 0) != 0) continue;
+    int pid = 0;
+    const std::string rest = name.substr(tmp + 5);
+    const std::string digits = rest.substr(0, rest.find('.'));
+    const auto [end, perr] = std::from_chars(digits.data(), digits.data() + digits.size(), pid);
+    if (perr != std::errc() || end != digits.data() + digits.size() || pid <= 0) continue;
+    if (::kill(pid, 0) == 0 || errno != ESRCH) continue;  // its writer still runs
+    if (std::filesystem::remove(entry.path(), ec)) removed.push_back(entry.path().string());
+  }
+  return removed;
+}
+
+}  // namespace lockstep::io
