@@ -5,7 +5,7 @@ set -euo pipefail
 
 packages=(
   build-essential cmake ninja-build pkg-config
-  libopenblas-openmp-dev zlib1g-dev libfmt-dev nlohmann-json3-dev libcli11-dev
+  libopenblas-openmp-dev zlib1g-dev libssl-dev libfmt-dev nlohmann-json3-dev libcli11-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libgloo-dev libdnnl-dev
   iproute2 procps
