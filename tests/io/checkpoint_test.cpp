@@ -1,0 +1,307 @@
+// Training checkpoints: every field round-trips bit for bit, the file layout Python sees, the
+// SHA-256 catches corrupt data, periodic files and pruning, and a writer killed with SIGKILL at
+// random moments never leaves a checkpoint that does not load.
+#include <gtest/gtest.h>
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "lockstep/io/checkpoint.h"
+#include "lockstep/lockstep.h"
+#include "lockstep/nn/layers.h"
+#include "lockstep/optim/optimizer.h"
+#include "testing.h"
+
+using namespace lockstep;
+using lockstep::testing::expect_error;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    char tmpl[] = "/tmp/lockstep_ckpt_XXXXXX";
+    path = ::mkdtemp(tmpl);
+  }
+  ~TempDir() { fs::remove_all(path); }
+  std::string operator/(const std::string& name) const { return (path / name).string(); }
+};
+
+bool same_bits(const Tensor& a, const Tensor& b) {
+  return a.dtype() == b.dtype() && a.shape() == b.shape() &&
+         std::memcmp(a.contiguous().data_ptr(), b.contiguous().data_ptr(),
+                     static_cast<size_t>(a.nbytes())) == 0;
+}
+
+void expect_same(const io::NamedTensors& a, const io::NamedTensors& b) {
+  ASSERT_EQ(a.size(), b.size());
+  std::map<std::string, Tensor> bm(b.begin(), b.end());
+  for (const auto& [name, t] : a) {
+    ASSERT_TRUE(bm.count(name)) << name;
+    EXPECT_TRUE(same_bits(t, bm[name])) << name;
+  }
+}
+
+// A model and an optimizer with state: two SGD steps with momentum on a small MLP.
+struct Trained {
+  Generator gen{3};
+  std::shared_ptr<nn::Sequential> model{
+      new nn::Sequential{std::make_shared<nn::Linear>(5, 4, gen), std::make_shared<nn::ReLU>(),
+                         std::make_shared<nn::Linear>(4, 3, gen)}};
+  optim::SGD opt{model->parameters(), {.lr = 0.1, .momentum = 0.9}};
+  Trained() {
+    Generator data(11);
+    for (int s = 0; s < 2; ++s) {
+      opt.zero_grad();
+      Tensor x = randn({6, 5}, data);
+      sum(mul(model->forward(x), model->forward(x))).backward();
+      opt.step();
+    }
+  }
+  std::vector<std::string> names() const {
+    std::vector<std::string> out;
+    for (const auto& [n, p] : model->named_parameters()) out.push_back(n);
+    return out;
+  }
+  io::TrainingCheckpoint checkpoint() const {
+    io::TrainingCheckpoint c;
+    c.model = model->state_dict();
+    c.optimizer = opt.state_dict();
+    c.optimizer_param_names = names();
+    c.scaler = {{"scale", 65536.0}, {"growth_factor", 2.0}, {"_growth_tracker", 7}, {"x", 1.0 / 3}};
+    c.step = 1234567890123;
+    c.epoch = 7;
+    c.epoch_samples = 4096;
+    c.world_size = 4;
+    c.rng["init"] = {42, 99};
+    c.rng["dropout"] = {UINT64_MAX, 1ull << 40};
+    c.user = {{"model", "mlp"}, {"note", "a b=c"}};
+    return c;
+  }
+};
+
+// The bytes from the start of the data section to the end of the file.
+uint64_t data_start(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  unsigned char len[8];
+  in.read(reinterpret_cast<char*>(len), 8);
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(len[i]) << (8 * i);
+  return 8 + n;
+}
+
+void flip_byte(const std::string& path, uint64_t at) {
+  std::fstream f(path, std::ios::binary | std::ios::in | std::ios::out);
+  f.seekg(static_cast<std::streamoff>(at));
+  char c;
+  f.read(&c, 1);
+  c = static_cast<char>(c ^ 0x20);
+  f.seekp(static_cast<std::streamoff>(at));
+  f.write(&c, 1);
+}
+
+}  // namespace
+
+TEST(Checkpoint, EveryFieldRoundTripsBitForBit) {
+  TempDir dir;
+  Trained t;
+  const io::TrainingCheckpoint c = t.checkpoint();
+  const std::string path = dir / "sub/dir/ck.safetensors";  // directories are created
+  io::save_checkpoint(path, c);
+  const io::TrainingCheckpoint back = io::load_checkpoint(path);
+  expect_same(back.model, c.model);
+  expect_same(back.optimizer, c.optimizer);
+  EXPECT_EQ(back.optimizer_param_names, c.optimizer_param_names);
+  EXPECT_EQ(back.scaler, c.scaler);  // exact doubles, 1/3 included
+  EXPECT_EQ(back.step, c.step);
+  EXPECT_EQ(back.epoch, c.epoch);
+  EXPECT_EQ(back.epoch_samples, c.epoch_samples);
+  EXPECT_EQ(back.world_size, c.world_size);
+  EXPECT_EQ(back.rng, c.rng);
+  EXPECT_EQ(back.user, c.user);
+
+  // What the state restores into: a fresh model and optimizer continue bit for bit.
+  Trained fresh;
+  fresh.model->load_state_dict(back.model);
+  fresh.opt.load_state_dict(back.optimizer);
+  expect_same(fresh.model->state_dict(), t.model->state_dict());
+  expect_same(fresh.opt.state_dict(), t.opt.state_dict());
+}
+
+TEST(Checkpoint, FileLayoutNamesTensorsForPython) {
+  TempDir dir;
+  Trained t;
+  io::save_checkpoint(dir / "ck.safetensors", t.checkpoint());
+  const io::SafetensorsContents raw = io::load_safetensors(dir / "ck.safetensors");
+  std::set<std::string> names;
+  for (const auto& [n, x] : raw.tensors) names.insert(n);
+  EXPECT_TRUE(names.count("model.0.weight"));
+  EXPECT_TRUE(names.count("model.2.bias"));
+  EXPECT_TRUE(names.count("optim.0.weight.momentum_buffer"));  // by parameter name
+  EXPECT_TRUE(names.count("optim.step"));
+  EXPECT_EQ(raw.metadata.at("format"), "pt");
+  EXPECT_EQ(raw.metadata.at("step"), "1234567890123");
+  EXPECT_EQ(raw.metadata.at("rng.init"), "42 99");
+  EXPECT_EQ(raw.metadata.at("user.note"), "a b=c");
+  EXPECT_EQ(raw.metadata.at("sha256").size(), 64u);
+  EXPECT_EQ(io::checkpoint_step(dir / "ck.safetensors"), 1234567890123);
+  EXPECT_EQ(io::checkpoint_digest(dir / "ck.safetensors"), raw.metadata.at("sha256"));
+
+  // Without names the optimizer's indices stay.
+  io::TrainingCheckpoint c = t.checkpoint();
+  c.optimizer_param_names.clear();
+  io::save_checkpoint(dir / "idx.safetensors", c);
+  names.clear();
+  for (const auto& [n, x] : io::load_safetensors(dir / "idx.safetensors").tensors) names.insert(n);
+  EXPECT_TRUE(names.count("optim.0.momentum_buffer"));
+  expect_same(io::load_checkpoint(dir / "idx.safetensors").optimizer, c.optimizer);
+}
+
+TEST(Checkpoint, CorruptDataIsAnErrorNamingTheFile) {
+  TempDir dir;
+  Trained t;
+  const std::string path = dir / "ck.safetensors";
+  io::save_checkpoint(path, t.checkpoint());
+  // One flipped bit in the last byte of the data: every safetensors check still passes.
+  flip_byte(path, fs::file_size(path) - 1);
+  expect_error([&] { io::load_checkpoint(path); }, {path, "corrupt", "SHA-256"});
+  // And in the first byte of the data.
+  io::save_checkpoint(path, t.checkpoint());
+  flip_byte(path, data_start(path));
+  expect_error([&] { io::load_checkpoint(path); }, {path, "corrupt"});
+}
+
+TEST(Checkpoint, WeightsOnlyFileIsNotACheckpoint) {
+  TempDir dir;
+  Trained t;
+  io::save_safetensors(dir / "w.safetensors", t.model->state_dict());
+  expect_error([&] { io::load_checkpoint(dir / "w.safetensors"); },
+               {dir / "w.safetensors", "not a lockstep training checkpoint"});
+  EXPECT_EQ(io::checkpoint_step(dir / "w.safetensors"), -1);
+  EXPECT_EQ(io::checkpoint_step(dir / "missing.safetensors"), -1);
+  expect_error([&] { io::load_checkpoint(dir / "missing.safetensors"); },
+               {dir / "missing.safetensors"});
+}
+
+TEST(Checkpoint, ReservedParameterNamesAreRefused) {
+  TempDir dir;
+  Trained t;
+  io::TrainingCheckpoint c = t.checkpoint();
+  c.optimizer_param_names[0] = "step";
+  expect_error([&] { io::save_checkpoint(dir / "ck.safetensors", c); }, {"'step'", "reserved"});
+  c.optimizer_param_names.resize(1);
+  c.optimizer_param_names[0] = "w";
+  expect_error([&] { io::save_checkpoint(dir / "ck.safetensors", c); },
+               {"optimizer_param_names has 1 names"});
+}
+
+TEST(Checkpoint, PeriodicFilesLatestAndPruning) {
+  TempDir dir;
+  Trained t;
+  const std::string base = dir / "ck.safetensors";
+  EXPECT_EQ(io::checkpoint_path_for_step(base, 40), dir / "ck.step00000040.safetensors");
+  EXPECT_EQ(io::latest_checkpoint(base), "");
+  io::TrainingCheckpoint c = t.checkpoint();
+  for (int64_t step : {30, 10, 20}) {
+    c.step = step;
+    io::save_checkpoint(io::checkpoint_path_for_step(base, step), c);
+  }
+  std::ofstream(dir / "ck.stepXX.safetensors") << "not ours";
+  std::ofstream(dir / "other.step00000050.safetensors") << "another run";
+  auto all = io::list_checkpoints(base);
+  ASSERT_EQ(all.size(), 3u);
+  EXPECT_EQ(all[0].first, 10);
+  EXPECT_EQ(all[2].second, dir / "ck.step00000030.safetensors");
+  EXPECT_EQ(io::latest_checkpoint(base), dir / "ck.step00000030.safetensors");
+  // The end-of-run file wins when its header says a later step, and loses when older.
+  c.step = 35;
+  io::save_checkpoint(base, c);
+  EXPECT_EQ(io::latest_checkpoint(base), base);
+  c.step = 5;
+  io::save_checkpoint(base, c);
+  EXPECT_EQ(io::latest_checkpoint(base), dir / "ck.step00000030.safetensors");
+
+  // Temporary files: a dead writer's is removed, a running one's (ours) stays.
+  pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  ::waitpid(child, nullptr, 0);
+  const std::string dead =
+      dir / ("ck.step00000040.safetensors.tmp." + std::to_string(child) + ".0");
+  const std::string live = dir / ("ck.safetensors.tmp." + std::to_string(::getpid()) + ".3");
+  std::ofstream(dead) << "half";
+  std::ofstream(live) << "half";
+  const auto removed = io::prune_checkpoints(base, 2);
+  EXPECT_EQ(removed.size(), 2u);
+  EXPECT_FALSE(fs::exists(dir / "ck.step00000010.safetensors"));
+  EXPECT_TRUE(fs::exists(dir / "ck.step00000020.safetensors"));
+  EXPECT_TRUE(fs::exists(dir / "ck.step00000030.safetensors"));
+  EXPECT_FALSE(fs::exists(dead));
+  EXPECT_TRUE(fs::exists(live));
+  EXPECT_TRUE(fs::exists(dir / "other.step00000050.safetensors"));
+  EXPECT_TRUE(fs::exists(base));
+  EXPECT_TRUE(io::prune_checkpoints(base, 0).empty());  // keep 0: keep all
+}
+
+// Note [Killing the writer]
+// A child process saves checkpoints to one path in a loop, each a few MiB whose every value is
+// the step it records; the parent kills it with SIGKILL after a random delay, again and again.
+// After every kill the path must hold a complete checkpoint (or none before the first save):
+// it loads, its SHA-256 matches, and its values agree with its step.
+TEST(Checkpoint, SigkillAtRandomMomentsNeverLeavesAHalfWrittenFile) {
+  TempDir dir;
+  const std::string path = dir / "ck.safetensors";
+  constexpr int64_t kValues = 1 << 20;  // 4 MiB of f32
+  Tensor data = zeros({kValues});
+  std::mt19937 rng(7);
+  int loaded = 0, with_temp = 0;
+  int64_t last_step = -1;
+  constexpr int kKills = 25;
+  for (int k = 0; k < kKills; ++k) {
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      // The child touches memory only through raw pointers: no OpenMP after fork.
+      auto* p = static_cast<float*>(data.data_ptr());
+      for (int64_t step = last_step + 1;; ++step) {
+        for (int64_t i = 0; i < kValues; ++i) p[i] = static_cast<float>(step);
+        io::TrainingCheckpoint c;
+        c.model = {{"w", data}};
+        c.step = step;
+        io::save_checkpoint(path, c);
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5 + rng() % 120));
+    ::kill(pid, SIGKILL);
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+    for (const auto& e : fs::directory_iterator(dir.path))
+      if (e.path().string().find(".tmp.") != std::string::npos) ++with_temp;
+    if (!fs::exists(path)) {
+      ASSERT_EQ(last_step, -1) << "a checkpoint existed and then vanished";
+      continue;
+    }
+    const io::TrainingCheckpoint c = io::load_checkpoint(path);  // throws if half-written
+    ASSERT_EQ(c.model.size(), 1u);
+    const Tensor& w = c.model[0].second;
+    ASSERT_EQ(w.numel(), kValues);
+    const auto* v = static_cast<const float*>(w.data_ptr());
+    for (int64_t i = 0; i < kValues; i += 4099) ASSERT_EQ(v[i], static_cast<float>(c.step));
+    ASSERT_GE(c.step, last_step);
+    last_step = c.step;
+    ++loaded;
+    io::prune_checkpoints(path, 0);  // clears the killed writer's temporary file
+  }
+  EXPECT_GT(loaded, kKills / 2);
+  // Kills landed while a file was being written (else this test proved nothing).
+  EXPECT_GT(with_temp, 0);
+}
