@@ -332,8 +332,19 @@ std::string latest_checkpoint(const std::string& base) {
   return best;
 }
 
-std::vector<std::string> prune_checkpoints(const std::string& base, int64_t keep) {
+std::string checkpoint_series(const std::string& path) {
+  const std::filesystem::path p(path);
+  const std::string stem = p.stem().string();
+  const size_t at = stem.rfind(kStepSuffix);
+  if (at == std::string::npos) return path;
+  const std::string digits = stem.substr(at + std::strlen(kStepSuffix));
+  if (digits.empty() || !std::all_of(digits.begin(), digits.end(), ::isdigit)) return path;
+  return (p.parent_path() / (stem.substr(0, at) + p.extension().string())).string();
+}
+
+std::vector<std::string> prune_checkpoints(const std::string& path, int64_t keep) {
   LS_CHECK(keep >= 0, "prune_checkpoints: keep must be >= 0, got ", keep);
+  const std::string base = checkpoint_series(path);
   std::vector<std::string> removed;
   std::error_code ec;
   if (keep > 0) {

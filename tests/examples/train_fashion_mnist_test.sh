@@ -129,6 +129,67 @@ case "$case_name" in
       || fail "expected 4 loss lines (optimizer steps 5, 10, 15, 20)"
     grep -q "steps=20 " "$work/out" || fail "--max-steps must count optimizer steps"
     ;;
+  resume)
+    # Exact resume with 1 process: 40 optimizer steps straight, against a run killed (SIGKILL)
+    # after step 20 and resumed from its step-20 checkpoint with the same command: the final
+    # checkpoints (model, optimizer state, position; nothing time-dependent) are the same bytes.
+    args=(--log-every 0 --no-eval --threads 2 --schedule cosine --max-steps 40)
+    "$exe" "${args[@]}" --save "$work/a/ck.safetensors" > "$work/a.out" 2>&1 \
+      || { cat "$work/a.out"; fail "straight run failed"; }
+    "$exe" "${args[@]}" --save "$work/b/ck.safetensors" --save-every 10 --keep 2 \
+      --crash-at-step 20 > "$work/b1.out" 2>&1
+    rc=$?
+    [ "$rc" -eq 137 ] || { cat "$work/b1.out"; fail "--crash-at-step 20 exited $rc, expected 137"; }
+    [ ! -e "$work/b/ck.safetensors" ] || fail "a killed run wrote its end-of-run checkpoint"
+    "$exe" "${args[@]}" --save "$work/b/ck.safetensors" --save-every 10 --keep 2 --resume auto \
+      > "$work/b2.out" 2>&1 || { cat "$work/b2.out"; fail "resumed run failed"; }
+    cat "$work/b2.out"
+    grep -q "^resumed .*ck.step00000020.safetensors: step 20, epoch 0 after 1280 of its samples" \
+      "$work/b2.out" || fail "did not resume from the step-20 checkpoint"
+    # --max-steps counts the steps before the checkpoint: 20 more, to 40.
+    grep -q "steps=40 " "$work/b2.out" || fail "the resumed run did not stop at step 40"
+    cmp "$work/a/ck.safetensors" "$work/b/ck.safetensors" \
+      || fail "resumed run ended with other parameters or state than the straight run"
+    # --keep 2: the newest two periodic checkpoints stay.
+    [ "$(ls "$work/b" | tr '\n' ' ')" = "ck.safetensors ck.step00000030.safetensors ck.step00000040.safetensors " ] \
+      || { ls "$work/b"; fail "--keep 2 kept other files"; }
+    # A checkpoint of another model: an error naming the first mismatched tensor.
+    expect_exit 1 "holds another model than --model cnn: .*unexpected key '1.weight'" --model cnn --no-eval \
+      --resume "$work/a/ck.safetensors"
+    expect_exit 1 "no such checkpoint file" --resume "$work/nothing.safetensors"
+    expect_exit 2 "needs --save" --resume auto
+    expect_exit 2 "needs --save" --save-every 5
+    # Nothing to resume yet: auto starts from step 0.
+    "$exe" --log-every 0 --no-eval --max-steps 2 --save "$work/c/ck.safetensors" --resume auto \
+      > "$work/c.out" 2>&1 || { cat "$work/c.out"; fail "--resume auto without a checkpoint failed"; }
+    grep -q "starting from step 0" "$work/c.out" || fail "no fresh-start message"
+    ;;
+  resume_ddp)
+    # 2 processes under `lockstep run --max-restarts 1`: rank 1 is killed after step 25, the
+    # launcher restarts the group, --resume auto continues from the step-15 checkpoint, and the
+    # job ends with the very state of an uninterrupted run. Then the 2-rank checkpoint resumes
+    # with 1 process (another world size) and runs to --max-steps.
+    [ -x "$tool" ] || fail "no lockstep binary given"
+    args=(--log-every 0 --no-eval --threads 1 --schedule cosine --max-steps 40)
+    "$tool" run --standalone --nproc-per-node 2 "$exe" "${args[@]}" --save "$work/a/ck.safetensors" \
+      > "$work/a.out" 2>&1 || { cat "$work/a.out"; fail "straight run failed"; }
+    "$tool" run --standalone --nproc-per-node 2 --max-restarts 1 "$exe" "${args[@]}" \
+      --save "$work/b/ck.safetensors" --save-every 15 --resume auto --crash-at-step 25 \
+      > "$work/b.out" 2>&1 || { cat "$work/b.out"; fail "restarted run failed"; }
+    cat "$work/b.out"
+    grep -q "rank 1 on node 0 ended with signal SIGKILL" "$work/b.out" || fail "rank 1 was not killed"
+    grep -q "^\[rank0\]: resumed .*ck.step00000015.safetensors: step 15" "$work/b.out" \
+      || fail "the restarted group did not resume from step 15"
+    cmp "$work/a/ck.safetensors" "$work/b/ck.safetensors" \
+      || fail "the restarted job ended with other parameters or state than the straight run"
+    "$exe" "${args[@]/40/30}" --save "$work/c/ck.safetensors" \
+      --resume "$work/b/ck.step00000015.safetensors" > "$work/c.out" 2>&1 \
+      || { cat "$work/c.out"; fail "resuming with 1 process failed"; }
+    cat "$work/c.out"
+    grep -q "epoch 0 after 1920 of its samples (written by 2 ranks, now 1)" "$work/c.out" \
+      || fail "no world-size change reported"
+    grep -q "steps=30 " "$work/c.out" || fail "the 1-process continuation did not stop at step 30"
+    ;;
   *) fail "unknown case $case_name" ;;
 esac
 echo PASS

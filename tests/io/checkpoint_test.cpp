@@ -305,3 +305,17 @@ TEST(Checkpoint, SigkillAtRandomMomentsNeverLeavesAHalfWrittenFile) {
   // Kills landed while a file was being written (else this test proved nothing).
   EXPECT_GT(with_temp, 0);
 }
+
+TEST(Checkpoint, PruningFromAPeriodicPathPrunesItsSeries) {
+  TempDir dir;
+  const std::string base = dir / "ck.safetensors";
+  EXPECT_EQ(io::checkpoint_series(io::checkpoint_path_for_step(base, 7)), base);
+  EXPECT_EQ(io::checkpoint_series(base), base);
+  EXPECT_EQ(io::checkpoint_series(dir / "a.stepx.safetensors"), dir / "a.stepx.safetensors");
+  io::TrainingCheckpoint c;
+  c.model = {{"w", zeros({2})}};
+  for (int64_t step : {1, 2, 3}) io::save_checkpoint(io::checkpoint_path_for_step(base, step), c);
+  EXPECT_EQ(io::prune_checkpoints(io::checkpoint_path_for_step(base, 3), 1).size(), 2u);
+  ASSERT_EQ(io::list_checkpoints(base).size(), 1u);
+  EXPECT_EQ(io::list_checkpoints(base)[0].first, 3);
+}

@@ -70,9 +70,12 @@ std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string&
 // The newest checkpoint of `base` (its periodic ones and `base` itself, by the step recorded in
 // them), or "" if there is none.
 std::string latest_checkpoint(const std::string& base);
-// Deletes all but the newest `keep` periodic checkpoints of `base` (keep 0: delete none), and
-// temporary files of writers that no longer run. Returns the paths deleted.
-std::vector<std::string> prune_checkpoints(const std::string& base, int64_t keep);
+// The `base` a periodic checkpoint belongs to ("run/ckpt.step00000040.safetensors" ->
+// "run/ckpt.safetensors"); any other path is its own base.
+std::string checkpoint_series(const std::string& path);
+// Deletes all but the newest `keep` periodic checkpoints of checkpoint_series(path) (keep 0:
+// delete none), and temporary files of writers that no longer run. Returns the paths deleted.
+std::vector<std::string> prune_checkpoints(const std::string& path, int64_t keep);
 
 // The step recorded in a checkpoint's header, reading only the header (-1 if it is not a
 // readable lockstep checkpoint).
