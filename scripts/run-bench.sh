@@ -19,6 +19,11 @@ if [ -x "$build/bench/allreduce" ]; then
   echo "== allreduce ($(nproc) cores, $(date -u +%Y-%m-%d))"
   "$build/bench/allreduce" --json bench/results/allreduce.json
 fi
+# Checkpoints: rank-0 save, every-rank load against rank-0 load + broadcast (2 processes).
+if [ -x "$build/bench/checkpoint" ]; then
+  echo "== checkpoint ($(nproc) cores, $(date -u +%Y-%m-%d))"
+  "$build/bench/checkpoint"
+fi
 # Data-parallel training: 1 process against DDP (2 processes) and DataParallel (2 replicas).
 if [ -x "$build/bench/ddp" ]; then
   echo "== ddp ($(nproc) cores, $(date -u +%Y-%m-%d))"
