@@ -8,6 +8,7 @@ packages=(
   libopenblas-openmp-dev zlib1g-dev libssl-dev libfmt-dev nlohmann-json3-dev libcli11-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libgloo-dev libdnnl-dev
+  libcairo2-dev
   iproute2 procps
   dataset-fashion-mnist
 )

@@ -1,6 +1,7 @@
 // lockstep: the command-line tool. `lockstep run` is the launcher (torchrun's counterpart):
 //
 //   lockstep run [options] PROGRAM [ARGS...]      (or: lockstep run [options] -- PROGRAM ...)
+//   lockstep plot METRICS.jsonl [...] -o curves.png|curves.svg   (training curves; plot.h)
 //
 // Options keep torchrun's names and defaults; each can also come from LOCKSTEP_<NAME> in the
 // environment (LOCKSTEP_NPROC_PER_NODE, LOCKSTEP_MASTER_PORT, ...). Exit codes: 0 success, 1 the
@@ -20,6 +21,7 @@
 
 #include "agent.h"
 #include "lockstep/error.h"
+#include "plot.h"
 
 using namespace lockstep::launch;
 
@@ -152,6 +154,37 @@ RunOptions validate(const Raw& raw, std::vector<std::string> command) {
   return o;
 }
 
+struct PlotArgs {
+  std::vector<std::string> files;
+  lockstep::plot::PlotOptions opts;
+};
+
+int run_plot(const PlotArgs& args) {
+  try {
+    std::vector<lockstep::plot::Metrics> runs;
+    lockstep::plot::format_for(args.opts.output);  // a bad extension before reading anything
+    for (const std::string& f : args.files) {
+      runs.push_back(lockstep::plot::read_metrics(f));
+      for (const std::string& w : runs.back().warnings) {
+        std::fprintf(stderr, "lockstep plot: %s\n", w.c_str());
+      }
+    }
+    const auto summary = lockstep::plot::plot(runs, args.opts);
+    std::fprintf(stderr, "lockstep plot: wrote %s (%dx%d, %zu panels)\n", args.opts.output.c_str(),
+                 summary.width, summary.height, summary.panels.size());
+    return kExitOk;
+  } catch (const lockstep::plot::InputError& e) {
+    std::fprintf(stderr, "lockstep plot: %s\n", e.what());
+    return kExitUsage;
+  } catch (const lockstep::Error& e) {
+    std::fprintf(stderr, "lockstep plot: %s\n", e.message().c_str());
+    return kExitJobFailed;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "lockstep plot: %s\n", e.what());
+    return kExitJobFailed;
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -212,6 +245,22 @@ int main(int argc, char** argv) {
       ->envname(env("RDZV_TIMEOUT"))
       ->capture_default_str();
 
+  CLI::App* plot = app.add_subcommand(
+      "plot", "Draw training curves from metrics files (JSON Lines) to a PNG or SVG image");
+  plot->footer(
+      "\nUsage: lockstep plot METRICS.jsonl [MORE.jsonl ...] -o curves.png|curves.svg\nExit "
+      "codes: 0 written, 1 could not write, 2 bad input. docs/PLOT.md has the details.");
+  PlotArgs plot_args;
+  plot->add_option("files", plot_args.files, "metrics files, one colour each")->required();
+  plot->add_option("-o,--output", plot_args.opts.output, "the image: .png or .svg")->required();
+  plot->add_option("--width", plot_args.opts.width, "pixels")->capture_default_str();
+  plot->add_option("--height", plot_args.opts.height, "pixels (default: from the panels)");
+  plot->add_flag("--log-y", plot_args.opts.log_y, "the loss on a logarithmic axis");
+  plot->add_option("--smooth", plot_args.opts.smoothing,
+                   "the loss's moving-average weight in [0, 1); 0: raw only")
+      ->capture_default_str();
+  plot->add_option("--title", plot_args.opts.title, "default: the file name");
+
   // `lockstep run [options] -- PROGRAM ARGS`: what follows the first "--" is the command, as is.
   // A "--" after PROGRAM is the program's: look for one before the first word that is neither
   // an option nor an option's value.
@@ -242,10 +291,12 @@ int main(int argc, char** argv) {
     app.parse(args);
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version
-    std::fprintf(stderr, "lockstep%s: %s\nRun 'lockstep run --help' for the options.\n",
-                 run->parsed() ? " run" : "", e.what());
+    const std::string sub = plot->parsed() ? " plot" : run->parsed() ? " run" : "";
+    std::fprintf(stderr, "lockstep%s: %s\nRun 'lockstep%s --help' for the options.\n", sub.c_str(),
+                 e.what(), sub.c_str());
     return kExitUsage;
   }
+  if (plot->parsed()) return run_plot(plot_args);
   try {
     std::vector<std::string> command = run->remaining();
     if (!command.empty() && command.front().size() > 1 && command.front()[0] == '-') {
