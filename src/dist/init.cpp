@@ -15,6 +15,7 @@
 #include "lockstep/dist/prefix_store.h"
 #include "lockstep/dist/tcp_store.h"
 #include "lockstep/error.h"
+#include "lockstep/log.h"
 
 namespace lockstep::dist {
 
@@ -177,6 +178,7 @@ World connect_world(DistEnv env, const InitOptions& opts) {
   config.bind_address = w.bind_address;
   config.bind_interface = w.bind_interface;
   w.group = create_process_group(opts.backend, config);
+  lockstep::set_log_rank(env.rank);
   return w;
 }
 

@@ -94,7 +94,38 @@ void write_all(int fd, const std::string& s) {
   }
 }
 
-void say(const std::string& msg) { write_all(2, "lockstep run: " + msg + "\n"); }
+// Note [Redrawn lines]
+// A worker's progress bar arrives as segments ended by '\r' (Note [Carriage returns] in
+// worker_process.h). Where the launcher's stdout or stderr is a terminal, each segment is shown
+// at once as "\r[rankN]: segment" plus an erase to the end of the line, and the line stays open
+// (no '\n'). The next whole line of the same worker and stream replaces it (the bar's final
+// state, or a line the worker printed over its bar, as its own terminal would show); any other
+// line first ends the open one with '\n', so the bar's last state stays visible above it and
+// its next redraw starts on a fresh line. Log files and output that is not a terminal never see
+// the segments, only the lines.
+constexpr const char* kEraseToEol = "\x1b[K";
+
+bool is_tty(int fd) {
+  static const bool tty[3] = {false, ::isatty(1) == 1, ::isatty(2) == 1};
+  return fd >= 1 && fd <= 2 && tty[fd];
+}
+
+// The redrawn line on the terminal without its '\n', if any.
+struct OpenLine {
+  int rank = -1;
+  int fd = -1;
+};
+std::optional<OpenLine> g_open_line;
+
+void end_open_line() {
+  if (g_open_line) write_all(g_open_line->fd, "\n");
+  g_open_line.reset();
+}
+
+void say(const std::string& msg) {
+  if (is_tty(2)) end_open_line();
+  write_all(2, "lockstep run: " + msg + "\n");
+}
 
 std::string utc_now() {
   const std::time_t t = std::time(nullptr);
@@ -189,6 +220,9 @@ class Agent {
   void start_workers(int g);
   GenResult run_generation(int g);
   void on_line(Worker& w, bool is_err, const std::string& line);
+  void on_redraw(Worker& w, bool is_err, const std::string& segment);
+  // Whether this worker's output reaches the launcher's stdout and stderr.
+  bool to_terminal(const Worker& w) const;
   // Drains every readable stream for up to `timeout` (0: what is there now).
   void pump_output(std::chrono::milliseconds timeout);
   bool all_exited();
@@ -400,7 +434,9 @@ void Agent::start_workers(int g) {
     set("LOCKSTEP_USE_AGENT_STORE", "1");
     set(dist::kStoreTokenEnv, token_);
     set(dist::kErrorFileEnv, w->error_file);
-    if (::isatty(1)) set("LOCKSTEP_STDOUT_IS_TTY", "1");
+    // Only where the worker's stdout really ends on the terminal: with --log-dir and no --tee,
+    // or filtered out, a progress bar would reach only the log file (where plain lines belong).
+    if (is_tty(1) && to_terminal(*w)) set("LOCKSTEP_STDOUT_IS_TTY", "1");
     if (!o_.log_dir.empty()) {
       const auto logs =
           std::filesystem::path(o_.log_dir) / o_.run_id / attempt / std::to_string(w->rank);
@@ -413,12 +449,20 @@ void Agent::start_workers(int g) {
     }
     Worker* raw = w.get();
     w->out = std::make_unique<LineSplitter>(
-        [this, raw](const std::string& line) { on_line(*raw, false, line); });
+        [this, raw](const std::string& line) { on_line(*raw, false, line); },
+        [this, raw](const std::string& segment) { on_redraw(*raw, false, segment); });
     w->err = std::make_unique<LineSplitter>(
-        [this, raw](const std::string& line) { on_line(*raw, true, line); });
+        [this, raw](const std::string& line) { on_line(*raw, true, line); },
+        [this, raw](const std::string& segment) { on_redraw(*raw, true, segment); });
     w->proc = std::make_unique<WorkerProcess>(spec);
     workers_.push_back(std::move(w));
   }
+}
+
+bool Agent::to_terminal(const Worker& w) const {
+  const auto& f = o_.local_ranks_filter;
+  return (o_.log_dir.empty() || o_.tee) &&
+         (f.empty() || std::find(f.begin(), f.end(), w.local_rank) != f.end());
 }
 
 void Agent::on_line(Worker& w, bool is_err, const std::string& line) {
@@ -426,12 +470,27 @@ void Agent::on_line(Worker& w, bool is_err, const std::string& line) {
   if (w.tail.size() > kTailLines) w.tail.pop_front();
   const int log = is_err ? w.err_log : w.out_log;
   if (log >= 0) write_all(log, line + "\n");
-  const bool terminal = o_.log_dir.empty() || o_.tee;
-  const auto& f = o_.local_ranks_filter;
-  if (terminal && (f.empty() || std::find(f.begin(), f.end(), w.local_rank) != f.end())) {
-    // One write per line: lines of different workers never mix.
-    write_all(is_err ? 2 : 1, "[rank" + std::to_string(w.rank) + "]: " + line + "\n");
+  if (!to_terminal(w)) return;
+  const int fd = is_err ? 2 : 1;
+  const std::string prefixed = "[rank" + std::to_string(w.rank) + "]: " + line;
+  if (is_tty(fd) && g_open_line) {
+    if (g_open_line->rank == w.rank && g_open_line->fd == fd) {  // Note [Redrawn lines]
+      g_open_line.reset();
+      write_all(fd, "\r" + prefixed + kEraseToEol + "\n");
+      return;
+    }
+    end_open_line();
   }
+  // One write per line: lines of different workers never mix.
+  write_all(fd, prefixed + "\n");
+}
+
+void Agent::on_redraw(Worker& w, bool is_err, const std::string& segment) {
+  const int fd = is_err ? 2 : 1;
+  if (!to_terminal(w) || !is_tty(fd)) return;  // Note [Redrawn lines]
+  if (g_open_line && (g_open_line->rank != w.rank || g_open_line->fd != fd)) end_open_line();
+  write_all(fd, "\r[rank" + std::to_string(w.rank) + "]: " + segment + kEraseToEol);
+  g_open_line = OpenLine{w.rank, fd};
 }
 
 void Agent::pump_output(std::chrono::milliseconds timeout) {
@@ -776,7 +835,9 @@ int Agent::run() {
 
 int run_agent(const RunOptions& opts) {
   Agent agent(opts);
-  return agent.run();
+  const int code = agent.run();
+  end_open_line();  // a shell prompt must not land on a worker's last progress bar
+  return code;
 }
 
 }  // namespace lockstep::launch

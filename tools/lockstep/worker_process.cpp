@@ -69,22 +69,38 @@ std::string ExitStatus::str() const {
 
 void LineSplitter::feed(const char* data, size_t n) {
   for (size_t i = 0; i < n; ++i) {
-    if (data[i] == '\n') {
-      sink_(partial_);
+    const char c = data[i];
+    if (c == '\n') {
+      sink_(partial_.empty() ? last_segment_ : partial_);
       partial_.clear();
+      last_segment_.clear();
+      continue;
+    }
+    if (c == '\r') {  // Note [Carriage returns]
+      if (!partial_.empty()) {
+        if (redraw_) redraw_(partial_);
+        last_segment_.swap(partial_);
+        partial_.clear();
+      }
       continue;
     }
     if (partial_.size() == kMaxLine) {  // a full piece, and more of the line follows
       sink_(partial_);
       partial_.clear();
+      last_segment_.clear();
     }
-    partial_.push_back(data[i]);
+    partial_.push_back(c);
   }
 }
 
 void LineSplitter::finish() {
-  if (!partial_.empty()) sink_(partial_);
+  if (!partial_.empty()) {
+    sink_(partial_);
+  } else if (!last_segment_.empty()) {
+    sink_(last_segment_);
+  }
   partial_.clear();
+  last_segment_.clear();
 }
 
 namespace {

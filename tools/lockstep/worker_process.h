@@ -28,17 +28,26 @@ std::string signal_name(int sig);
 // Lines a worker wrote on one stream. `sink` receives each whole line (without '\n'); a line
 // longer than kMaxLine is cut into pieces of that size, and a last line without a newline is
 // delivered at end of file.
+//
+// Note [Carriage returns]
+// A progress bar redraws its line in place: "bar 1\rbar 2\rbar 3\n". Each '\r' ends a segment;
+// `redraw` (when given) receives every non-empty segment the moment its '\r' arrives, for a
+// terminal to show at once. The line that '\n' ends, the one `sink` gets, is its last non-empty
+// segment: the bar's final state ("bar 3"), and "text\r\n" is "text". So log files hold clean
+// lines, and a bar that is only ever redrawn leaves nothing in them.
 class LineSplitter {
  public:
   static constexpr size_t kMaxLine = 64 * 1024;
   using Sink = std::function<void(const std::string& line)>;
-  explicit LineSplitter(Sink sink) : sink_(std::move(sink)) {}
+  explicit LineSplitter(Sink sink, Sink redraw = nullptr)
+      : sink_(std::move(sink)), redraw_(std::move(redraw)) {}
   void feed(const char* data, size_t n);
   void finish();
 
  private:
-  Sink sink_;
+  Sink sink_, redraw_;
   std::string partial_;
+  std::string last_segment_;  // the last non-empty segment ended by '\r' in this line
 };
 
 struct WorkerSpec {

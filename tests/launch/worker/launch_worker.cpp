@@ -1,5 +1,6 @@
 // The program that tests/launch starts under `lockstep run`: argv[1] picks what a worker does
-// (report its environment, fail, die by a signal, sleep, flood its output, throw, train with DDP).
+// (report its environment, fail, die by a signal, sleep, flood its output, redraw a progress
+// line with '\r', throw, train with DDP).
 //
 // With LAUNCH_TEST_PID_DIR set, every worker first records its pid and the pid of one grandchild
 // (`sleep 300`, in the worker's process group) as <dir>/<pid>.pid, so a test can check that the
@@ -128,6 +129,28 @@ int print_lines(int n) {
   return 0;
 }
 
+// A progress bar's way of writing, each piece with its own write(2) (stdio would hold the pieces
+// until a newline): "a\rb\n", "bar 1\r", then (once `go` exists, when it is not "-": the test
+// saw "bar 1" arrive) "bar 2\r", "done\n", "x\r\n" and "tail\r" without a newline at exit.
+int redraw(const std::string& go) {
+  auto put = [](const std::string& s) {
+    if (::write(1, s.data(), s.size()) != static_cast<ssize_t>(s.size())) std::exit(93);
+  };
+  const char* tty = std::getenv("LOCKSTEP_STDOUT_IS_TTY");
+  put(std::string("tty=") + (tty != nullptr ? tty : "none") + "\n");
+  put("a\rb\n");
+  put("bar 1\r");
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  while (go != "-" && !fs::exists(go) && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(10ms);
+  }
+  put("bar 2\r");
+  put("done\n");
+  put("x\r\n");
+  put("tail\r");
+  return 0;
+}
+
 // FNV-1a over the bytes of every parameter.
 uint64_t params_hash(const lockstep::nn::Module& m) {
   uint64_t h = 1469598103934665603ull;
@@ -207,6 +230,7 @@ int run(int argc, char** argv) {
   }
   if (mode == "sleep") return sleep_then_fail(120s);
   if (mode == "lines" && argc >= 3) return print_lines(std::atoi(argv[2]));
+  if (mode == "redraw" && argc >= 3) return redraw(argv[2]);
   if (mode == "throw") {
     lockstep::dist::install_error_handler();
     if (rank != 1) return sleep_then_fail(60s);

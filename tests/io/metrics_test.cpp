@@ -1,0 +1,199 @@
+// MetricsWriter: every line is a JSON object with the agreed keys and types, written at once,
+// appended across writers, non-finite values as null, a clear error for a bad path.
+#include "lockstep/io/metrics.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "lockstep/error.h"
+
+namespace lockstep::io {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::ordered_json;
+
+class Metrics : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = fs::path(::testing::TempDir()) /
+           ("metrics_" + std::to_string(::getpid()) + "_" + info->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    path_ = (dir_ / "metrics.jsonl").string();
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  // Every line of the file, each parsed (a line that does not parse fails the test).
+  std::vector<json> records() const {
+    std::ifstream in(path_);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    const std::string text = ss.str();
+    EXPECT_TRUE(text.empty() || text.back() == '\n') << "last line unfinished: " << text;
+    std::vector<json> out;
+    std::istringstream lines(text);
+    for (std::string line; std::getline(lines, line);) {
+      try {
+        out.push_back(json::parse(line));
+      } catch (const json::exception& e) {
+        ADD_FAILURE() << "not JSON: " << line << " (" << e.what() << ")";
+      }
+    }
+    return out;
+  }
+
+  fs::path dir_;
+  std::string path_;
+};
+
+double unix_now() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+std::vector<std::string> keys(const json& j) {
+  std::vector<std::string> k;
+  for (auto it = j.begin(); it != j.end(); ++it) k.push_back(it.key());
+  return k;
+}
+
+TEST_F(Metrics, TrainAndEvalRecordsHaveTheAgreedKeysAndTypes) {
+  const double before = unix_now();
+  {
+    MetricsWriter w(path_);
+    w.write(TrainRecord{.step = 100,
+                        .epoch = 1,
+                        .loss = 0.5,
+                        .lr = 0.01,
+                        .samples_per_s = 1234.5,
+                        .loss_scale = 65536.0,
+                        .grad_norm = 1.25});
+    w.write(TrainRecord{.step = 200, .epoch = 1, .loss = 0.25, .lr = 0.005, .samples_per_s = 99});
+    w.write(EvalRecord{.step = 200, .epoch = 1, .test_accuracy = 0.875, .test_loss = 0.375});
+    w.write(EvalRecord{.step = 300, .epoch = 2, .test_accuracy = 0.9});
+  }
+  const double after = unix_now();
+  const auto r = records();
+  ASSERT_EQ(r.size(), 4u);
+
+  EXPECT_EQ(keys(r[0]),
+            (std::vector<std::string>{"kind", "step", "epoch", "loss", "lr", "samples_per_s",
+                                      "loss_scale", "grad_norm", "time", "elapsed"}));
+  EXPECT_EQ(r[0]["kind"], "train");
+  EXPECT_TRUE(r[0]["step"].is_number_integer());
+  EXPECT_TRUE(r[0]["epoch"].is_number_integer());
+  EXPECT_EQ(r[0]["step"].get<int64_t>(), 100);
+  EXPECT_EQ(r[0]["epoch"].get<int64_t>(), 1);
+  EXPECT_DOUBLE_EQ(r[0]["loss"].get<double>(), 0.5);
+  EXPECT_DOUBLE_EQ(r[0]["lr"].get<double>(), 0.01);
+  EXPECT_DOUBLE_EQ(r[0]["samples_per_s"].get<double>(), 1234.5);
+  EXPECT_DOUBLE_EQ(r[0]["loss_scale"].get<double>(), 65536.0);
+  EXPECT_DOUBLE_EQ(r[0]["grad_norm"].get<double>(), 1.25);
+  // Optional keys are left out, not written as null.
+  EXPECT_EQ(keys(r[1]), (std::vector<std::string>{"kind", "step", "epoch", "loss", "lr",
+                                                  "samples_per_s", "time", "elapsed"}));
+
+  EXPECT_EQ(keys(r[2]), (std::vector<std::string>{"kind", "step", "epoch", "test_accuracy",
+                                                  "test_loss", "time", "elapsed"}));
+  EXPECT_EQ(r[2]["kind"], "eval");
+  EXPECT_DOUBLE_EQ(r[2]["test_accuracy"].get<double>(), 0.875);
+  EXPECT_DOUBLE_EQ(r[2]["test_loss"].get<double>(), 0.375);
+  EXPECT_EQ(keys(r[3]), (std::vector<std::string>{"kind", "step", "epoch", "test_accuracy", "time",
+                                                  "elapsed"}));
+
+  double last_elapsed = 0;
+  for (const auto& j : r) {
+    ASSERT_TRUE(j["time"].is_number_float()) << j;
+    ASSERT_TRUE(j["elapsed"].is_number_float()) << j;
+    EXPECT_GE(j["time"].get<double>(), before - 1e-3) << j;
+    EXPECT_LE(j["time"].get<double>(), after + 1e-3) << j;
+    EXPECT_GE(j["elapsed"].get<double>(), last_elapsed) << j;
+    EXPECT_LE(j["elapsed"].get<double>(), after - before + 1e-3) << j;
+    last_elapsed = j["elapsed"].get<double>();
+  }
+}
+
+TEST_F(Metrics, EachRecordIsInTheFileAsSoonAsItIsWritten) {
+  MetricsWriter w(path_);
+  w.write(TrainRecord{.step = 1, .loss = 2.0});
+  ASSERT_EQ(records().size(), 1u);  // the writer is still open: nothing waits in a buffer
+  w.write(EvalRecord{.step = 1, .test_accuracy = 0.5});
+  EXPECT_EQ(records().size(), 2u);
+}
+
+TEST_F(Metrics, AppendsToAnExistingFileUnlessToldNotTo) {
+  {
+    MetricsWriter w(path_);
+    w.write(TrainRecord{.step = 1});
+    w.write(TrainRecord{.step = 2});
+  }
+  {
+    MetricsWriter resumed(path_);  // a resumed run continues the file
+    resumed.write(TrainRecord{.step = 3});
+  }
+  auto r = records();
+  ASSERT_EQ(r.size(), 3u);
+  EXPECT_EQ(r[0]["step"], 1);
+  EXPECT_EQ(r[2]["step"], 3);
+  {
+    MetricsWriter fresh(path_, /*append=*/false);
+    fresh.write(TrainRecord{.step = 7});
+  }
+  r = records();
+  ASSERT_EQ(r.size(), 1u);
+  EXPECT_EQ(r[0]["step"], 7);
+}
+
+TEST_F(Metrics, NonFiniteValuesAreNull) {
+  constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  {
+    MetricsWriter w(path_);
+    w.write(
+        TrainRecord{.step = 5, .loss = kNaN, .lr = 0.1, .samples_per_s = kInf, .grad_norm = -kInf});
+    w.write(EvalRecord{.step = 5, .test_accuracy = kNaN, .test_loss = kInf});
+  }
+  const auto r = records();
+  ASSERT_EQ(r.size(), 2u);
+  EXPECT_TRUE(r[0]["loss"].is_null()) << r[0];
+  EXPECT_TRUE(r[0]["samples_per_s"].is_null()) << r[0];
+  EXPECT_TRUE(r[0]["grad_norm"].is_null()) << r[0];
+  EXPECT_DOUBLE_EQ(r[0]["lr"].get<double>(), 0.1);
+  EXPECT_TRUE(r[1]["test_accuracy"].is_null()) << r[1];
+  EXPECT_TRUE(r[1]["test_loss"].is_null()) << r[1];
+}
+
+TEST_F(Metrics, UnopenablePathIsAnErrorNamingThePathAndTheReason) {
+  const std::string bad = (dir_ / "no" / "such" / "dir" / "m.jsonl").string();
+  try {
+    MetricsWriter w(bad);
+    FAIL() << "opened " << bad;
+  } catch (const Error& e) {
+    EXPECT_NE(e.message().find(bad), std::string::npos) << e.what();
+    EXPECT_NE(e.message().find("No such file or directory"), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(Metrics, AMovedWriterKeepsWritingTheSameFile) {
+  MetricsWriter a(path_);
+  a.write(TrainRecord{.step = 1});
+  MetricsWriter b(std::move(a));
+  b.write(TrainRecord{.step = 2});
+  EXPECT_EQ(b.path(), path_);
+  EXPECT_EQ(records().size(), 2u);
+}
+
+}  // namespace
+}  // namespace lockstep::io
