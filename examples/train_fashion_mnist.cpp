@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 
 #include <signal.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
@@ -21,7 +22,10 @@
 #include "lockstep/data/data.h"
 #include "lockstep/dist/checkpoint.h"
 #include "lockstep/io/checkpoint.h"
+#include "lockstep/io/metrics.h"
+#include "lockstep/io/progress.h"
 #include "lockstep/lockstep.h"
+#include "lockstep/log.h"
 #include "lockstep/nn/layers.h"
 #include "lockstep/optim/optimizer.h"
 
@@ -52,6 +56,7 @@ struct Config {
   int64_t keep = 0;           // periodic checkpoints kept (0: all)
   std::string resume;         // a checkpoint file, or "auto": the latest beside --save
   int64_t crash_at_step = 0;  // testing: the last rank kills itself after this step (attempt 0)
+  std::string metrics;        // JSON Lines of per-step metrics (rank 0)
   double bucket_mb = 25.0;
   std::string comm_hook = "none";
   bool ddp_stats = false;
@@ -200,9 +205,8 @@ int run(const Config& cfg) {
   if (!cfg.resume.empty()) {
     const std::string path = dist::resolve_resume(*pg, cfg.resume, cfg.save);
     if (path.empty()) {
-      if (main_rank)
-        std::printf("resume: no checkpoint beside %s yet, starting from step 0\n",
-                    cfg.save.c_str());
+      log_rank0(LogLevel::kInfo, "resume: no checkpoint beside ", cfg.save,
+                " yet, starting from step 0");
     } else {
       io::TrainingCheckpoint ckpt = dist::load_checkpoint(*pg, path);
       try {
@@ -214,10 +218,9 @@ int run(const Config& cfg) {
       for (const auto& [key, value] : run_metadata(cfg)) {
         auto it = ckpt.user.find(key);
         if (main_rank && (it == ckpt.user.end() || it->second != value))
-          std::printf("warning: --resume %s was written with --%s %s, this run has --%s %s\n",
-                      path.c_str(), key.c_str(),
-                      it == ckpt.user.end() ? "(unset)" : it->second.c_str(), key.c_str(),
-                      value.c_str());
+          log_warning("--resume ", path, " was written with --", key, " ",
+                      it == ckpt.user.end() ? "(unset)" : it->second, ", this run has --", key, " ",
+                      value);
       }
       opt.load_state_dict(ckpt.optimizer);
       if (scaler.is_enabled()) scaler.load_state_dict(ckpt.scaler);
@@ -229,12 +232,9 @@ int run(const Config& cfg) {
       epoch = ckpt.epoch;
       epoch_consumed = ckpt.epoch_samples;
       scheduler.set_step(steps);
-      if (main_rank)
-        std::printf(
-            "resumed %s: step %lld, epoch %lld after %lld of its samples (written by %lld "
-            "ranks, now %d)\n",
-            path.c_str(), static_cast<long long>(steps), static_cast<long long>(epoch),
-            static_cast<long long>(epoch_consumed), static_cast<long long>(ckpt.world_size), world);
+      log_rank0(LogLevel::kInfo, "resumed ", path, ": step ", steps, ", epoch ", epoch, " after ",
+                epoch_consumed, " of its samples (written by ", ckpt.world_size, " ranks, now ",
+                world, ")");
     }
   }
   if (main_rank) {
@@ -254,6 +254,19 @@ int run(const Config& cfg) {
         static_cast<long long>(cfg.warmup_steps), static_cast<long long>(total_steps));
   }
 
+  // Rank 0 records every optimizer step (--metrics) and, on a terminal, draws a progress bar in
+  // place of the periodic loss lines.
+  std::optional<io::MetricsWriter> metrics;
+  if (main_rank && !cfg.metrics.empty()) {
+    const auto dir = std::filesystem::path(cfg.metrics).parent_path();
+    std::error_code ec;
+    if (!dir.empty()) std::filesystem::create_directories(dir, ec);  // else open says why
+    metrics.emplace(cfg.metrics);
+  }
+  const char* launcher_tty = std::getenv("LOCKSTEP_STDOUT_IS_TTY");
+  const bool terminal = launcher_tty ? std::string(launcher_tty) == "1" : ::isatty(1) == 1;
+  io::Progress progress({.terminal = true, .enabled = main_rank && terminal});
+
   using Clock = std::chrono::steady_clock;
   int64_t samples = 0;
   double train_seconds = 0, last_loss = 0, accuracy = -1;
@@ -268,6 +281,11 @@ int run(const Config& cfg) {
     int64_t micro = 0;  // micro-batches since the last optimizer step
     double step_loss = 0;
     bool epoch_finished = micro_per_epoch == 0;
+    // This epoch's optimizer steps, those taken before a resume included.
+    const int64_t done_before = (full_epoch_batches - micro_per_epoch) / cfg.accum_steps;
+    progress.start_epoch(epoch, steps_per_epoch);
+    auto last_step_end = t0;
+    int64_t step_samples = 0;
     for (data::Batch& batch : loader) {
       // The last micro-batch of a step (or of the epoch) communicates and steps; the others
       // accumulate locally inside no_sync().
@@ -292,15 +310,18 @@ int run(const Config& cfg) {
       no_sync.reset();
       epoch_samples += batch.input.size(0);
       epoch_consumed += batch.input.size(0) * world;  // every rank read a batch as large
+      step_samples += batch.input.size(0) * world;
       if (!last) {
         ++micro;
         continue;
       }
       micro = 0;
+      std::optional<double> grad_norm;
       if (cfg.clip_grad_norm > 0) {
         scaler.unscale_(opt);
-        optim::clip_grad_norm(model->parameters(), cfg.clip_grad_norm);
+        grad_norm = optim::clip_grad_norm(model->parameters(), cfg.clip_grad_norm);
       }
+      const double loss_scale = scaler.get_scale();  // the scale this step's loss was scaled by
       scaler.step(opt);
       scaler.update();
       scheduler.step();
@@ -312,12 +333,28 @@ int run(const Config& cfg) {
       ++steps;
       const bool epoch_end = batch.index + 1 == micro_per_epoch;
       epoch_finished = epoch_end;
+      const auto now = Clock::now();
+      const double step_rate =
+          step_samples / std::chrono::duration<double>(now - last_step_end).count();
+      if (metrics) {
+        metrics->write(io::TrainRecord{
+            .step = steps,
+            .epoch = epoch,
+            .loss = l,
+            .lr = scheduler.last_lr(),
+            .samples_per_s = step_rate,
+            .loss_scale = scaler.is_enabled() ? std::optional<double>(loss_scale) : std::nullopt,
+            .grad_norm = grad_norm});
+      }
+      progress.update(done_before + epoch_steps, l, step_samples);
+      last_step_end = now;
+      step_samples = 0;
       if (cfg.save_every > 0 && steps % cfg.save_every == 0) {
         io::TrainingCheckpoint ckpt = checkpoint();
         if (epoch_end) ckpt.epoch = epoch + 1, ckpt.epoch_samples = 0;  // resume at the next one
         const std::string path = io::checkpoint_path_for_step(cfg.save, steps);
         dist::save_checkpoint(*pg, path, ckpt, cfg.keep);
-        if (main_rank) std::printf("saved %s\n", path.c_str());
+        log_rank0(LogLevel::kInfo, "saved ", path);
       }
       if (cfg.crash_at_step > 0 && steps == cfg.crash_at_step && pg->rank() == world - 1 &&
           first_attempt()) {
@@ -325,7 +362,7 @@ int run(const Config& cfg) {
                      static_cast<long long>(steps), pg->rank());
         ::kill(::getpid(), SIGKILL);
       }
-      if (main_rank && cfg.log_every > 0 && steps % cfg.log_every == 0)
+      if (main_rank && !progress.enabled() && cfg.log_every > 0 && steps % cfg.log_every == 0)
         std::printf("epoch %lld step %lld loss %.4f lr %.5g%s\n", static_cast<long long>(epoch),
                     static_cast<long long>(steps), l, scheduler.last_lr(),
                     scaler.is_enabled()
@@ -336,6 +373,7 @@ int run(const Config& cfg) {
         break;
       }
     }
+    progress.finish();
     const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
     train_seconds += secs;
     epoch_samples *= world;  // every rank processed as many
@@ -346,6 +384,8 @@ int run(const Config& cfg) {
     pg->all_reduce(mean_loss, {.op = dist::ReduceOp::avg})->wait();
     last_loss = mean_loss.item();
     if (test) accuracy = evaluate(*model, *test, *pg);
+    if (metrics && test)
+      metrics->write(io::EvalRecord{.step = steps, .epoch = epoch, .test_accuracy = accuracy});
     if (main_rank) {
       std::printf("epoch %lld train_loss %.4f samples/s %.1f test_accuracy %.4f data_wait %.1f%%\n",
                   static_cast<long long>(epoch), last_loss, epoch_samples / secs, accuracy,
@@ -356,7 +396,7 @@ int run(const Config& cfg) {
   }
   if (!cfg.save.empty()) {
     dist::save_checkpoint(*pg, cfg.save, checkpoint());  // rank 0 writes, the others wait
-    if (main_rank) std::printf("saved %s\n", cfg.save.c_str());
+    log_rank0(LogLevel::kInfo, "saved ", cfg.save);
   }
   if (ddp && cfg.ddp_stats && main_rank) std::printf("ddp: %s\n", ddp->stats().str().c_str());
   if (main_rank) {
@@ -421,6 +461,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--resume", cfg.resume,
                  "Continue from a checkpoint file, or 'auto': the newest beside --save if any");
+  app.add_option("--metrics", cfg.metrics,
+                 "Append per-step metrics as JSON Lines here (rank 0; `lockstep plot` draws them)");
   app.add_option("--crash-at-step", cfg.crash_at_step,
                  "Testing: the last rank kills itself (SIGKILL) after this optimizer step, on the "
                  "first attempt of a `lockstep run` only")

@@ -144,7 +144,7 @@ case "$case_name" in
     "$exe" "${args[@]}" --save "$work/b/ck.safetensors" --save-every 10 --keep 2 --resume auto \
       > "$work/b2.out" 2>&1 || { cat "$work/b2.out"; fail "resumed run failed"; }
     cat "$work/b2.out"
-    grep -q "^resumed .*ck.step00000020.safetensors: step 20, epoch 0 after 1280 of its samples" \
+    grep -q "INFO: resumed .*ck.step00000020.safetensors: step 20, epoch 0 after 1280 of its samples" \
       "$work/b2.out" || fail "did not resume from the step-20 checkpoint"
     # --max-steps counts the steps before the checkpoint: 20 more, to 40.
     grep -q "steps=40 " "$work/b2.out" || fail "the resumed run did not stop at step 40"
@@ -178,7 +178,7 @@ case "$case_name" in
       > "$work/b.out" 2>&1 || { cat "$work/b.out"; fail "restarted run failed"; }
     cat "$work/b.out"
     grep -q "rank 1 on node 0 ended with signal SIGKILL" "$work/b.out" || fail "rank 1 was not killed"
-    grep -q "^\[rank0\]: resumed .*ck.step00000015.safetensors: step 15" "$work/b.out" \
+    grep -q "^\[rank0\]: .* INFO: resumed .*ck.step00000015.safetensors: step 15" "$work/b.out" \
       || fail "the restarted group did not resume from step 15"
     cmp "$work/a/ck.safetensors" "$work/b/ck.safetensors" \
       || fail "the restarted job ended with other parameters or state than the straight run"
@@ -189,6 +189,44 @@ case "$case_name" in
     grep -q "epoch 0 after 1920 of its samples (written by 2 ranks, now 1)" "$work/c.out" \
       || fail "no world-size change reported"
     grep -q "steps=30 " "$work/c.out" || fail "the 1-process continuation did not stop at step 30"
+    ;;
+  metrics)
+    # --metrics: one JSON line per optimizer step and one per evaluation, appended across a
+    # resumed run; `lockstep plot` (a strict reader: file:line for any malformed line) draws it.
+    [ -x "$tool" ] || fail "no lockstep binary given"
+    m="$work/run/metrics.jsonl"
+    "$exe" --log-every 0 --max-steps 30 --metrics "$m" --save "$work/run/ck.safetensors" \
+      --save-every 20 --crash-at-step 25 > "$work/out1" 2>&1
+    [ "$(grep -c '"kind":"train"' "$m")" -eq 25 ] || { cat "$m"; fail "expected 25 train records"; }
+    "$exe" --log-every 0 --max-steps 30 --metrics "$m" --save "$work/run/ck.safetensors" \
+      --resume auto > "$work/out2" 2>&1 || { cat "$work/out2"; fail "resumed run failed"; }
+    [ "$(grep -c '"kind":"train"' "$m")" -eq 35 ] || fail "expected 25 + 10 train records"
+    [ "$(grep -c '"kind":"eval"' "$m")" -eq 1 ] || fail "expected one eval record"
+    grep -q '^{"kind":"train","step":21,"epoch":0,"loss":[0-9.e-]*,"lr":0.05,"samples_per_s":[0-9.e+-]*,"time":[0-9.e+]*,"elapsed":[0-9.e+-]*}$' "$m" \
+      || { cat "$m"; fail "train record format"; }
+    grep -q '^{"kind":"eval","step":30,"epoch":0,"test_accuracy":0\.[0-9]*,' "$m" || fail "eval record"
+    # Every line is one JSON object: the plot tool rejects anything else with the line number.
+    "$tool" plot "$m" -o "$work/curves.svg" > "$work/plot" 2>&1 || { cat "$work/plot"; fail "plot failed"; }
+    grep -q "<svg" "$work/curves.svg" || fail "no SVG written"
+    # fp16 with clipping records the loss scale and the gradient norm.
+    "$exe" --log-every 0 --no-eval --max-steps 3 --amp fp16 --clip-grad-norm 1 \
+      --metrics "$work/amp.jsonl" > "$work/out3" 2>&1 || { cat "$work/out3"; fail "fp16 run failed"; }
+    grep -q '"loss_scale":65536.0,"grad_norm":[0-9.e+-]*,' "$work/amp.jsonl" \
+      || { cat "$work/amp.jsonl"; fail "no loss_scale / grad_norm"; }
+    ;;
+  progress)
+    # The launcher says its stdout is a terminal: rank 0 redraws one progress line with '\r'
+    # (epoch, step/total, loss, samples/s, ETA) instead of printing periodic loss lines.
+    LOCKSTEP_STDOUT_IS_TTY=1 "$exe" --max-steps 120 --no-eval --log-every 50 > "$work/out" 2>&1 \
+      || { cat "$work/out"; fail "run failed"; }
+    grep -q $'\r' "$work/out" || fail "no carriage return: no bar was drawn"
+    tr '\r' '\n' < "$work/out" | grep -q "^epoch 0 \[=*>* *\] step 120/938 loss [0-9.]* [0-9]* samples/s ETA [0-9:]*" \
+      || { tr '\r' '\n' < "$work/out" | tail -3; fail "no final progress line"; }
+    ! grep -q "^epoch 0 step 50 loss" "$work/out" || fail "periodic loss lines printed beside the bar"
+    # Not a terminal: the periodic lines, no bar.
+    LOCKSTEP_STDOUT_IS_TTY=0 "$exe" --max-steps 120 --no-eval --log-every 50 > "$work/out" 2>&1
+    grep -q "^epoch 0 step 50 loss" "$work/out" || fail "no periodic loss line without a terminal"
+    ! grep -q $'\r' "$work/out" || fail "a bar was drawn without a terminal"
     ;;
   *) fail "unknown case $case_name" ;;
 esac
