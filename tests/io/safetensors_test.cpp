@@ -203,13 +203,19 @@ TEST_F(SafetensorsTest, EdgeCasesTheFormatAllows) {
 
 namespace {
 
-// The python3 that has torch (the `safetensors` package is not needed), if any.
+// The python3 that has torch (the `safetensors` package is not needed), if any; looked up once.
+// LOCKSTEP_TEST_PYTHON names the only interpreter to try.
 std::optional<std::string> python_with_torch() {
-  for (const char* py : {"/usr/bin/python3", "python3"}) {
-    const std::string cmd = std::string(py) + " -c 'import torch' >/dev/null 2>&1";
-    if (std::system(cmd.c_str()) == 0) return std::string(py);
-  }
-  return std::nullopt;
+  static const std::optional<std::string> found = []() -> std::optional<std::string> {
+    std::vector<std::string> candidates = {"/usr/bin/python3", "python3"};
+    if (const char* env = std::getenv("LOCKSTEP_TEST_PYTHON")) candidates = {env};
+    for (const std::string& py : candidates) {
+      const std::string cmd = "'" + py + "' -c 'import torch' >/dev/null 2>&1";
+      if (std::system(cmd.c_str()) == 0) return py;
+    }
+    return std::nullopt;
+  }();
+  return found;
 }
 
 // Runs tests/io/safetensors_torch.py; returns its exit status and output.
@@ -217,7 +223,8 @@ std::pair<int, std::string> run_torch_script(const std::string& python, const st
                                              const std::string& file) {
   const fs::path script = fs::path(__FILE__).parent_path() / "safetensors_torch.py";
   EXPECT_TRUE(fs::exists(script)) << script;
-  const std::string cmd = python + " '" + script.string() + "' " + verb + " '" + file + "' 2>&1";
+  const std::string cmd =
+      "'" + python + "' '" + script.string() + "' " + verb + " '" + file + "' 2>&1";
   FILE* p = ::popen(cmd.c_str(), "r");
   if (!p) return {-1, "popen failed"};
   std::string out;
