@@ -237,6 +237,15 @@ int run(const Config& cfg) {
                 world, ")");
     }
   }
+  if (main_rank && !cfg.save.empty() && cfg.save_every > 0) {
+    // Periodic checkpoints of later steps (another run's, or an older checkpoint resumed on
+    // purpose) would win over this run's in a later --resume auto.
+    for (const auto& [step, path] : io::list_checkpoints(cfg.save))
+      if (step > steps)
+        log_warning(path, " is of step ", step, ", later than this run's step ", steps,
+                    ": --resume auto would pick it over this run's checkpoints until this run "
+                    "passes that step; remove it if it belongs to another run");
+  }
   if (main_rank) {
     std::printf(
         "model=%s params=%lld threads=%d train=%lld test=%lld batch=%lld world_size=%d "
@@ -321,7 +330,9 @@ int run(const Config& cfg) {
         scaler.unscale_(opt);
         grad_norm = optim::clip_grad_norm(model->parameters(), cfg.clip_grad_norm);
       }
-      const double loss_scale = scaler.get_scale();  // the scale this step's loss was scaled by
+      // What this step ran with, before update() and the scheduler move on to the next.
+      const double loss_scale = scaler.get_scale();
+      const double step_lr = scheduler.last_lr();
       scaler.step(opt);
       scaler.update();
       scheduler.step();
@@ -341,7 +352,7 @@ int run(const Config& cfg) {
             .step = steps,
             .epoch = epoch,
             .loss = l,
-            .lr = scheduler.last_lr(),
+            .lr = step_lr,
             .samples_per_s = step_rate,
             .loss_scale = scaler.is_enabled() ? std::optional<double>(loss_scale) : std::nullopt,
             .grad_norm = grad_norm});
@@ -364,7 +375,7 @@ int run(const Config& cfg) {
       }
       if (main_rank && !progress.enabled() && cfg.log_every > 0 && steps % cfg.log_every == 0)
         std::printf("epoch %lld step %lld loss %.4f lr %.5g%s\n", static_cast<long long>(epoch),
-                    static_cast<long long>(steps), l, scheduler.last_lr(),
+                    static_cast<long long>(steps), l, step_lr,
                     scaler.is_enabled()
                         ? (" loss_scale " + std::to_string(scaler.get_scale())).c_str()
                         : "");
@@ -400,8 +411,11 @@ int run(const Config& cfg) {
   }
   if (ddp && cfg.ddp_stats && main_rank) std::printf("ddp: %s\n", ddp->stats().str().c_str());
   if (main_rank) {
+    if (samples == 0)
+      log_info("nothing left to train: step ", steps, " reached --max-steps / --epochs");
     std::printf("final test_accuracy=%.4f train_loss=%.4f steps=%lld samples_per_s=%.1f\n",
-                accuracy, last_loss, static_cast<long long>(steps), samples / train_seconds);
+                accuracy, last_loss, static_cast<long long>(steps),
+                train_seconds > 0 ? samples / train_seconds : 0.0);
   }
   dist::destroy_process_group();
   return 0;
@@ -533,7 +547,7 @@ int main(int argc, char** argv) {
   }
   try {
     return run(cfg);
-  } catch (const Error& e) {
+  } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     dist::record_error(e.what());  // for `lockstep run`'s failure summary
     return 1;

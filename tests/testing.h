@@ -4,7 +4,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cmath>
+#include <filesystem>
 #include <functional>
 #include <string>
 #include <vector>
@@ -12,6 +15,31 @@
 #include "lockstep/lockstep.h"
 
 namespace lockstep::testing {
+
+// A fresh directory per test, removed afterwards.
+class TempDir {
+ public:
+  TempDir() {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    std::string name = std::string(info->test_suite_name()) + "_" + info->name();
+    for (char& c : name)
+      if (c == '/') c = '_';
+    dir_ = std::filesystem::temp_directory_path() /
+           ("lockstep_test_" + std::to_string(::getpid()) + "_" + name);
+    std::filesystem::create_directories(dir_);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+  const std::filesystem::path& dir() const { return dir_; }
+
+ private:
+  std::filesystem::path dir_;
+};
 
 // Row-major multi-index for a flat position.
 inline Dims unravel(int64_t flat, const Dims& shape) {
@@ -31,7 +59,8 @@ inline std::vector<double> values(const Tensor& t) {
 }
 
 // Builds a tensor of `shape` whose element i is f(i), in dtype `dt`.
-inline Tensor make(const Dims& shape, const std::function<double(int64_t)>& f, DType dt = kFloat32) {
+inline Tensor make(const Dims& shape, const std::function<double(int64_t)>& f,
+                   DType dt = kFloat32) {
   Tensor t = empty(shape, dt);
   for (int64_t i = 0; i < t.numel(); ++i) t.set_at(unravel(i, shape), f(i));
   return t;

@@ -6,6 +6,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <functional>
 
 namespace lockstep::dist {
 
@@ -15,6 +16,21 @@ using json = nlohmann::json;
 
 Bytes to_bytes(const std::string& s) { return Bytes(s.begin(), s.end()); }
 std::string bytes_str(const Bytes& b) { return std::string(b.begin(), b.end()); }
+
+// Runs `body` and returns why it failed ("" when it did not). Any exception is caught: a rank
+// that left before the next collective would leave the others waiting in it.
+std::string failure_of(const std::function<void()>& body) {
+  try {
+    body();
+    return "";
+  } catch (const Error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return e.what()[0] ? e.what() : "unknown error";
+  } catch (...) {
+    return "unknown exception";
+  }
+}
 
 // Every rank learns every rank's error ("" where it succeeded); throws the first one.
 void agree(ProcessGroup& pg, const std::string& what, const std::string& error) {
@@ -27,34 +43,38 @@ void agree(ProcessGroup& pg, const std::string& what, const std::string& error) 
 // and the data as one byte buffer.
 io::SafetensorsContents broadcast_contents(ProcessGroup& pg, const std::string& path) {
   io::SafetensorsContents c;
-  std::string error;
   json desc;
+  std::string error;
   if (pg.rank() == 0) {
-    try {
+    error = failure_of([&] {
       c = io::load_safetensors(path);
       desc["metadata"] = c.metadata;
       json tensors = json::array();
       for (const auto& [name, t] : c.tensors)
         tensors.push_back({name, io::safetensors_dtype(t.dtype()), t.shape().vec()});
       desc["tensors"] = tensors;
-    } catch (const Error& e) {
-      error = e.what();
-    }
+    });
   }
-  const std::string header = bytes_str(
-      pg.broadcast_object(to_bytes(pg.rank() == 0 ? (error.empty() ? desc.dump() : "") : "")));
+  const std::string header =
+      bytes_str(pg.broadcast_object(to_bytes(pg.rank() == 0 && error.empty() ? desc.dump() : "")));
   agree(pg, "load_checkpoint", error);
-  if (pg.rank() != 0) {
-    desc = json::parse(header);
-    c.metadata = desc["metadata"].get<io::Metadata>();
-    for (const auto& t : desc["tensors"])
-      c.tensors.emplace_back(t[0].get<std::string>(),
-                             empty(Dims(t[2].get<std::vector<int64_t>>()),
-                                   io::parse_safetensors_dtype(t[1].get<std::string>())));
-  }
+  // Everything that can fail (parsing, allocating the copies) before the data moves, so that
+  // no rank is left in the broadcast when another gave up.
   int64_t total = 0;
-  for (const auto& [name, t] : c.tensors) total += t.nbytes();
-  Tensor buffer = empty({total}, kUInt8);
+  Tensor buffer;
+  error = failure_of([&] {
+    if (pg.rank() != 0) {
+      desc = json::parse(header);
+      c.metadata = desc["metadata"].get<io::Metadata>();
+      for (const auto& t : desc["tensors"])
+        c.tensors.emplace_back(t[0].get<std::string>(),
+                               empty(Dims(t[2].get<std::vector<int64_t>>()),
+                                     io::parse_safetensors_dtype(t[1].get<std::string>())));
+    }
+    for (const auto& [name, t] : c.tensors) total += t.nbytes();
+    buffer = empty({total}, kUInt8);
+  });
+  agree(pg, "load_checkpoint", error);
   auto* bytes = static_cast<uint8_t*>(buffer.data_ptr());
   if (pg.rank() == 0) {
     int64_t at = 0;
@@ -76,13 +96,12 @@ io::SafetensorsContents broadcast_contents(ProcessGroup& pg, const std::string& 
 
 // The SHA-256 the header of `path` records, "" when the file cannot be read as a checkpoint.
 std::string recorded_digest(const std::string& path) {
-  try {
+  std::string digest;
+  failure_of([&] {
     std::error_code ec;
-    if (!std::filesystem::is_regular_file(path, ec)) return "";
-    return io::checkpoint_digest(path);
-  } catch (const Error&) {
-    return "";
-  }
+    if (std::filesystem::is_regular_file(path, ec)) digest = io::checkpoint_digest(path);
+  });
+  return digest;
 }
 
 }  // namespace
@@ -91,12 +110,10 @@ void save_checkpoint(ProcessGroup& pg, const std::string& path, const io::Traini
                      int64_t keep) {
   std::string error;
   if (pg.rank() == 0) {
-    try {
+    error = failure_of([&] {
       io::save_checkpoint(path, ckpt);
       io::prune_checkpoints(path, keep);
-    } catch (const Error& e) {
-      error = e.what();
-    }
+    });
   }
   // The broadcast is the barrier: the others wait until rank 0 says the file is there.
   const Bytes status = pg.broadcast_object(to_bytes(error));
@@ -114,24 +131,16 @@ io::TrainingCheckpoint load_checkpoint(ProcessGroup& pg, const std::string& path
   }
   if (pg.size() == 1 || how == CheckpointLoad::every_rank) {
     io::TrainingCheckpoint ckpt;
-    std::string error;
-    try {
-      ckpt = io::load_checkpoint(path);
-    } catch (const Error& e) {
-      error = e.what();
-    }
+    const std::string error = failure_of([&] { ckpt = io::load_checkpoint(path); });
     if (pg.size() > 1) agree(pg, "load_checkpoint", error);
     LS_CHECK(error.empty(), error);
     return ckpt;
   }
   io::SafetensorsContents c = broadcast_contents(pg, path);
   io::TrainingCheckpoint ckpt;
-  std::string error;
-  try {
+  const std::string error = failure_of([&] {
     ckpt = io::checkpoint_from_contents(std::move(c), path);  // the SHA-256 checks the transfer
-  } catch (const Error& e) {
-    error = e.what();
-  }
+  });
   agree(pg, "load_checkpoint", error);
   return ckpt;
 }
@@ -139,15 +148,16 @@ io::TrainingCheckpoint load_checkpoint(ProcessGroup& pg, const std::string& path
 std::string resolve_resume(ProcessGroup& pg, const std::string& resume, const std::string& base) {
   std::string chosen, error;
   if (pg.rank() == 0) {
-    if (resume == "auto") {
-      chosen = io::latest_checkpoint(base);
-    } else {
-      std::error_code ec;
-      if (std::filesystem::is_regular_file(resume, ec))
+    error = failure_of([&] {
+      if (resume == "auto") {
+        chosen = io::latest_checkpoint(base);
+      } else {
+        std::error_code ec;
+        LS_CHECK(std::filesystem::is_regular_file(resume, ec), "--resume ", resume,
+                 ": no such checkpoint file");
         chosen = resume;
-      else
-        error = "--resume " + resume + ": no such checkpoint file";
-    }
+      }
+    });
   }
   const std::string answer =
       bytes_str(pg.broadcast_object(to_bytes(error.empty() ? "+" + chosen : "-" + error)));

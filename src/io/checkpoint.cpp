@@ -5,12 +5,14 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <charconv>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <set>
 
@@ -109,6 +111,43 @@ bool is_reserved_optim_key(const std::string& key) {
   return key == "step" || key.rfind("group.", 0) == 0;
 }
 
+// The metadata, canonical (sorted by key, NUL-separated), less the digest itself: hashed before
+// the data, so a corrupt step or epoch in the header is caught like corrupt weights.
+void hash_metadata(Sha256& sha, const Metadata& meta) {
+  for (const auto& [k, v] : meta) {
+    if (k == "sha256") continue;
+    sha.update(k.data(), k.size() + 1);  // with the terminating NUL
+    sha.update(v.data(), v.size() + 1);
+  }
+}
+
+// Calls fn(entry) for each entry of `dir`; unreadable directories and entries are skipped
+// (a range-for over directory_iterator would throw from operator++).
+void for_each_entry(const std::filesystem::path& dir,
+                    const std::function<void(const std::filesystem::directory_entry&)>& fn) {
+  std::error_code ec;
+  std::filesystem::directory_iterator it(dir, ec), end;
+  for (; !ec && it != end; it.increment(ec)) fn(*it);
+}
+
+// The step of a periodic checkpoint's file name "<stem>.step<digits>[.<ext>]" and the file name
+// of its series "<stem>[.<ext>]", or -1.
+int64_t periodic_step(const std::string& name, std::string* series_name) {
+  for (size_t at = name.rfind(kStepSuffix); at != std::string::npos && at > 0;
+       at = name.rfind(kStepSuffix, at - 1)) {
+    const size_t first = at + std::strlen(kStepSuffix);
+    size_t last = first;
+    while (last < name.size() && std::isdigit(static_cast<unsigned char>(name[last]))) ++last;
+    if (last == first || (last < name.size() && name[last] != '.')) continue;
+    int64_t step = -1;
+    const auto [end, ec] = std::from_chars(name.data() + first, name.data() + last, step);
+    if (ec != std::errc() || end != name.data() + last) continue;
+    if (series_name) *series_name = name.substr(0, at) + name.substr(last);
+    return step;
+  }
+  return -1;
+}
+
 std::filesystem::path parent_dir(const std::string& base) {
   std::filesystem::path dir = std::filesystem::path(base).parent_path();
   return dir.empty() ? std::filesystem::path(".") : dir;
@@ -153,6 +192,7 @@ SafetensorsContents checkpoint_contents(const TrainingCheckpoint& ckpt) {
 
   // The data section is these tensors' bytes, contiguous, in this order (save_safetensors).
   Sha256 sha;
+  hash_metadata(sha, meta);
   for (auto& [name, t] : tensors) {
     LS_CHECK(t.defined(), "save_checkpoint: tensor '", name, "' is undefined");
     t = t.to(kCPU).contiguous();
@@ -191,6 +231,7 @@ TrainingCheckpoint checkpoint_from_contents(SafetensorsContents c, const std::st
            ": checkpoint format version ", get(kFormatKey), ", this build reads version ",
            kFormatVersion);
   Sha256 sha;
+  hash_metadata(sha, meta);
   for (const auto& [name, t] : c.tensors) sha.update(t.data_ptr(), static_cast<size_t>(t.nbytes()));
   const std::string digest = sha.hex();
   LS_CHECK(digest == get("sha256"), "load_checkpoint: ", path,
@@ -259,21 +300,14 @@ std::string checkpoint_path_for_step(const std::string& base, int64_t step) {
 
 std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string& base) {
   const std::filesystem::path p(base);
-  const std::string prefix = p.stem().string() + kStepSuffix;
-  const std::string ext = p.extension().string();
+  const std::string base_name = p.filename().string();
   std::vector<std::pair<int64_t, std::string>> out;
-  std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator(parent_dir(base), ec)) {
-    const std::string name = entry.path().filename().string();
-    if (name.size() <= prefix.size() + ext.size() || name.rfind(prefix, 0) != 0 ||
-        name.compare(name.size() - ext.size(), ext.size(), ext) != 0)
-      continue;
-    const std::string digits = name.substr(prefix.size(), name.size() - prefix.size() - ext.size());
-    int64_t step = -1;
-    const auto [end, perr] = std::from_chars(digits.data(), digits.data() + digits.size(), step);
-    if (perr != std::errc() || end != digits.data() + digits.size() || step < 0) continue;
-    out.emplace_back(step, (p.parent_path() / name).string());
-  }
+  for_each_entry(parent_dir(base), [&](const std::filesystem::directory_entry& e) {
+    const std::string name = e.path().filename().string();
+    std::string series;
+    const int64_t step = periodic_step(name, &series);
+    if (step >= 0 && series == base_name) out.emplace_back(step, (p.parent_path() / name).string());
+  });
   std::sort(out.begin(), out.end());
   return out;
 }
@@ -334,39 +368,48 @@ std::string latest_checkpoint(const std::string& base) {
 
 std::string checkpoint_series(const std::string& path) {
   const std::filesystem::path p(path);
-  const std::string stem = p.stem().string();
-  const size_t at = stem.rfind(kStepSuffix);
-  if (at == std::string::npos) return path;
-  const std::string digits = stem.substr(at + std::strlen(kStepSuffix));
-  if (digits.empty() || !std::all_of(digits.begin(), digits.end(), ::isdigit)) return path;
-  return (p.parent_path() / (stem.substr(0, at) + p.extension().string())).string();
+  std::string series;
+  if (periodic_step(p.filename().string(), &series) < 0) return path;
+  return (p.parent_path() / series).string();
 }
 
 std::vector<std::string> prune_checkpoints(const std::string& path, int64_t keep) {
   LS_CHECK(keep >= 0, "prune_checkpoints: keep must be >= 0, got ", keep);
   const std::string base = checkpoint_series(path);
+  const std::string base_name = std::filesystem::path(base).filename().string();
+  // Files of later steps than `path` are not this run's past (another run's, or the future a
+  // resumed run is about to rewrite): they are left alone.
+  const int64_t upto = periodic_step(std::filesystem::path(path).filename().string(), nullptr);
   std::vector<std::string> removed;
   std::error_code ec;
   if (keep > 0) {
     auto all = list_checkpoints(base);
+    if (upto >= 0)
+      all.erase(
+          std::remove_if(all.begin(), all.end(), [&](const auto& c) { return c.first > upto; }),
+          all.end());
     for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) {
       if (std::filesystem::remove(all[i].second, ec)) removed.push_back(all[i].second);
     }
   }
-  // Temporary files "<file>.tmp.<pid>[.<n>]" of writers killed mid-write (save_safetensors).
-  const std::string stem = std::filesystem::path(base).stem().string();
-  for (const auto& entry : std::filesystem::directory_iterator(parent_dir(base), ec)) {
-    const std::string name = entry.path().filename().string();
+  // Temporary files "<file>.tmp.<pid>[.<n>]" of this series' writers killed mid-write
+  // (save_safetensors); a writer is alive while its pid is (on this machine).
+  for_each_entry(parent_dir(base), [&](const std::filesystem::directory_entry& e) {
+    const std::string name = e.path().filename().string();
     const size_t tmp = name.rfind(".tmp.");
-    if (tmp == std::string::npos || name.rfind(stem, 0) != 0) continue;
+    if (tmp == std::string::npos) return;
+    std::string series = name.substr(0, tmp);
+    if (series != base_name) {
+      if (periodic_step(series, &series) < 0 || series != base_name) return;
+    }
     int pid = 0;
     const std::string rest = name.substr(tmp + 5);
     const std::string digits = rest.substr(0, rest.find('.'));
     const auto [end, perr] = std::from_chars(digits.data(), digits.data() + digits.size(), pid);
-    if (perr != std::errc() || end != digits.data() + digits.size() || pid <= 0) continue;
-    if (::kill(pid, 0) == 0 || errno != ESRCH) continue;  // its writer still runs
-    if (std::filesystem::remove(entry.path(), ec)) removed.push_back(entry.path().string());
-  }
+    if (perr != std::errc() || end != digits.data() + digits.size() || pid <= 0) return;
+    if (::kill(pid, 0) == 0 || errno != ESRCH) return;  // its writer still runs
+    if (std::filesystem::remove(e.path(), ec)) removed.push_back(e.path().string());
+  });
   return removed;
 }
 

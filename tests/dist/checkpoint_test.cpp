@@ -14,19 +14,10 @@
 
 using namespace lockstep;
 using namespace lockstep::dist;
+using lockstep::testing::TempDir;
 namespace fs = std::filesystem;
 
 namespace {
-
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    char tmpl[] = "/tmp/lockstep_dckpt_XXXXXX";
-    path = ::mkdtemp(tmpl);
-  }
-  ~TempDir() { fs::remove_all(path); }
-  std::string operator/(const std::string& name) const { return (path / name).string(); }
-};
 
 // Rank r's checkpoint: different values per rank, so a test sees whose file it read.
 io::TrainingCheckpoint checkpoint_of(int rank, int64_t step = 10) {
@@ -62,7 +53,7 @@ void expect_no_errors(const std::vector<std::string>& errors) {
 
 TEST(DistCheckpoint, RankZeroWritesAndEveryRankReturnsWithTheFileComplete) {
   TempDir dir;
-  const std::string path = dir / "ck.safetensors";
+  const std::string path = dir.path("ck.safetensors");
   expect_no_errors(lockstep::testing::run_ranks(3, [&](int r, ProcessGroupPtr pg) {
     save_checkpoint(*pg, path, checkpoint_of(r));
     // Every rank, rank 2 included, finds rank 0's complete file the moment save returns.
@@ -74,8 +65,8 @@ TEST(DistCheckpoint, RankZeroWritesAndEveryRankReturnsWithTheFileComplete) {
 
 TEST(DistCheckpoint, AFailedWriteIsAnErrorOnEveryRank) {
   TempDir dir;
-  std::ofstream(dir / "file") << "x";
-  const std::string path = dir / "file/ck.safetensors";  // its directory is a file
+  std::ofstream(dir.path("file")) << "x";
+  const std::string path = dir.path("file/ck.safetensors");  // its directory is a file
   const auto errors = lockstep::testing::run_ranks(
       2, [&](int r, ProcessGroupPtr pg) { save_checkpoint(*pg, path, checkpoint_of(r)); });
   for (int r = 0; r < 2; ++r) {
@@ -86,7 +77,7 @@ TEST(DistCheckpoint, AFailedWriteIsAnErrorOnEveryRank) {
 
 TEST(DistCheckpoint, EveryRankAndBroadcastLoadTheSameCheckpoint) {
   TempDir dir;
-  const std::string path = dir / "ck.safetensors";
+  const std::string path = dir.path("ck.safetensors");
   io::save_checkpoint(path, checkpoint_of(0));
   const io::TrainingCheckpoint want = io::load_checkpoint(path);
   for (CheckpointLoad how :
@@ -107,17 +98,18 @@ TEST(DistCheckpoint, EveryRankAndBroadcastLoadTheSameCheckpoint) {
 // broadcast rather than fail, and every rank ends up with rank 0's checkpoint.
 TEST(DistCheckpoint, AutomaticBroadcastsWhenARankLacksTheFile) {
   TempDir dir;
-  const std::string path = dir / "ck.safetensors";
+  const std::string path = dir.path("ck.safetensors");
   io::save_checkpoint(path, checkpoint_of(0));
   const io::TrainingCheckpoint want = io::load_checkpoint(path);
   expect_no_errors(lockstep::testing::run_ranks(2, [&](int r, ProcessGroupPtr pg) {
-    const std::string mine = r == 0 ? path : dir / "not-on-this-node.safetensors";
+    const std::string mine = r == 0 ? path : dir.path("not-on-this-node.safetensors");
     const io::TrainingCheckpoint got = load_checkpoint(*pg, mine);
     EXPECT_TRUE(same(got.model, want.model)) << "rank " << r;
   }));
   // Without the fallback, every_rank fails on rank 1 and so on every rank.
   const auto errors = lockstep::testing::run_ranks(2, [&](int r, ProcessGroupPtr pg) {
-    load_checkpoint(*pg, r == 0 ? path : dir / "absent.safetensors", CheckpointLoad::every_rank);
+    load_checkpoint(*pg, r == 0 ? path : dir.path("absent.safetensors"),
+                    CheckpointLoad::every_rank);
   });
   for (int r = 0; r < 2; ++r)
     EXPECT_NE(errors[r].find("load_checkpoint failed on rank 1"), std::string::npos) << errors[r];
@@ -125,7 +117,7 @@ TEST(DistCheckpoint, AutomaticBroadcastsWhenARankLacksTheFile) {
 
 TEST(DistCheckpoint, CorruptFileFailsEveryRankWhicheverWayItLoads) {
   TempDir dir;
-  const std::string path = dir / "ck.safetensors";
+  const std::string path = dir.path("ck.safetensors");
   io::save_checkpoint(path, checkpoint_of(0));
   {
     std::fstream f(path, std::ios::binary | std::ios::in | std::ios::out);
@@ -142,7 +134,7 @@ TEST(DistCheckpoint, CorruptFileFailsEveryRankWhicheverWayItLoads) {
 
 TEST(DistCheckpoint, ResolveResume) {
   TempDir dir;
-  const std::string base = dir / "ck.safetensors";
+  const std::string base = dir.path("ck.safetensors");
   expect_no_errors(lockstep::testing::run_ranks(
       2, [&](int, ProcessGroupPtr pg) { EXPECT_EQ(resolve_resume(*pg, "auto", base), ""); }));
   io::save_checkpoint(io::checkpoint_path_for_step(base, 20), checkpoint_of(0, 20));
@@ -151,7 +143,7 @@ TEST(DistCheckpoint, ResolveResume) {
     EXPECT_EQ(resolve_resume(*pg, "auto", base), io::checkpoint_path_for_step(base, 40));
   }));
   const auto errors = lockstep::testing::run_ranks(
-      2, [&](int, ProcessGroupPtr pg) { resolve_resume(*pg, dir / "nope.safetensors", base); });
+      2, [&](int, ProcessGroupPtr pg) { resolve_resume(*pg, dir.path("nope.safetensors"), base); });
   for (int r = 0; r < 2; ++r)
     EXPECT_NE(errors[r].find("no such checkpoint file"), std::string::npos) << errors[r];
 }

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <random>
 #include <thread>
 
@@ -22,19 +23,10 @@
 
 using namespace lockstep;
 using lockstep::testing::expect_error;
+using lockstep::testing::TempDir;
 namespace fs = std::filesystem;
 
 namespace {
-
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    char tmpl[] = "/tmp/lockstep_ckpt_XXXXXX";
-    path = ::mkdtemp(tmpl);
-  }
-  ~TempDir() { fs::remove_all(path); }
-  std::string operator/(const std::string& name) const { return (path / name).string(); }
-};
 
 bool same_bits(const Tensor& a, const Tensor& b) {
   return a.dtype() == b.dtype() && a.shape() == b.shape() &&
@@ -115,7 +107,7 @@ TEST(Checkpoint, EveryFieldRoundTripsBitForBit) {
   TempDir dir;
   Trained t;
   const io::TrainingCheckpoint c = t.checkpoint();
-  const std::string path = dir / "sub/dir/ck.safetensors";  // directories are created
+  const std::string path = dir.path("sub/dir/ck.safetensors");  // directories are created
   io::save_checkpoint(path, c);
   const io::TrainingCheckpoint back = io::load_checkpoint(path);
   expect_same(back.model, c.model);
@@ -140,8 +132,8 @@ TEST(Checkpoint, EveryFieldRoundTripsBitForBit) {
 TEST(Checkpoint, FileLayoutNamesTensorsForPython) {
   TempDir dir;
   Trained t;
-  io::save_checkpoint(dir / "ck.safetensors", t.checkpoint());
-  const io::SafetensorsContents raw = io::load_safetensors(dir / "ck.safetensors");
+  io::save_checkpoint(dir.path("ck.safetensors"), t.checkpoint());
+  const io::SafetensorsContents raw = io::load_safetensors(dir.path("ck.safetensors"));
   std::set<std::string> names;
   for (const auto& [n, x] : raw.tensors) names.insert(n);
   EXPECT_TRUE(names.count("model.0.weight"));
@@ -153,23 +145,24 @@ TEST(Checkpoint, FileLayoutNamesTensorsForPython) {
   EXPECT_EQ(raw.metadata.at("rng.init"), "42 99");
   EXPECT_EQ(raw.metadata.at("user.note"), "a b=c");
   EXPECT_EQ(raw.metadata.at("sha256").size(), 64u);
-  EXPECT_EQ(io::checkpoint_step(dir / "ck.safetensors"), 1234567890123);
-  EXPECT_EQ(io::checkpoint_digest(dir / "ck.safetensors"), raw.metadata.at("sha256"));
+  EXPECT_EQ(io::checkpoint_step(dir.path("ck.safetensors")), 1234567890123);
+  EXPECT_EQ(io::checkpoint_digest(dir.path("ck.safetensors")), raw.metadata.at("sha256"));
 
   // Without names the optimizer's indices stay.
   io::TrainingCheckpoint c = t.checkpoint();
   c.optimizer_param_names.clear();
-  io::save_checkpoint(dir / "idx.safetensors", c);
+  io::save_checkpoint(dir.path("idx.safetensors"), c);
   names.clear();
-  for (const auto& [n, x] : io::load_safetensors(dir / "idx.safetensors").tensors) names.insert(n);
+  for (const auto& [n, x] : io::load_safetensors(dir.path("idx.safetensors")).tensors)
+    names.insert(n);
   EXPECT_TRUE(names.count("optim.0.momentum_buffer"));
-  expect_same(io::load_checkpoint(dir / "idx.safetensors").optimizer, c.optimizer);
+  expect_same(io::load_checkpoint(dir.path("idx.safetensors")).optimizer, c.optimizer);
 }
 
 TEST(Checkpoint, CorruptDataIsAnErrorNamingTheFile) {
   TempDir dir;
   Trained t;
-  const std::string path = dir / "ck.safetensors";
+  const std::string path = dir.path("ck.safetensors");
   io::save_checkpoint(path, t.checkpoint());
   // One flipped bit in the last byte of the data: every safetensors check still passes.
   flip_byte(path, fs::file_size(path) - 1);
@@ -183,13 +176,13 @@ TEST(Checkpoint, CorruptDataIsAnErrorNamingTheFile) {
 TEST(Checkpoint, WeightsOnlyFileIsNotACheckpoint) {
   TempDir dir;
   Trained t;
-  io::save_safetensors(dir / "w.safetensors", t.model->state_dict());
-  expect_error([&] { io::load_checkpoint(dir / "w.safetensors"); },
-               {dir / "w.safetensors", "not a lockstep training checkpoint"});
-  EXPECT_EQ(io::checkpoint_step(dir / "w.safetensors"), -1);
-  EXPECT_EQ(io::checkpoint_step(dir / "missing.safetensors"), -1);
-  expect_error([&] { io::load_checkpoint(dir / "missing.safetensors"); },
-               {dir / "missing.safetensors"});
+  io::save_safetensors(dir.path("w.safetensors"), t.model->state_dict());
+  expect_error([&] { io::load_checkpoint(dir.path("w.safetensors")); },
+               {dir.path("w.safetensors"), "not a lockstep training checkpoint"});
+  EXPECT_EQ(io::checkpoint_step(dir.path("w.safetensors")), -1);
+  EXPECT_EQ(io::checkpoint_step(dir.path("missing.safetensors")), -1);
+  expect_error([&] { io::load_checkpoint(dir.path("missing.safetensors")); },
+               {dir.path("missing.safetensors")});
 }
 
 TEST(Checkpoint, ReservedParameterNamesAreRefused) {
@@ -197,56 +190,56 @@ TEST(Checkpoint, ReservedParameterNamesAreRefused) {
   Trained t;
   io::TrainingCheckpoint c = t.checkpoint();
   c.optimizer_param_names[0] = "step";
-  expect_error([&] { io::save_checkpoint(dir / "ck.safetensors", c); }, {"'step'", "reserved"});
+  expect_error([&] { io::save_checkpoint(dir.path("ck.safetensors"), c); }, {"'step'", "reserved"});
   c.optimizer_param_names.resize(1);
   c.optimizer_param_names[0] = "w";
-  expect_error([&] { io::save_checkpoint(dir / "ck.safetensors", c); },
+  expect_error([&] { io::save_checkpoint(dir.path("ck.safetensors"), c); },
                {"optimizer_param_names has 1 names"});
 }
 
 TEST(Checkpoint, PeriodicFilesLatestAndPruning) {
   TempDir dir;
   Trained t;
-  const std::string base = dir / "ck.safetensors";
-  EXPECT_EQ(io::checkpoint_path_for_step(base, 40), dir / "ck.step00000040.safetensors");
+  const std::string base = dir.path("ck.safetensors");
+  EXPECT_EQ(io::checkpoint_path_for_step(base, 40), dir.path("ck.step00000040.safetensors"));
   EXPECT_EQ(io::latest_checkpoint(base), "");
   io::TrainingCheckpoint c = t.checkpoint();
   for (int64_t step : {30, 10, 20}) {
     c.step = step;
     io::save_checkpoint(io::checkpoint_path_for_step(base, step), c);
   }
-  std::ofstream(dir / "ck.stepXX.safetensors") << "not ours";
-  std::ofstream(dir / "other.step00000050.safetensors") << "another run";
+  std::ofstream(dir.path("ck.stepXX.safetensors")) << "not ours";
+  std::ofstream(dir.path("other.step00000050.safetensors")) << "another run";
   auto all = io::list_checkpoints(base);
   ASSERT_EQ(all.size(), 3u);
   EXPECT_EQ(all[0].first, 10);
-  EXPECT_EQ(all[2].second, dir / "ck.step00000030.safetensors");
-  EXPECT_EQ(io::latest_checkpoint(base), dir / "ck.step00000030.safetensors");
+  EXPECT_EQ(all[2].second, dir.path("ck.step00000030.safetensors"));
+  EXPECT_EQ(io::latest_checkpoint(base), dir.path("ck.step00000030.safetensors"));
   // The end-of-run file wins when its header says a later step, and loses when older.
   c.step = 35;
   io::save_checkpoint(base, c);
   EXPECT_EQ(io::latest_checkpoint(base), base);
   c.step = 5;
   io::save_checkpoint(base, c);
-  EXPECT_EQ(io::latest_checkpoint(base), dir / "ck.step00000030.safetensors");
+  EXPECT_EQ(io::latest_checkpoint(base), dir.path("ck.step00000030.safetensors"));
 
   // Temporary files: a dead writer's is removed, a running one's (ours) stays.
   pid_t child = ::fork();
   if (child == 0) ::_exit(0);
   ::waitpid(child, nullptr, 0);
   const std::string dead =
-      dir / ("ck.step00000040.safetensors.tmp." + std::to_string(child) + ".0");
-  const std::string live = dir / ("ck.safetensors.tmp." + std::to_string(::getpid()) + ".3");
+      dir.path("ck.step00000040.safetensors.tmp." + std::to_string(child) + ".0");
+  const std::string live = dir.path("ck.safetensors.tmp." + std::to_string(::getpid()) + ".3");
   std::ofstream(dead) << "half";
   std::ofstream(live) << "half";
   const auto removed = io::prune_checkpoints(base, 2);
   EXPECT_EQ(removed.size(), 2u);
-  EXPECT_FALSE(fs::exists(dir / "ck.step00000010.safetensors"));
-  EXPECT_TRUE(fs::exists(dir / "ck.step00000020.safetensors"));
-  EXPECT_TRUE(fs::exists(dir / "ck.step00000030.safetensors"));
+  EXPECT_FALSE(fs::exists(dir.path("ck.step00000010.safetensors")));
+  EXPECT_TRUE(fs::exists(dir.path("ck.step00000020.safetensors")));
+  EXPECT_TRUE(fs::exists(dir.path("ck.step00000030.safetensors")));
   EXPECT_FALSE(fs::exists(dead));
   EXPECT_TRUE(fs::exists(live));
-  EXPECT_TRUE(fs::exists(dir / "other.step00000050.safetensors"));
+  EXPECT_TRUE(fs::exists(dir.path("other.step00000050.safetensors")));
   EXPECT_TRUE(fs::exists(base));
   EXPECT_TRUE(io::prune_checkpoints(base, 0).empty());  // keep 0: keep all
 }
@@ -258,7 +251,7 @@ TEST(Checkpoint, PeriodicFilesLatestAndPruning) {
 // it loads, its SHA-256 matches, and its values agree with its step.
 TEST(Checkpoint, SigkillAtRandomMomentsNeverLeavesAHalfWrittenFile) {
   TempDir dir;
-  const std::string path = dir / "ck.safetensors";
+  const std::string path = dir.path("ck.safetensors");
   constexpr int64_t kValues = 1 << 20;  // 4 MiB of f32
   Tensor data = zeros({kValues});
   std::mt19937 rng(7);
@@ -284,7 +277,7 @@ TEST(Checkpoint, SigkillAtRandomMomentsNeverLeavesAHalfWrittenFile) {
     int status = 0;
     ::waitpid(pid, &status, 0);
     ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
-    for (const auto& e : fs::directory_iterator(dir.path))
+    for (const auto& e : fs::directory_iterator(dir.dir()))
       if (e.path().string().find(".tmp.") != std::string::npos) ++with_temp;
     if (!fs::exists(path)) {
       ASSERT_EQ(last_step, -1) << "a checkpoint existed and then vanished";
@@ -308,14 +301,61 @@ TEST(Checkpoint, SigkillAtRandomMomentsNeverLeavesAHalfWrittenFile) {
 
 TEST(Checkpoint, PruningFromAPeriodicPathPrunesItsSeries) {
   TempDir dir;
-  const std::string base = dir / "ck.safetensors";
+  const std::string base = dir.path("ck.safetensors");
   EXPECT_EQ(io::checkpoint_series(io::checkpoint_path_for_step(base, 7)), base);
   EXPECT_EQ(io::checkpoint_series(base), base);
-  EXPECT_EQ(io::checkpoint_series(dir / "a.stepx.safetensors"), dir / "a.stepx.safetensors");
+  EXPECT_EQ(io::checkpoint_series(dir.path("a.stepx.safetensors")),
+            dir.path("a.stepx.safetensors"));
   io::TrainingCheckpoint c;
   c.model = {{"w", zeros({2})}};
   for (int64_t step : {1, 2, 3}) io::save_checkpoint(io::checkpoint_path_for_step(base, step), c);
   EXPECT_EQ(io::prune_checkpoints(io::checkpoint_path_for_step(base, 3), 1).size(), 2u);
   ASSERT_EQ(io::list_checkpoints(base).size(), 1u);
   EXPECT_EQ(io::list_checkpoints(base)[0].first, 3);
+}
+
+TEST(Checkpoint, SeriesWithoutExtensionPruneUpToTheStepAndOnlyOwnTemporaries) {
+  TempDir dir;
+  const std::string base = dir.path("ckpt");  // no extension
+  EXPECT_EQ(io::checkpoint_path_for_step(base, 4), dir.path("ckpt.step00000004"));
+  EXPECT_EQ(io::checkpoint_series(dir.path("ckpt.step00000004")), base);
+  io::TrainingCheckpoint c;
+  c.model = {{"w", zeros({2})}};
+  for (int64_t step : {1, 2, 3, 9})
+    io::save_checkpoint(io::checkpoint_path_for_step(base, step), c);
+  ASSERT_EQ(io::list_checkpoints(base).size(), 4u);
+  // Pruning after writing step 3 keeps 2 of steps <= 3 and leaves step 9 (not this run's past).
+  const auto removed = io::prune_checkpoints(io::checkpoint_path_for_step(base, 3), 2);
+  ASSERT_EQ(removed.size(), 1u);
+  EXPECT_EQ(removed[0], dir.path("ckpt.step00000001"));
+  EXPECT_TRUE(fs::exists(dir.path("ckpt.step00000009")));
+  // A dead writer's temporary file of another series stays.
+  pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  ::waitpid(child, nullptr, 0);
+  const std::string other = dir.path("ckpt_best.tmp." + std::to_string(child) + ".0");
+  const std::string mine = dir.path("ckpt.step00000004.tmp." + std::to_string(child) + ".0");
+  std::ofstream(other) << "x";
+  std::ofstream(mine) << "x";
+  io::prune_checkpoints(base, 0);
+  EXPECT_TRUE(fs::exists(other));
+  EXPECT_FALSE(fs::exists(mine));
+}
+
+TEST(Checkpoint, CorruptMetadataIsCaughtByTheDigest) {
+  TempDir dir;
+  Trained t;
+  const std::string path = dir.path("ck.safetensors");
+  io::save_checkpoint(path, t.checkpoint());
+  // "step":"1234567890123" -> "...124": still valid JSON and a valid number.
+  std::string bytes;
+  {
+    std::ifstream in(path, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  const size_t at = bytes.find("1234567890123");
+  ASSERT_NE(at, std::string::npos);
+  bytes[at + 12] = '4';
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+  expect_error([&] { io::load_checkpoint(path); }, {path, "corrupt"});
 }

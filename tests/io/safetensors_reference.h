@@ -16,6 +16,8 @@
 #include <utility>
 #include <vector>
 
+#include "testing.h"
+
 namespace lockstep::testing::st {
 
 // A tensor as the format stores it: dtype string, shape, raw little-endian bytes.
@@ -108,29 +110,7 @@ inline void write_file(const std::string& p, const std::string& bytes) {
   ASSERT_TRUE(out.good()) << "writing " << p;
 }
 
-// A fresh directory per test, removed afterwards.
-class TempDir {
- public:
-  TempDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    std::string name = std::string(info->test_suite_name()) + "_" + info->name();
-    for (char& c : name)
-      if (c == '/') c = '_';
-    dir_ = std::filesystem::temp_directory_path() /
-           ("lockstep_st_" + std::to_string(::getpid()) + "_" + name);
-    std::filesystem::create_directories(dir_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(dir_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
-  const std::filesystem::path& dir() const { return dir_; }
-
- private:
-  std::filesystem::path dir_;
-};
+// A fresh directory per test (tests/testing.h).
+using ::lockstep::testing::TempDir;
 
 }  // namespace lockstep::testing::st
