@@ -99,11 +99,12 @@ inline std::vector<std::string> launcher_env(const std::vector<std::string>& ext
 }
 
 // Starts `lockstep ARGS...` in its own process group, stdin from /dev/null, stdout and stderr to
-// <dir>/<name>.out and .err, with the default disposition of the stop signals (a shell may start
-// us with SIGINT ignored, which the launcher would inherit).
+// <dir>/<name>.out and .err (stdout to `stdout_fd` instead when given, e.g. a pseudo-terminal),
+// with the default disposition of the stop signals (a shell may start us with SIGINT ignored,
+// which the launcher would inherit).
 inline Launch start_launcher(const std::vector<std::string>& args, const fs::path& dir,
                              const std::string& name,
-                             const std::vector<std::string>& extra_env = {}) {
+                             const std::vector<std::string>& extra_env = {}, int stdout_fd = -1) {
   Launch l;
   l.out = dir / (name + ".out");
   l.err = dir / (name + ".err");
@@ -120,7 +121,10 @@ inline Launch start_launcher(const std::vector<std::string>& args, const fs::pat
   posix_spawn_file_actions_t fa;
   posix_spawn_file_actions_init(&fa);
   posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
-  posix_spawn_file_actions_addopen(&fa, 1, l.out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (stdout_fd >= 0)
+    posix_spawn_file_actions_adddup2(&fa, stdout_fd, 1);
+  else
+    posix_spawn_file_actions_addopen(&fa, 1, l.out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   posix_spawn_file_actions_addopen(&fa, 2, l.err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   posix_spawnattr_t attr;
   posix_spawnattr_init(&attr);
