@@ -314,42 +314,28 @@ std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string&
 
 namespace {
 
-// The __metadata__ of a lockstep checkpoint, reading only the header (a large checkpoint is not
-// read to learn its step); false if `path` is not a readable lockstep checkpoint.
-bool header_metadata(const std::string& path, json* meta) {
-  std::ifstream in(path, std::ios::binary);
-  unsigned char len_le[8];
-  if (!in.read(reinterpret_cast<char*>(len_le), 8)) return false;
-  uint64_t hlen = 0;
-  for (int i = 0; i < 8; ++i) hlen |= static_cast<uint64_t>(len_le[i]) << (8 * i);
-  if (hlen > (uint64_t{100} << 20)) return false;
-  std::string h(hlen, '\0');
-  if (!in.read(h.data(), static_cast<std::streamsize>(hlen))) return false;
-  json header = json::parse(h, nullptr, /*allow_exceptions=*/false);
-  if (!header.is_object() || !header.contains("__metadata__")) return false;
-  *meta = std::move(header["__metadata__"]);
-  return meta->is_object() && meta->contains(kFormatKey);
-}
-
-std::string header_string(const json& meta, const char* key) {
-  return meta.contains(key) && meta[key].is_string() ? meta[key].get<std::string>() : "";
+// The metadata `key` of a lockstep checkpoint, reading only the header (a large checkpoint is
+// not read to learn its step); "" if `path` is not a readable lockstep checkpoint.
+std::string header_value(const std::string& path, const char* key) {
+  try {
+    const Metadata meta = load_safetensors_metadata(path);
+    auto it = meta.find(key);
+    return meta.count(kFormatKey) && it != meta.end() ? it->second : "";
+  } catch (const Error&) {
+    return "";
+  }
 }
 
 }  // namespace
 
 int64_t checkpoint_step(const std::string& path) {
-  json meta;
-  if (!header_metadata(path, &meta)) return -1;
-  const std::string s = header_string(meta, "step");
+  const std::string s = header_value(path, "step");
   int64_t step = -1;
   const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), step);
   return !s.empty() && ec == std::errc() && end == s.data() + s.size() ? step : -1;
 }
 
-std::string checkpoint_digest(const std::string& path) {
-  json meta;
-  return header_metadata(path, &meta) ? header_string(meta, "sha256") : "";
-}
+std::string checkpoint_digest(const std::string& path) { return header_value(path, "sha256"); }
 
 std::string latest_checkpoint(const std::string& base) {
   std::string best;

@@ -30,6 +30,14 @@ double unix_seconds() {
   return duration<double>(system_clock::now().time_since_epoch()).count();
 }
 
+// The record's line, with the keys every record ends with: "time" and "elapsed" since `start`.
+std::string stamped(json& record, std::chrono::steady_clock::time_point start) {
+  record["time"] = unix_seconds();
+  record["elapsed"] =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return record.dump();
+}
+
 }  // namespace
 
 MetricsWriter::MetricsWriter(const std::string& path, bool append)
@@ -66,9 +74,7 @@ void MetricsWriter::write(const TrainRecord& r) {
   j["samples_per_s"] = number(r.samples_per_s);
   if (r.loss_scale) j["loss_scale"] = number(*r.loss_scale);
   if (r.grad_norm) j["grad_norm"] = number(*r.grad_norm);
-  j["time"] = unix_seconds();
-  j["elapsed"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-  write_line(j.dump());
+  write_line(stamped(j, start_));
 }
 
 void MetricsWriter::write(const EvalRecord& r) {
@@ -78,9 +84,7 @@ void MetricsWriter::write(const EvalRecord& r) {
   j["epoch"] = r.epoch;
   j["test_accuracy"] = number(r.test_accuracy);
   if (r.test_loss) j["test_loss"] = number(*r.test_loss);
-  j["time"] = unix_seconds();
-  j["elapsed"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-  write_line(j.dump());
+  write_line(stamped(j, start_));
 }
 
 void MetricsWriter::write_line(const std::string& line) {

@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <filesystem>
 #include <limits>
 #include <memory>
@@ -445,6 +446,26 @@ void save_safetensors(const std::string& path, const NamedTensors& tensors,
     LS_THROW("save_safetensors: renaming ", tmp, " to ", path, " failed: ", std::strerror(err));
   }
   fsync_directory(path);
+}
+
+Metadata load_safetensors_metadata(const std::string& path) {
+  const std::string where = "load_safetensors_metadata: " + path + ": ";
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  LS_CHECK(in.good(), where, "cannot open: ", std::strerror(errno));
+  const uint64_t size = static_cast<uint64_t>(in.tellg());
+  LS_CHECK(size >= kLengthBytes, where, "the file is ", size,
+           " bytes, too short for the 8-byte header length");
+  in.seekg(0);
+  unsigned char len_le[kLengthBytes];
+  in.read(reinterpret_cast<char*>(len_le), kLengthBytes);
+  uint64_t hlen = 0;
+  for (size_t i = 0; i < kLengthBytes; ++i) hlen |= static_cast<uint64_t>(len_le[i]) << (8 * i);
+  LS_CHECK(hlen <= size - kLengthBytes && hlen <= kMaxHeaderBytes, where, "header length ", hlen,
+           " is impossible for a file of ", size, " bytes");
+  std::string text(hlen, '\0');
+  LS_CHECK(in.read(text.data(), static_cast<std::streamsize>(hlen)), where,
+           "cannot read the header: ", std::strerror(errno));
+  return parse_header(text.data(), text.data() + hlen, where).metadata;
 }
 
 SafetensorsContents load_safetensors(const std::string& path, const SafetensorsLoadOptions& opts) {

@@ -148,6 +148,12 @@ TEST(Checkpoint, FileLayoutNamesTensorsForPython) {
   EXPECT_EQ(raw.metadata.at("sha256").size(), 64u);
   EXPECT_EQ(io::checkpoint_step(dir.path("ck.safetensors")), 1234567890123);
   EXPECT_EQ(io::checkpoint_digest(dir.path("ck.safetensors")), raw.metadata.at("sha256"));
+  // The header alone gives the same metadata; a header cut short is an error naming the file.
+  EXPECT_EQ(io::load_safetensors_metadata(dir.path("ck.safetensors")), raw.metadata);
+  fs::resize_file(dir.path("ck.safetensors"), 100);
+  expect_error([&] { io::load_safetensors_metadata(dir.path("ck.safetensors")); },
+               {dir.path("ck.safetensors"), "header length"});
+  EXPECT_EQ(io::checkpoint_step(dir.path("ck.safetensors")), -1);
 
   // Without names the optimizer's indices stay.
   io::TrainingCheckpoint c = t.checkpoint();

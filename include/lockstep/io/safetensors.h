@@ -41,6 +41,10 @@ void save_safetensors(const std::string& path, const NamedTensors& tensors,
 SafetensorsContents load_safetensors(const std::string& path,
                                      const SafetensorsLoadOptions& opts = {});
 
+// Only the header's __metadata__, validated as load_safetensors validates the header, without
+// reading the data (a checkpoint's step, its digest).
+Metadata load_safetensors_metadata(const std::string& path);
+
 // The safetensors dtype string ("F32", "BF16", ...) for a DType, and back.
 std::string safetensors_dtype(DType t);
 DType parse_safetensors_dtype(const std::string& s);
