@@ -110,8 +110,8 @@ dist::CommHook comm_hook_named(const std::string& name) {
   return dist::allreduce_hook();
 }
 
-// What a checkpoint of this program holds besides model and optimizer: the configuration that
-// must match for the run to continue as it was.
+// What a checkpoint of this program holds besides model and optimizer: the configuration a
+// resumed run is compared with (a different one is a warning; another model is an error).
 io::Metadata run_metadata(const Config& cfg) {
   return {{"model", cfg.model}, {"amp", cfg.amp}, {"seed", std::to_string(cfg.seed)}};
 }
