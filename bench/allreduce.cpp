@@ -31,7 +31,7 @@
 #include <gloo/transport/tcp/device.h>
 
 #include "bench_ranks.h"
-#include "lockstep/dist/init.h"
+#include "lockstep/distributed/init.h"
 #include "lockstep/lockstep.h"
 
 using namespace lockstep;

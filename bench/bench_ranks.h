@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "lockstep/dist/tcp_store.h"
+#include "lockstep/distributed/store/tcp_store.h"
 
 extern char** environ;
 

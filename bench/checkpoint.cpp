@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "bench_ranks.h"
-#include "lockstep/dist/checkpoint.h"
+#include "lockstep/distributed/checkpoint.h"
 #include "lockstep/lockstep.h"
 
 using namespace lockstep;

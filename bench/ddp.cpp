@@ -30,9 +30,9 @@
 #include "bench_ranks.h"
 #include "fashion_mnist_models.h"
 #include "lockstep/data/data.h"
-#include "lockstep/dist/data_parallel.h"
-#include "lockstep/dist/ddp.h"
-#include "lockstep/dist/init.h"
+#include "lockstep/distributed/data_parallel.h"
+#include "lockstep/distributed/ddp.h"
+#include "lockstep/distributed/init.h"
 #include "lockstep/lockstep.h"
 
 using namespace lockstep;

@@ -19,13 +19,13 @@
 #include <string>
 
 #include "fashion_mnist_models.h"
+#include "lockstep/base/log.h"
 #include "lockstep/data/data.h"
-#include "lockstep/dist/checkpoint.h"
+#include "lockstep/distributed/checkpoint.h"
 #include "lockstep/io/checkpoint.h"
 #include "lockstep/io/metrics.h"
 #include "lockstep/io/progress.h"
 #include "lockstep/lockstep.h"
-#include "lockstep/log.h"
 #include "lockstep/nn/layers.h"
 #include "lockstep/optim/optimizer.h"
 

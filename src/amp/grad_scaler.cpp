@@ -5,10 +5,10 @@
 #include <cmath>
 
 #include "lockstep/autograd/grad_mode.h"
-#include "lockstep/error.h"
+#include "lockstep/base/error.h"
 #include "lockstep/ops/elementwise.h"
 #include "lockstep/ops/reduce.h"
-#include "ops/cpu/parallel.h"
+#include "tensor/parallel.h"
 
 namespace lockstep::amp {
 

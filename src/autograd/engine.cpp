@@ -7,9 +7,9 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "lockstep/amp/autocast.h"
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/autograd/node.h"
+#include "lockstep/ops/autocast.h"
 #include "lockstep/ops/elementwise.h"
 
 namespace lockstep::autograd {

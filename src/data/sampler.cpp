@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <numeric>
 
-#include "lockstep/error.h"
+#include "lockstep/base/error.h"
 #include "lockstep/tensor/generator.h"
 
 namespace lockstep::data {

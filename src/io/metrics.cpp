@@ -11,7 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "lockstep/error.h"
+#include "lockstep/base/error.h"
 
 namespace lockstep::io {
 

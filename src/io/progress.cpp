@@ -10,8 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "lockstep/log.h"
-#include "tensor/log_line.h"
+#include "lockstep/base/log.h"
 
 namespace lockstep::io {
 

@@ -4,8 +4,8 @@
 #include <cmath>
 #include <sstream>
 
-#include "lockstep/amp/autocast.h"
 #include "lockstep/autograd/grad_mode.h"
+#include "lockstep/ops/autocast.h"
 #include "lockstep/ops/elementwise.h"
 #include "lockstep/ops/linalg.h"
 #include "lockstep/ops/reduce.h"
@@ -102,7 +102,7 @@ BatchNorm::BatchNorm(int64_t num_features, int64_t spatial_dims, double eps, dou
 }
 
 Tensor BatchNorm::forward(const Tensor& x) {
-  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/amp/autocast.cpp
+  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/ops/autocast.cpp
     static const amp::CastPolicy policy = amp::cast_policy("batch_norm");
     const Tensor x_ac = amp::detail::autocast_arg(x, policy);
     amp::detail::AutocastSuspend off;

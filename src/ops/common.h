@@ -3,7 +3,7 @@
 
 #include <cstdint>
 
-#include "lockstep/error.h"
+#include "lockstep/base/error.h"
 #include "lockstep/tensor/tensor.h"
 
 namespace lockstep::detail {

@@ -6,15 +6,15 @@
 #include <optional>
 #include <type_traits>
 
-#include "lockstep/amp/autocast.h"
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/autograd/node.h"
+#include "lockstep/ops/autocast.h"
 #include "lockstep/ops/nn.h"
 #include "ops/common.h"
 #include "ops/cpu/bf16_gemm.h"
-#include "ops/cpu/dispatch.h"
 #include "ops/cpu/im2col.h"
-#include "ops/cpu/parallel.h"
+#include "tensor/dispatch.h"
+#include "tensor/parallel.h"
 
 namespace lockstep {
 
@@ -425,7 +425,7 @@ Tensor conv2d_bf16(const Tensor& x, const Tensor& weight, const Tensor& bias, co
 
 Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias,
               const Conv2dOptions& opts) {
-  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/amp/autocast.cpp
+  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/ops/autocast.cpp
     static const amp::CastPolicy policy = amp::cast_policy("conv2d");
     const Tensor x_ac = amp::detail::autocast_arg(x, policy);
     const Tensor weight_ac = amp::detail::autocast_arg(weight, policy);

@@ -4,8 +4,8 @@
 #include "lockstep/autograd/node.h"
 #include "lockstep/ops/nn.h"
 #include "ops/common.h"
-#include "ops/cpu/dispatch.h"
-#include "ops/cpu/parallel.h"
+#include "tensor/dispatch.h"
+#include "tensor/parallel.h"
 
 namespace lockstep {
 

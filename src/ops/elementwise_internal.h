@@ -3,8 +3,8 @@
 
 #include "lockstep/tensor/tensor.h"
 #include "ops/common.h"
-#include "ops/cpu/dispatch.h"
 #include "ops/cpu/loops.h"
+#include "tensor/dispatch.h"
 
 namespace lockstep::detail {
 

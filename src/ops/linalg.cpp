@@ -9,13 +9,13 @@
 #include <cstring>
 #include <vector>
 
-#include "lockstep/amp/autocast.h"
 #include "lockstep/autograd/node.h"
-#include "lockstep/ops/parallel.h"
+#include "lockstep/ops/autocast.h"
+#include "lockstep/tensor/parallel.h"
 #include "ops/common.h"
 #include "ops/cpu/bf16_gemm.h"
-#include "ops/cpu/dispatch.h"
-#include "ops/cpu/parallel.h"
+#include "tensor/dispatch.h"
+#include "tensor/parallel.h"
 
 namespace lockstep {
 
@@ -436,7 +436,7 @@ std::string bf16_matmul_backend() {
 }
 
 Tensor matmul(const Tensor& a, const Tensor& b) {
-  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/amp/autocast.cpp
+  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/ops/autocast.cpp
     static const amp::CastPolicy policy = amp::cast_policy("matmul");
     const Tensor a_ac = amp::detail::autocast_arg(a, policy);
     const Tensor b_ac = amp::detail::autocast_arg(b, policy);
@@ -452,7 +452,7 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
 }
 
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
-  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/amp/autocast.cpp
+  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/ops/autocast.cpp
     static const amp::CastPolicy policy = amp::cast_policy("linear");
     const Tensor x_ac = amp::detail::autocast_arg(x, policy);
     const Tensor w_ac = amp::detail::autocast_arg(w, policy);

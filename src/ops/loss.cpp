@@ -4,12 +4,12 @@
 #include <limits>
 #include <vector>
 
-#include "lockstep/amp/autocast.h"
 #include "lockstep/autograd/node.h"
+#include "lockstep/ops/autocast.h"
 #include "lockstep/ops/nn.h"
 #include "ops/common.h"
-#include "ops/cpu/dispatch.h"
 #include "ops/cpu/rows.h"
+#include "tensor/dispatch.h"
 
 namespace lockstep {
 
@@ -192,7 +192,7 @@ void mse_backward(const Tensor& x, const Tensor& t, const Tensor& g, Reduction r
 }  // namespace
 
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const CrossEntropyOptions& opts) {
-  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/amp/autocast.cpp
+  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/ops/autocast.cpp
     static const amp::CastPolicy policy = amp::cast_policy("cross_entropy");
     const Tensor logits_ac = amp::detail::autocast_arg(logits, policy);
     amp::detail::AutocastSuspend off;
@@ -248,7 +248,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const CrossEnt
 }
 
 Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction) {
-  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/amp/autocast.cpp
+  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/ops/autocast.cpp
     static const amp::CastPolicy policy = amp::cast_policy("mse_loss");
     const Tensor input_ac = amp::detail::autocast_arg(input, policy);
     const Tensor target_ac = amp::detail::autocast_arg(target, policy);

@@ -4,12 +4,12 @@
 #include <cmath>
 #include <vector>
 
-#include "lockstep/amp/autocast.h"
 #include "lockstep/autograd/node.h"
+#include "lockstep/ops/autocast.h"
 #include "lockstep/ops/nn.h"
 #include "ops/common.h"
-#include "ops/cpu/dispatch.h"
 #include "ops/cpu/rows.h"
+#include "tensor/dispatch.h"
 
 namespace lockstep {
 
@@ -146,7 +146,7 @@ void check_affine(const Tensor& t, const Tensor& x, const Dims& normalized_shape
 
 Tensor layer_norm(const Tensor& x, const Dims& normalized_shape, const Tensor& weight,
                   const Tensor& bias, double eps) {
-  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/amp/autocast.cpp
+  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/ops/autocast.cpp
     static const amp::CastPolicy policy = amp::cast_policy("layer_norm");
     const Tensor x_ac = amp::detail::autocast_arg(x, policy);
     const Tensor weight_ac = amp::detail::autocast_arg(weight, policy);

@@ -7,9 +7,9 @@
 #include "lockstep/autograd/node.h"
 #include "lockstep/ops/nn.h"
 #include "ops/common.h"
-#include "ops/cpu/dispatch.h"
 #include "ops/cpu/im2col.h"
-#include "ops/cpu/parallel.h"
+#include "tensor/dispatch.h"
+#include "tensor/parallel.h"
 
 namespace lockstep {
 

@@ -4,13 +4,13 @@
 #include <cmath>
 #include <limits>
 
-#include "lockstep/amp/autocast.h"
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/autograd/node.h"
+#include "lockstep/ops/autocast.h"
 #include "lockstep/ops/elementwise.h"
 #include "ops/common.h"
-#include "ops/cpu/dispatch.h"
-#include "ops/cpu/parallel.h"
+#include "tensor/dispatch.h"
+#include "tensor/parallel.h"
 
 namespace lockstep {
 
@@ -264,7 +264,7 @@ Tensor extreme_all(const Tensor& a, bool is_max) {
 }  // namespace
 
 Tensor sum(const Tensor& a, const Dims& dims, bool keepdim) {
-  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/amp/autocast.cpp
+  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/ops/autocast.cpp
     static const amp::CastPolicy policy = amp::cast_policy("sum");
     const Tensor a_ac = amp::detail::autocast_arg(a, policy);
     amp::detail::AutocastSuspend off;
@@ -283,7 +283,7 @@ Tensor sum(const Tensor& a, const Dims& dims, bool keepdim) {
 Tensor sum(const Tensor& a) { return sum(a, Dims{}, false); }
 
 Tensor mean(const Tensor& a, const Dims& dims, bool keepdim) {
-  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/amp/autocast.cpp
+  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/ops/autocast.cpp
     static const amp::CastPolicy policy = amp::cast_policy("mean");
     const Tensor a_ac = amp::detail::autocast_arg(a, policy);
     amp::detail::AutocastSuspend off;
@@ -302,7 +302,7 @@ Tensor mean(const Tensor& a, const Dims& dims, bool keepdim) {
 Tensor mean(const Tensor& a) { return mean(a, Dims{}, false); }
 
 Tensor var(const Tensor& a, const Dims& dims, int64_t correction, bool keepdim) {
-  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/amp/autocast.cpp
+  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/ops/autocast.cpp
     static const amp::CastPolicy policy = amp::cast_policy("var");
     const Tensor a_ac = amp::detail::autocast_arg(a, policy);
     amp::detail::AutocastSuspend off;

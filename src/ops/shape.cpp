@@ -8,8 +8,8 @@
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/autograd/node.h"
 #include "ops/common.h"
-#include "ops/cpu/dispatch.h"
-#include "ops/cpu/parallel.h"
+#include "tensor/dispatch.h"
+#include "tensor/parallel.h"
 
 namespace lockstep {
 

@@ -3,12 +3,12 @@
 #include <cmath>
 #include <limits>
 
-#include "lockstep/amp/autocast.h"
 #include "lockstep/autograd/node.h"
+#include "lockstep/ops/autocast.h"
 #include "lockstep/ops/nn.h"
 #include "ops/common.h"
-#include "ops/cpu/dispatch.h"
 #include "ops/cpu/rows.h"
+#include "tensor/dispatch.h"
 
 namespace lockstep {
 
@@ -120,7 +120,7 @@ Tensor softmax_op(const Tensor& x, int64_t dim, bool log, const char* op, const 
 }  // namespace
 
 Tensor softmax(const Tensor& x, int64_t dim) {
-  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/amp/autocast.cpp
+  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/ops/autocast.cpp
     static const amp::CastPolicy policy = amp::cast_policy("softmax");
     const Tensor x_ac = amp::detail::autocast_arg(x, policy);
     amp::detail::AutocastSuspend off;
@@ -130,7 +130,7 @@ Tensor softmax(const Tensor& x, int64_t dim) {
 }
 
 Tensor log_softmax(const Tensor& x, int64_t dim) {
-  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/amp/autocast.cpp
+  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/ops/autocast.cpp
     static const amp::CastPolicy policy = amp::cast_policy("log_softmax");
     const Tensor x_ac = amp::detail::autocast_arg(x, policy);
     amp::detail::AutocastSuspend off;

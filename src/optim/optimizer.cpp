@@ -6,8 +6,8 @@
 
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/ops/elementwise.h"
-#include "ops/cpu/dispatch.h"
-#include "ops/cpu/parallel.h"
+#include "tensor/dispatch.h"
+#include "tensor/parallel.h"
 
 namespace lockstep::optim {
 

@@ -3,7 +3,7 @@
 
 #include <cmath>
 
-#include "lockstep/error.h"
+#include "lockstep/base/error.h"
 #include "lockstep/optim/optimizer.h"
 
 namespace lockstep::optim {

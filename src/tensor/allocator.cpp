@@ -7,7 +7,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "lockstep/error.h"
+#include "lockstep/base/error.h"
 
 namespace lockstep {
 

@@ -3,7 +3,7 @@
 
 #include <string>
 
-#include "lockstep/error.h"
+#include "lockstep/base/error.h"
 
 namespace lockstep {
 

@@ -3,7 +3,7 @@
 
 #include <ostream>
 
-#include "lockstep/error.h"
+#include "lockstep/base/error.h"
 
 namespace lockstep {
 

@@ -4,8 +4,8 @@
 
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/tensor/tensor.h"
-#include "ops/cpu/dispatch.h"
-#include "ops/cpu/parallel.h"
+#include "tensor/dispatch.h"
+#include "tensor/parallel.h"
 
 namespace lockstep {
 

@@ -13,8 +13,8 @@
 #include "lockstep/autograd/node.h"
 #include "lockstep/ops/elementwise.h"
 #include "ops/common.h"
-#include "ops/cpu/dispatch.h"
 #include "ops/cpu/loops.h"
+#include "tensor/dispatch.h"
 
 namespace lockstep {
 

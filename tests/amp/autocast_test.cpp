@@ -3,7 +3,7 @@
 #include <cmath>
 #include <thread>
 
-#include "lockstep/amp/autocast.h"
+#include "lockstep/ops/autocast.h"
 #include "testing.h"
 
 using namespace lockstep;

@@ -3,8 +3,8 @@
 #include <cmath>
 #include <limits>
 
-#include "dist/ddp_helpers.h"
-#include "dist/thread_ranks.h"
+#include "distributed/ddp_helpers.h"
+#include "distributed/thread_ranks.h"
 #include "lockstep/amp/grad_scaler.h"
 #include "testing.h"
 

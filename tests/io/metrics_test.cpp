@@ -16,7 +16,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "lockstep/error.h"
+#include "lockstep/base/error.h"
 
 namespace lockstep::io {
 namespace {

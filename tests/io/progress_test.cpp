@@ -18,7 +18,7 @@
 
 #include <gtest/gtest.h>
 
-#include "lockstep/log.h"
+#include "lockstep/base/log.h"
 
 namespace lockstep::io {
 namespace {

@@ -16,7 +16,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "lockstep/error.h"
+#include "lockstep/base/error.h"
 #include "plot.h"
 
 namespace lockstep::plot {

@@ -38,9 +38,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "lockstep/dist/error_file.h"
-#include "lockstep/dist/tcp_store.h"
-#include "lockstep/error.h"
+#include "lockstep/base/error.h"
+#include "lockstep/distributed/error_file.h"
+#include "lockstep/distributed/store/tcp_store.h"
 #include "worker_process.h"
 
 extern char** environ;

@@ -20,7 +20,7 @@
 #include <CLI/CLI.hpp>
 
 #include "agent.h"
-#include "lockstep/error.h"
+#include "lockstep/base/error.h"
 #include "plot.h"
 
 using namespace lockstep::launch;

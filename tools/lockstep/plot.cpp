@@ -23,7 +23,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "lockstep/error.h"
+#include "lockstep/base/error.h"
 
 // Every cairo status goes through here: cairo errors are sticky, so a check after drawing catches
 // any call that failed during it.

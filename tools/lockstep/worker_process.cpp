@@ -11,7 +11,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "lockstep/error.h"
+#include "lockstep/base/error.h"
 
 namespace lockstep::launch {
 

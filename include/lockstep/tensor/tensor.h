@@ -9,7 +9,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "lockstep/error.h"
+#include "lockstep/base/error.h"
 #include "lockstep/tensor/device.h"
 #include "lockstep/tensor/dims.h"
 #include "lockstep/tensor/dtype.h"

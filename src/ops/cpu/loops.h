@@ -5,7 +5,7 @@
 #include <cstdint>
 
 #include "lockstep/tensor/tensor.h"
-#include "ops/cpu/parallel.h"
+#include "tensor/parallel.h"
 
 namespace lockstep::cpu {
 

@@ -21,10 +21,10 @@ extern char** environ;
 #include <string>
 #include <thread>
 
-#include "dist/ddp_helpers.h"
-#include "lockstep/dist/ddp.h"
-#include "lockstep/dist/error_file.h"
-#include "lockstep/dist/init.h"
+#include "distributed/ddp_helpers.h"
+#include "lockstep/distributed/ddp.h"
+#include "lockstep/distributed/error_file.h"
+#include "lockstep/distributed/init.h"
 #include "lockstep/lockstep.h"
 
 namespace fs = std::filesystem;

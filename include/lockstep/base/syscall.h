@@ -1,0 +1,85 @@
+// System calls: LS_SYSCHECK (the one check for calls that fail with -1 and errno), errno's text,
+// and Fd, the one owning file descriptor.
+#pragma once
+
+#include <cerrno>
+#include <initializer_list>
+#include <string>
+
+#include "lockstep/base/error.h"
+
+namespace lockstep {
+
+// "Connection refused (errno 111)".
+std::string errno_text(int err);
+
+namespace detail {
+inline bool errno_in(int err, std::initializer_list<int> allowed) {
+  for (int a : allowed)
+    if (err == a) return true;
+  return false;
+}
+}  // namespace detail
+
+// Owns one file descriptor; closes it on destruction (errors from close are ignored there: a
+// destructor never throws). close() reports them for callers that must know (a file written
+// through the descriptor).
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) : fd_(fd) {}
+  ~Fd() { reset(); }
+  Fd(Fd&& o) noexcept : fd_(o.release()) {}
+  Fd& operator=(Fd&& o) noexcept {
+    if (this != &o) {
+      reset();
+      fd_ = o.release();
+    }
+    return *this;
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  explicit operator bool() const { return valid(); }
+  int release() {
+    int f = fd_;
+    fd_ = -1;
+    return f;
+  }
+  // Closes now, ignoring errors.
+  void reset();
+  // Closes now and returns close()'s result (-1 with errno set on failure).
+  int close();
+
+ private:
+  int fd_ = -1;
+};
+
+}  // namespace lockstep
+
+// LS_SYSCHECK(call, ALLOWED_ERRNO...): evaluates a system call that reports failure as -1 plus
+// errno, throws lockstep::Error naming the call and errno's text, and returns its result. A
+// failure with one of the allowed errno values (EAGAIN, EINTR, ...) is returned as -1 with errno
+// intact, for the caller to handle.
+#define LS_SYSCHECK(call, ...)                                                           \
+  [&]() {                                                                                \
+    auto ls_result_ = (call);                                                            \
+    const int ls_errno_ = errno;                                                         \
+    LS_CHECK(ls_result_ != -1 || ::lockstep::detail::errno_in(ls_errno_, {__VA_ARGS__}), \
+             #call " failed: ", ::lockstep::errno_text(ls_errno_));                      \
+    errno = ls_errno_;                                                                   \
+    return ls_result_;                                                                   \
+  }()
+
+// LS_SYSCHECK_MSG(call, message...): as LS_SYSCHECK, with the caller's words (what was being done,
+// to which file) before errno's text: "cannot open data/x.idx: No such file or directory (errno 2)".
+#define LS_SYSCHECK_MSG(call, ...)                                           \
+  [&]() {                                                                    \
+    auto ls_result_ = (call);                                                \
+    const int ls_errno_ = errno;                                             \
+    LS_CHECK(ls_result_ != -1, __VA_ARGS__, ": ", ::lockstep::errno_text(ls_errno_)); \
+    errno = ls_errno_;                                                       \
+    return ls_result_;                                                       \
+  }()

@@ -1,0 +1,111 @@
+// DistributedDataParallel: a Module wrapper whose backward averages gradients across ranks, in
+// buckets whose all-reduces overlap the rest of the backward pass.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "lockstep/distributed/process_group.h"
+#include "lockstep/nn/module.h"
+
+namespace lockstep::dist {
+
+// Bucket caps, as PyTorch's DDP: a small first bucket so that communication starts early in the
+// backward pass, then large ones so that per-collective latency is paid rarely.
+inline constexpr int64_t kDefaultFirstBucketBytes = int64_t{1} << 20;
+inline constexpr int64_t kDefaultBucketBytes = int64_t{25} << 20;
+
+// One bucket's gradients, handed to a communication hook: `buffer` is the flat tensor whose
+// slices are the parameters' .grad() (plus one trailing status element of the reducer's, which
+// a hook reduces like the rest); `scratch` is the hook's to keep between start and finish.
+struct GradBucket {
+  int index = 0;
+  Tensor buffer;
+  std::vector<std::string> parameter_names;
+  Tensor scratch;
+};
+
+// How a bucket is reduced. start() launches the reduction and returns its Work (it runs while
+// the backward pass goes on); after that Work completed, finish() (may be empty) leaves in
+// bucket.buffer the average over ranks.
+struct CommHook {
+  std::string name;
+  std::function<WorkPtr(ProcessGroup&, GradBucket&)> start;
+  std::function<void(GradBucket&)> finish;
+};
+// all_reduce with avg (the default).
+CommHook allreduce_hook();
+// Sends bf16 / f16 copies (half the bytes), and writes the averaged result back in full width.
+CommHook bf16_compress_hook();
+CommHook fp16_compress_hook();
+
+struct DDPOptions {
+  int64_t first_bucket_bytes = kDefaultFirstBucketBytes;
+  int64_t bucket_bytes = kDefaultBucketBytes;
+  // Parameters that took no part in an iteration's backward are reduced with zero contribution.
+  // Without it such a parameter is an error on every rank, naming it.
+  bool find_unused_parameters = false;
+  // Broadcast buffers (BatchNorm statistics) from rank 0 before each forward in training mode.
+  bool broadcast_buffers = true;
+  CommHook comm_hook = allreduce_hook();
+};
+
+// What an engineer tunes DDP with.
+struct DDPStats {
+  std::vector<int64_t> bucket_bytes;     // per bucket, in launch order
+  std::vector<int64_t> bucket_params;    // parameters per bucket
+  int64_t bytes_reduced_last_step = 0;   // gradient bytes all-reduced by the last synced backward
+  int64_t synced_steps = 0;              // backward passes that communicated
+  double exposed_comm_seconds_last = 0;  // waiting for communication after backward ended
+  double exposed_comm_seconds_total = 0;
+  bool buckets_rebuilt = false;  // rebuilt in gradient-ready order after step 1
+  std::string str() const;       // a few lines for logs
+};
+
+class Reducer;
+
+// Construction (on every rank of `pg`, collectively): checks that every rank built the same
+// model (parameter names, shapes, dtypes, order; an Error on every rank naming the first
+// difference), broadcasts rank 0's parameters and buffers, and lays the gradients out in buckets
+// (reverse registration order). Each parameter's .grad() is then a view into its bucket's flat
+// buffer. backward() returns with every rank holding the same averaged gradients.
+class DistributedDataParallel : public nn::Module {
+ public:
+  DistributedDataParallel(std::shared_ptr<nn::Module> module, ProcessGroupPtr pg,
+                          DDPOptions opts = {});
+  ~DistributedDataParallel() override;
+
+  Tensor forward(const Tensor& x) override;
+  const std::shared_ptr<nn::Module>& module() const { return module_; }
+  const ProcessGroupPtr& process_group() const { return pg_; }
+
+  // Backward passes inside the returned scope accumulate gradients locally without
+  // communicating; the first backward after it reduces what was accumulated (gradient
+  // accumulation: K-1 micro-batches inside no_sync(), the last outside).
+  class NoSync {
+   public:
+    explicit NoSync(DistributedDataParallel& ddp);
+    ~NoSync();
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+
+   private:
+    DistributedDataParallel& ddp_;
+    bool previous_;
+  };
+  [[nodiscard]] NoSync no_sync() { return NoSync(*this); }
+
+  DDPStats stats() const;
+
+ private:
+  std::shared_ptr<nn::Module> module_;
+  ProcessGroupPtr pg_;
+  DDPOptions opts_;
+  std::unique_ptr<Reducer> reducer_;
+};
+
+}  // namespace lockstep::dist

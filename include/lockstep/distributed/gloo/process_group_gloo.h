@@ -1,0 +1,49 @@
+// ProcessGroupGloo: collectives on CPU tensors over TCP, with the Gloo library as the engine.
+#pragma once
+
+#include <memory>
+
+#include "lockstep/distributed/process_group.h"
+
+namespace lockstep::dist {
+
+// Construction rendezvouses through config.store with every other rank (Gloo's full mesh: one
+// TCP connection per pair of ranks) and returns once all are connected, or fails after
+// config.timeout.
+//
+// Collectives run one at a time, in the order they were issued, on the group's communication
+// thread; the calling thread only queues them. The transport binds to config.bind_address, else
+// to the address of config.bind_interface, else to the local address that routes to the TCP
+// store's host (loopback for an in-process store), so that a machine's hostname resolving to the
+// wrong address cannot break a run.
+//
+// After a collective fails (a timeout, a peer that died) the group closes its connections, so
+// that the other ranks fail promptly too instead of waiting out their own timeouts, and every
+// later collective fails at once, naming the first failure. Build a new group to continue.
+class ProcessGroupGloo : public ProcessGroup {
+ public:
+  explicit ProcessGroupGloo(const BackendConfig& config);
+  ~ProcessGroupGloo() override;  // runs the collectives already queued, then stops the thread
+
+  std::string_view backend() const override { return "gloo"; }
+  // The address the transport listens on ("127.0.0.1").
+  const std::string& address() const;
+
+ protected:
+  void do_all_reduce(Tensor tensor, ReduceOp op, std::chrono::milliseconds timeout,
+                     const WorkPtr& work) override;
+  void do_broadcast(Tensor tensor, int root, std::chrono::milliseconds timeout,
+                    const WorkPtr& work) override;
+  void do_all_gather(Tensor output, Tensor input, std::chrono::milliseconds timeout,
+                     const WorkPtr& work) override;
+  void do_reduce_scatter(Tensor output, Tensor input, ReduceOp op,
+                         std::chrono::milliseconds timeout, const WorkPtr& work) override;
+  void do_barrier(std::chrono::milliseconds timeout, const WorkPtr& work) override;
+  bool supports(Device device) const override { return device.is_cpu(); }
+
+ private:
+  class Impl;
+  std::shared_ptr<Impl> impl_;  // shared with the wait hooks of its Works (weakly)
+};
+
+}  // namespace lockstep::dist

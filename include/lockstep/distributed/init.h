@@ -1,0 +1,111 @@
+// init_process_group(): the world of this job from the environment (torchrun's variables, SLURM,
+// Open MPI, or none), the default process group, and new_group() for subsets of ranks.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "lockstep/distributed/process_group.h"
+#include "lockstep/distributed/store/store.h"
+
+namespace lockstep::dist {
+
+// Set by `lockstep run` when its agent hosts the store at MASTER_ADDR:MASTER_PORT (workers then
+// connect to it instead of rank 0 starting one), as torchrun's TORCHELASTIC_USE_AGENT_STORE.
+inline constexpr const char* kUseAgentStoreEnv = "LOCKSTEP_USE_AGENT_STORE";
+// An interface name ("eth0") or a local address ("10.1.2.3") for the transport to bind to.
+// GLOO_SOCKET_IFNAME is honoured as well when this is unset, so torchrun habits keep working.
+inline constexpr const char* kSocketIfnameEnv = "LOCKSTEP_SOCKET_IFNAME";
+
+// Where this process sits in the job, as the environment describes it.
+struct DistEnv {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  int group_rank = 0;  // the node's rank (GROUP_RANK)
+  std::string master_addr = "127.0.0.1";
+  uint16_t master_port = 29500;
+  bool agent_store = false;
+  int restart_count = 0;  // LOCKSTEP_RESTART_COUNT
+  std::string run_id;     // LOCKSTEP_RUN_ID
+  std::string socket_ifname;
+  // Which variables these came from: "RANK/WORLD_SIZE", "SLURM", "Open MPI" or "none".
+  std::string source = "none";
+};
+
+using EnvLookup = std::function<std::optional<std::string>(const std::string& name)>;
+// The process environment.
+std::optional<std::string> process_env(const std::string& name);
+
+// Reads, in this order of preference: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+// GROUP_RANK, MASTER_ADDR, MASTER_PORT (what torchrun and `lockstep run` set); SLURM_PROCID,
+// SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE / SLURM_TASKS_PER_NODE, SLURM_NODELIST;
+// OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE. With none of them: a world of one.
+// Values that are not integers, out of range or inconsistent (RANK >= WORLD_SIZE, RANK without
+// WORLD_SIZE, several machines but no MASTER_ADDR) are Errors that name the variables.
+DistEnv read_dist_env(const EnvLookup& lookup = process_env);
+
+struct InitOptions {
+  std::string backend = "gloo";
+  // Default timeout of the group's collectives, and of the rendezvous.
+  std::chrono::milliseconds timeout = kDefaultCollectiveTimeout;
+  // Rendezvous through this store instead of a TCPStore at MASTER_ADDR:MASTER_PORT.
+  std::shared_ptr<Store> store;
+  // Override the environment's values (both or neither).
+  std::optional<int> rank;
+  std::optional<int> world_size;
+};
+
+// The world group of `env`, without touching the process-wide default: what
+// init_process_group() does, for tests (ranks as threads over a HashStore) and for programs that
+// manage several worlds. Every rank first joins through the store, which checks that the ranks
+// agree (one WORLD_SIZE, each rank claimed by exactly one process) and fails on every rank,
+// naming the problem, when they do not.
+struct World {
+  ProcessGroupPtr group;
+  std::shared_ptr<Store> store;  // namespaced for this world; new groups rendezvous through it
+  DistEnv env;
+  std::string backend;
+  std::string bind_address;
+  std::string bind_interface;
+  // How many groups of each rank list this process made (new_group's store namespace).
+  std::map<std::string, int> groups_made;
+};
+World connect_world(DistEnv env, const InitOptions& opts = {});
+
+// Builds the default group from the environment (read_dist_env). If the launcher hosts the store
+// (LOCKSTEP_USE_AGENT_STORE=1), connects to it; otherwise rank 0 starts a TCPStore at
+// MASTER_ADDR:MASTER_PORT and the others connect (presenting LOCKSTEP_STORE_TOKEN when set).
+// A world of one needs no store and no network. Calling it twice without
+// destroy_process_group() is an Error.
+ProcessGroupPtr init_process_group(const InitOptions& opts = {});
+// Destroys the default group (after its queued collectives ran); a no-op when none exists.
+void destroy_process_group();
+bool is_initialized();
+
+// These need init_process_group() first (an Error otherwise).
+ProcessGroupPtr default_group();
+int rank();
+int world_size();
+int local_rank();
+int local_world_size();
+bool is_main_process();  // rank() == 0: the process that logs and saves checkpoints
+
+// A group of the given ranks of the default group (or of `world`): every member calls it with
+// the same list, in the same order as its other new_group calls; non-members may call it too and
+// get nullptr. In the new group, ranks[i] has rank i.
+ProcessGroupPtr new_group(std::vector<int> ranks);
+ProcessGroupPtr new_group(World& world, std::vector<int> ranks);
+
+// The local address through which this machine reaches host (the source address the kernel's
+// routing picks), e.g. "10.1.2.3", or "127.0.0.1" for a host on loopback. No packet is sent.
+std::string local_address_toward(const std::string& host, uint16_t port);
+
+}  // namespace lockstep::dist

@@ -1,0 +1,228 @@
+// ProcessGroup: collectives over a set of ranks, each returning an asynchronous Work handle.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "lockstep/distributed/store/store.h"
+#include "lockstep/tensor/tensor.h"
+
+namespace lockstep::dist {
+
+// How long a collective may take before it fails on every rank that waits for it (PyTorch's
+// default as well). Long enough for a slow first step, short enough that a lost rank does not
+// hold a job of many machines for hours.
+inline constexpr std::chrono::milliseconds kDefaultCollectiveTimeout{30 * 60 * 1000};
+
+// Note [Spin before sleeping]
+// A thread wake-up can cost hundreds of microseconds on a virtual machine. Work::wait() therefore
+// yields in a loop for this long before it blocks, so that a collective about to finish on the
+// communication thread is seen at once.
+inline constexpr std::chrono::microseconds kSpinBeforeSleep{200};
+
+enum class ReduceOp : uint8_t { sum, avg, min, max, product };
+std::string_view reduce_op_name(ReduceOp op);
+
+// In every options struct a timeout of 0 means the group's default (ProcessGroup::timeout()).
+struct AllReduceOptions {
+  ReduceOp op = ReduceOp::sum;
+  std::chrono::milliseconds timeout{0};
+};
+struct BroadcastOptions {
+  int root = 0;
+  std::chrono::milliseconds timeout{0};
+};
+struct AllGatherOptions {
+  std::chrono::milliseconds timeout{0};
+};
+struct ReduceScatterOptions {
+  ReduceOp op = ReduceOp::sum;
+  std::chrono::milliseconds timeout{0};
+};
+struct BarrierOptions {
+  std::chrono::milliseconds timeout{0};
+};
+
+// The handle of one collective in flight. Contract (c10d's):
+// - is_completed() never blocks; it is true once the collective finished, successfully or not.
+// - wait() blocks until it finished and rethrows its failure (a lockstep::Error naming the rank,
+//   the op and its sequence number). The collective is bounded by its own timeout, so wait()
+//   cannot block forever; wait(timeout) additionally gives up after `timeout` (an Error, the
+//   collective keeps running).
+// - The tensors passed to the collective must stay untouched until it completed.
+class Work {
+ public:
+  Work(std::string description, int64_t seq);
+  virtual ~Work() = default;
+  Work(const Work&) = delete;
+  Work& operator=(const Work&) = delete;
+
+  bool is_completed() const;
+  bool is_success() const;  // completed without error
+  void wait();
+  void wait(std::chrono::milliseconds timeout);
+  std::exception_ptr exception() const;
+
+  // "all_reduce #12 (sum, 2 tensors, 4.0 MiB of float32)" and 12.
+  const std::string& description() const { return description_; }
+  int64_t seq() const { return seq_; }
+
+  // Runs `fn` when the collective succeeds, before the Work counts as completed (on the thread
+  // that finishes it); an exception from `fn` fails the Work. For backends and the group's own
+  // packing: set before the collective is queued; a step must neither own its group nor wait
+  // on it (it runs on the thread that executes the group's collectives).
+  void then(std::function<void()> fn);
+  // Called by wait() (not by wait(timeout)) before it blocks, with this Work: a backend may run
+  // queued collectives on the waiting thread (Note [Caller runs] in dist/gloo). Set before the
+  // collective is queued.
+  void set_wait_hook(std::function<void(const Work&)> hook) { wait_hook_ = std::move(hook); }
+  // Called once by the backend; `error` null on success.
+  void finish(std::exception_ptr error = nullptr);
+
+ private:
+  const std::string description_;
+  const int64_t seq_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool completed_ = false;
+  bool finishing_ = false;                   // finish() has started: no more then() steps
+  std::atomic<bool> completed_flag_{false};  // completed_, readable without the lock
+  std::exception_ptr error_;
+  std::vector<std::function<void()>> on_success_;
+  std::function<void(const Work&)> wait_hook_;
+};
+using WorkPtr = std::shared_ptr<Work>;
+
+// One interface for collectives over `size()` ranks; backends (dist/gloo, later dist/nccl)
+// implement the do_* hooks. The public methods check their arguments (the same on every backend,
+// so an error reads the same everywhere), number each collective and build its description.
+//
+// Every rank must call the same collectives in the same order with matching arguments (sizes,
+// dtypes, root). Collectives run in the order they were issued; a backend may run them on its
+// own thread, so the caller computes while they are in flight. One thread at a time issues a
+// group's collectives (their order is the contract between ranks).
+class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
+ public:
+  ProcessGroup(int rank, int size, std::chrono::milliseconds timeout);
+  virtual ~ProcessGroup() = default;
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  virtual std::string_view backend() const = 0;
+
+  // In place on every tensor; several tensors of one dtype travel as one fused buffer.
+  // avg is defined for floating-point tensors only.
+  WorkPtr all_reduce(const Tensor& tensor, const AllReduceOptions& opts = {});
+  WorkPtr all_reduce(std::vector<Tensor> tensors, const AllReduceOptions& opts = {});
+  // Every rank's tensors become root's.
+  WorkPtr broadcast(const Tensor& tensor, const BroadcastOptions& opts = {});
+  WorkPtr broadcast(std::vector<Tensor> tensors, const BroadcastOptions& opts = {});
+  // `output` has size() * input.numel() elements; rank r's input lands in the r-th chunk of
+  // output's row-major order. The list form writes rank r's input into outputs[r].
+  WorkPtr all_gather(const Tensor& output, const Tensor& input, const AllGatherOptions& opts = {});
+  WorkPtr all_gather(std::vector<Tensor> outputs, const Tensor& input,
+                     const AllGatherOptions& opts = {});
+  // `input` has size() * output.numel() elements; rank r receives the reduction over ranks of
+  // the r-th chunk of input (input is not modified).
+  WorkPtr reduce_scatter(const Tensor& output, const Tensor& input,
+                         const ReduceScatterOptions& opts = {});
+  WorkPtr barrier(const BarrierOptions& opts = {});
+
+  // Small byte strings (configuration, names, shapes), blocking. Every rank receives root's
+  // `object` / every rank's `object`, in rank order.
+  Bytes broadcast_object(const Bytes& object, int root = 0);
+  std::vector<Bytes> all_gather_object(const Bytes& object);
+
+  // Collectives issued so far.
+  int64_t sequence_number() const { return seq_; }
+
+ protected:
+  // Arguments are checked, and every tensor is contiguous: several tensors (or a strided one)
+  // were packed into one flat buffer here, and are unpacked by a Work::then step. A backend
+  // finishes `work` (on any thread) once the collective is done; the timeout is resolved (never
+  // 0). Sizes may be 0.
+  virtual void do_all_reduce(Tensor tensor, ReduceOp op, std::chrono::milliseconds timeout,
+                             const WorkPtr& work) = 0;
+  virtual void do_broadcast(Tensor tensor, int root, std::chrono::milliseconds timeout,
+                            const WorkPtr& work) = 0;
+  virtual void do_all_gather(Tensor output, Tensor input, std::chrono::milliseconds timeout,
+                             const WorkPtr& work) = 0;
+  virtual void do_reduce_scatter(Tensor output, Tensor input, ReduceOp op,
+                                 std::chrono::milliseconds timeout, const WorkPtr& work) = 0;
+  virtual void do_barrier(std::chrono::milliseconds timeout, const WorkPtr& work) = 0;
+  // Whether the backend can move tensors on `device`; false makes the public calls fail naming
+  // the backend.
+  virtual bool supports(Device device) const = 0;
+
+  // "rank 1/4 (gloo)", the start of every error message about this group.
+  std::string who() const;
+
+ private:
+  WorkPtr make_work(std::string_view op, std::string detail);
+  std::chrono::milliseconds effective(std::chrono::milliseconds timeout) const;
+  void check_tensors(std::string_view op, const std::vector<Tensor>& tensors, bool reduction) const;
+
+  const int rank_;
+  const int size_;
+  const std::chrono::milliseconds timeout_;
+  int64_t seq_ = 0;
+};
+using ProcessGroupPtr = std::shared_ptr<ProcessGroup>;
+
+// The group of one process: every collective completes at once, without a network, so a
+// single-process run takes the same code path as a distributed one.
+class WorldOfOneGroup : public ProcessGroup {
+ public:
+  explicit WorldOfOneGroup(std::chrono::milliseconds timeout = kDefaultCollectiveTimeout)
+      : ProcessGroup(0, 1, timeout) {}
+  std::string_view backend() const override { return "local"; }
+
+ protected:
+  void do_all_reduce(Tensor tensor, ReduceOp op, std::chrono::milliseconds timeout,
+                     const WorkPtr& work) override;
+  void do_broadcast(Tensor tensor, int root, std::chrono::milliseconds timeout,
+                    const WorkPtr& work) override;
+  void do_all_gather(Tensor output, Tensor input, std::chrono::milliseconds timeout,
+                     const WorkPtr& work) override;
+  void do_reduce_scatter(Tensor output, Tensor input, ReduceOp op,
+                         std::chrono::milliseconds timeout, const WorkPtr& work) override;
+  void do_barrier(std::chrono::milliseconds timeout, const WorkPtr& work) override;
+  bool supports(Device) const override { return true; }
+};
+
+// ---- Backends by name ----
+
+// What a backend needs to build a group: the store to rendezvous through (already namespaced
+// for this group), this process's rank and the group's size, the default timeout, and where the
+// transport binds (an address or an interface; empty: the backend's choice).
+struct BackendConfig {
+  std::shared_ptr<Store> store;
+  int rank = 0;
+  int size = 1;
+  std::chrono::milliseconds timeout = kDefaultCollectiveTimeout;
+  std::string bind_address;
+  std::string bind_interface;
+};
+using BackendFactory = std::function<ProcessGroupPtr(const BackendConfig&)>;
+
+// "gloo" is built in. Registering a name again replaces its factory.
+void register_backend(const std::string& name, BackendFactory factory);
+bool has_backend(const std::string& name);
+std::vector<std::string> backend_names();
+// A group of config.size ranks through the named backend; a size of 1 gives a WorldOfOneGroup
+// (no store needed). An unknown name is an Error listing the registered ones.
+ProcessGroupPtr create_process_group(const std::string& backend, const BackendConfig& config);
+
+}  // namespace lockstep::dist

@@ -1,0 +1,73 @@
+// TCPStore: a Store served over TCP by one process (the launcher or rank 0) to every other.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+
+#include "lockstep/distributed/store/store.h"
+
+namespace lockstep::dist {
+
+namespace detail {
+class TCPStoreServer;
+class TCPStoreClient;
+}  // namespace detail
+
+inline constexpr uint16_t kDefaultStorePort = 29500;
+// The environment variable a shared token is read from when TCPStoreOptions::token is unset.
+inline constexpr const char* kStoreTokenEnv = "LOCKSTEP_STORE_TOKEN";
+
+struct TCPStoreOptions {
+  // Where clients connect. The server listens on every interface regardless.
+  std::string host = "127.0.0.1";
+  // 0 on the server: pick a free port, reported by TCPStore::port().
+  uint16_t port = kDefaultStorePort;
+  bool is_server = false;
+  // With num_workers set and wait_for_workers on, the server's constructor returns only once
+  // num_workers stores (itself included) have connected, or fails after `timeout`.
+  std::optional<int> num_workers;
+  bool wait_for_workers = true;
+  // Bounds connecting (clients retry with exponential backoff until then), get() and wait().
+  std::chrono::milliseconds timeout = kDefaultStoreTimeout;
+  // A shared secret: a server with one closes every connection that does not present it first.
+  // Unset: LOCKSTEP_STORE_TOKEN if the environment has it, else no token.
+  std::optional<std::string> token;
+};
+
+// With is_server, starts the server (one thread polling every connection) and connects to it as
+// a client like every other process. Requests from one TCPStore object are serialized (one
+// connection, one request at a time): threads that block in get()/wait() concurrently should
+// each hold their own TCPStore. A lost connection is reopened by the next request.
+class TCPStore : public Store {
+ public:
+  explicit TCPStore(TCPStoreOptions opts);
+  ~TCPStore() override;
+
+  // The port the server listens on (the real one when 0 was asked for).
+  uint16_t port() const { return port_; }
+  const std::string& host() const { return opts_.host; }
+  bool is_server() const { return opts_.is_server; }
+
+ protected:
+  void do_set(const std::string& key, const Bytes& value) override;
+  Bytes do_get(const std::string& key) override;
+  int64_t do_add(const std::string& key, int64_t delta) override;
+  Bytes do_compare_set(const std::string& key, const Bytes& expected,
+                       const Bytes& desired) override;
+  bool do_check(const std::vector<std::string>& keys) override;
+  void do_wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override;
+  bool do_delete_key(const std::string& key) override;
+  int64_t do_num_keys() override;
+
+ private:
+  TCPStoreOptions opts_;
+  uint16_t port_ = 0;
+  std::unique_ptr<detail::TCPStoreServer> server_;
+  std::mutex mu_;  // serializes requests on client_
+  std::unique_ptr<detail::TCPStoreClient> client_;
+};
+
+}  // namespace lockstep::dist

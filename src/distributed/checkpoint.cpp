@@ -1,0 +1,168 @@
+// Rank-0 checkpoint writes with a failure-carrying barrier; loading by every rank or by
+// broadcast from rank 0.
+#include "lockstep/distributed/checkpoint.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cstring>
+#include <filesystem>
+#include <functional>
+
+namespace lockstep::dist {
+
+namespace {
+
+using json = nlohmann::json;
+
+Bytes to_bytes(const std::string& s) { return Bytes(s.begin(), s.end()); }
+std::string bytes_str(const Bytes& b) { return std::string(b.begin(), b.end()); }
+
+// Runs `body` and returns why it failed ("" when it did not). Any exception is caught: a rank
+// that left before the next collective would leave the others waiting in it.
+std::string failure_of(const std::function<void()>& body) {
+  try {
+    body();
+    return "";
+  } catch (const Error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return e.what()[0] ? e.what() : "unknown error";
+  } catch (...) {
+    return "unknown exception";
+  }
+}
+
+// Every rank learns every rank's error ("" where it succeeded); throws the first one.
+void agree(ProcessGroup& pg, const std::string& what, const std::string& error) {
+  const std::vector<Bytes> all = pg.all_gather_object(to_bytes(error));
+  for (size_t r = 0; r < all.size(); ++r)
+    LS_CHECK(all[r].empty(), what, " failed on rank ", r, ": ", bytes_str(all[r]));
+}
+
+// Rank 0's contents, sent to every rank: a JSON description (metadata, names, dtypes, shapes)
+// and the data as one byte buffer.
+io::SafetensorsContents broadcast_contents(ProcessGroup& pg, const std::string& path) {
+  io::SafetensorsContents c;
+  json desc;
+  std::string error;
+  if (pg.rank() == 0) {
+    error = failure_of([&] {
+      c = io::load_safetensors(path);
+      desc["metadata"] = c.metadata;
+      json tensors = json::array();
+      for (const auto& [name, t] : c.tensors)
+        tensors.push_back({name, io::safetensors_dtype(t.dtype()), t.shape().vec()});
+      desc["tensors"] = tensors;
+    });
+  }
+  const std::string header =
+      bytes_str(pg.broadcast_object(to_bytes(pg.rank() == 0 && error.empty() ? desc.dump() : "")));
+  agree(pg, "load_checkpoint", error);
+  // Everything that can fail (parsing, allocating the copies) before the data moves, so that
+  // no rank is left in the broadcast when another gave up.
+  int64_t total = 0;
+  Tensor buffer;
+  error = failure_of([&] {
+    if (pg.rank() != 0) {
+      desc = json::parse(header);
+      c.metadata = desc["metadata"].get<io::Metadata>();
+      for (const auto& t : desc["tensors"])
+        c.tensors.emplace_back(t[0].get<std::string>(),
+                               empty(Dims(t[2].get<std::vector<int64_t>>()),
+                                     io::parse_safetensors_dtype(t[1].get<std::string>())));
+    }
+    for (const auto& [name, t] : c.tensors) total += t.nbytes();
+    buffer = empty({total}, kUInt8);
+  });
+  agree(pg, "load_checkpoint", error);
+  auto* bytes = static_cast<uint8_t*>(buffer.data_ptr());
+  if (pg.rank() == 0) {
+    int64_t at = 0;
+    for (const auto& [name, t] : c.tensors) {
+      std::memcpy(bytes + at, t.data_ptr(), static_cast<size_t>(t.nbytes()));
+      at += t.nbytes();
+    }
+  }
+  if (total > 0) pg.broadcast(buffer, {.root = 0})->wait();
+  if (pg.rank() != 0) {
+    int64_t at = 0;
+    for (auto& [name, t] : c.tensors) {
+      std::memcpy(t.data_ptr(), bytes + at, static_cast<size_t>(t.nbytes()));
+      at += t.nbytes();
+    }
+  }
+  return c;
+}
+
+// The SHA-256 the header of `path` records, "" when the file cannot be read as a checkpoint.
+std::string recorded_digest(const std::string& path) {
+  std::string digest;
+  failure_of([&] {
+    std::error_code ec;
+    if (std::filesystem::is_regular_file(path, ec)) digest = io::checkpoint_digest(path);
+  });
+  return digest;
+}
+
+}  // namespace
+
+void save_checkpoint(ProcessGroup& pg, const std::string& path, const io::TrainingCheckpoint& ckpt,
+                     int64_t keep) {
+  std::string error;
+  if (pg.rank() == 0) {
+    error = failure_of([&] {
+      io::save_checkpoint(path, ckpt);
+      io::prune_checkpoints(path, keep);
+    });
+  }
+  // The broadcast is the barrier: the others wait until rank 0 says the file is there.
+  const Bytes status = pg.broadcast_object(to_bytes(error));
+  LS_CHECK(status.empty(), "save_checkpoint failed on rank 0: ", bytes_str(status));
+}
+
+io::TrainingCheckpoint load_checkpoint(ProcessGroup& pg, const std::string& path,
+                                       CheckpointLoad how) {
+  if (pg.size() > 1 && how == CheckpointLoad::automatic) {
+    // Every rank reads the file itself when it sees the very file rank 0 sees.
+    const std::vector<Bytes> digests = pg.all_gather_object(to_bytes(recorded_digest(path)));
+    bool same = !digests[0].empty();
+    for (const Bytes& d : digests) same = same && d == digests[0];
+    how = same ? CheckpointLoad::every_rank : CheckpointLoad::broadcast;
+  }
+  if (pg.size() == 1 || how == CheckpointLoad::every_rank) {
+    io::TrainingCheckpoint ckpt;
+    const std::string error = failure_of([&] { ckpt = io::load_checkpoint(path); });
+    if (pg.size() > 1) agree(pg, "load_checkpoint", error);
+    LS_CHECK(error.empty(), error);
+    return ckpt;
+  }
+  io::SafetensorsContents c = broadcast_contents(pg, path);
+  io::TrainingCheckpoint ckpt;
+  const std::string error = failure_of([&] {
+    ckpt = io::checkpoint_from_contents(std::move(c), path);  // the SHA-256 checks the transfer
+  });
+  agree(pg, "load_checkpoint", error);
+  return ckpt;
+}
+
+std::string resolve_resume(ProcessGroup& pg, const std::string& resume, const std::string& base) {
+  std::string chosen, error;
+  if (pg.rank() == 0) {
+    error = failure_of([&] {
+      if (resume == "auto") {
+        chosen = io::latest_checkpoint(base);
+      } else {
+        std::error_code ec;
+        LS_CHECK(std::filesystem::is_regular_file(resume, ec), "--resume ", resume,
+                 ": no such checkpoint file");
+        chosen = resume;
+      }
+    });
+  }
+  const std::string answer =
+      bytes_str(pg.broadcast_object(to_bytes(error.empty() ? "+" + chosen : "-" + error)));
+  LS_CHECK(answer[0] == '+', answer.substr(1));
+  return answer.substr(1);
+}
+
+}  // namespace lockstep::dist

@@ -1,0 +1,185 @@
+// DistributedDataParallel: model check and broadcast at construction, buffers before forward,
+// the built-in communication hooks.
+#include "lockstep/distributed/ddp.h"
+
+#include <algorithm>
+#include <sstream>
+
+#include "distributed/reducer.h"
+#include "lockstep/autograd/grad_mode.h"
+#include "lockstep/base/error.h"
+
+namespace lockstep::dist {
+
+// ---- communication hooks ----
+
+CommHook allreduce_hook() {
+  return {"allreduce",
+          [](ProcessGroup& pg, GradBucket& b) {
+            return pg.all_reduce(b.buffer, {.op = ReduceOp::avg});
+          },
+          nullptr};
+}
+
+namespace {
+
+CommHook compress_hook(std::string name, DType wire) {
+  return {std::move(name),
+          [wire](ProcessGroup& pg, GradBucket& b) {
+            b.scratch = b.buffer.to(wire);
+            if (b.scratch.is_same(b.buffer)) b.scratch = b.buffer.clone();
+            return pg.all_reduce(b.scratch, {.op = ReduceOp::avg});
+          },
+          [](GradBucket& b) {
+            autograd::NoGradGuard no_grad;
+            b.buffer.copy_(b.scratch);
+            b.scratch = Tensor();
+          }};
+}
+
+}  // namespace
+
+CommHook bf16_compress_hook() { return compress_hook("bf16_compress", kBFloat16); }
+CommHook fp16_compress_hook() { return compress_hook("fp16_compress", kFloat16); }
+
+std::string DDPStats::str() const {
+  std::ostringstream os;
+  int64_t total = 0;
+  for (int64_t b : bucket_bytes) total += b;
+  os << bucket_bytes.size() << " buckets (" << total / 1024 << " KiB:";
+  for (size_t i = 0; i < bucket_bytes.size(); ++i) {
+    os << " " << bucket_bytes[i] / 1024 << " KiB/" << bucket_params[i] << "p";
+  }
+  os << ")" << (buckets_rebuilt ? ", rebuilt in ready order" : "") << "; " << synced_steps
+     << " synced steps, " << bytes_reduced_last_step / 1024 << " KiB reduced per step; exposed "
+     << "communication " << exposed_comm_seconds_last * 1e3 << " ms last step, "
+     << (synced_steps > 0 ? exposed_comm_seconds_total * 1e3 / synced_steps : 0.0)
+     << " ms on average";
+  return os.str();
+}
+
+// ---- the model check ----
+
+namespace {
+
+// One line per parameter and buffer: "param<TAB>name<TAB>dtype<TAB>shape".
+std::vector<std::string> signature(const nn::Module& m) {
+  std::vector<std::string> lines;
+  for (const auto& [name, t] : m.named_parameters()) {
+    lines.push_back(lockstep::detail::str_cat("parameter '", name, "' ", t.shape().str(), " ",
+                                              dtype_name(t.dtype()),
+                                              t.requires_grad() ? "" : " (no grad)"));
+  }
+  for (const auto& [name, t] : m.named_buffers()) {
+    lines.push_back(lockstep::detail::str_cat("buffer '", name, "' ", t.shape().str(), " ",
+                                              dtype_name(t.dtype())));
+  }
+  return lines;
+}
+
+Bytes join_lines(const std::vector<std::string>& lines) {
+  std::string s;
+  for (const auto& l : lines) s += l + "\n";
+  return to_bytes(s);
+}
+
+std::vector<std::string> split_lines(const Bytes& b) {
+  std::vector<std::string> out;
+  std::string cur;
+  for (uint8_t c : b) {
+    if (c == '\n') {
+      out.push_back(cur);
+      cur.clear();
+    } else {
+      cur += static_cast<char>(c);
+    }
+  }
+  return out;
+}
+
+// Every rank gets every rank's signature, so every rank reaches the same verdict and the same
+// message (no rank is left waiting in a later collective).
+void check_same_model(ProcessGroup& pg, const nn::Module& m) {
+  const auto all = pg.all_gather_object(join_lines(signature(m)));
+  const auto ref = split_lines(all[0]);
+  for (size_t r = 1; r < all.size(); ++r) {
+    const auto other = split_lines(all[r]);
+    const size_t n = std::max(ref.size(), other.size());
+    for (size_t k = 0; k < n; ++k) {
+      const std::string a = k < ref.size() ? ref[k] : "nothing";
+      const std::string b = k < other.size() ? other[k] : "nothing";
+      if (a != b) {
+        LS_THROW("DistributedDataParallel: ranks built different models: entry ", k, " is ", a,
+                 " on rank 0 but ", b, " on rank ", r, " (rank 0 has ", ref.size(),
+                 " parameters and buffers, rank ", r, " has ", other.size(),
+                 "); every rank must construct the same model");
+      }
+    }
+  }
+}
+
+// Broadcasts rank 0's values of `tensors`, one fused call per dtype.
+void broadcast_from_rank0(ProcessGroup& pg, const std::vector<Tensor>& tensors) {
+  std::vector<std::vector<Tensor>> by_dtype;
+  for (const Tensor& t : tensors) {
+    auto it = std::find_if(by_dtype.begin(), by_dtype.end(),
+                           [&](const auto& g) { return g[0].dtype() == t.dtype(); });
+    if (it == by_dtype.end()) {
+      by_dtype.push_back({t});
+    } else {
+      it->push_back(t);
+    }
+  }
+  for (auto& group : by_dtype) pg.broadcast(group, {.root = 0})->wait();
+}
+
+}  // namespace
+
+// ---- DistributedDataParallel ----
+
+DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> module,
+                                                 ProcessGroupPtr pg, DDPOptions opts)
+    : nn::Module("DistributedDataParallel"),
+      module_(std::move(module)),
+      pg_(std::move(pg)),
+      opts_(std::move(opts)) {
+  LS_CHECK(module_ != nullptr, "DistributedDataParallel: no module given");
+  LS_CHECK(pg_ != nullptr,
+           "DistributedDataParallel: no process group given (call "
+           "init_process_group() and pass default_group())");
+  register_module("module", module_);
+  check_same_model(*pg_, *module_);
+
+  std::vector<Tensor> state;
+  for (const auto& [name, t] : module_->named_parameters()) state.push_back(t);
+  for (const auto& [name, t] : module_->named_buffers()) state.push_back(t);
+  if (pg_->size() > 1 && !state.empty()) broadcast_from_rank0(*pg_, state);
+
+  std::vector<std::pair<std::string, Tensor>> params;
+  for (const auto& [name, t] : module_->named_parameters()) {
+    if (t.requires_grad()) params.emplace_back(name, t);
+  }
+  reducer_ = std::make_unique<Reducer>(std::move(params), pg_, opts_);
+}
+
+DistributedDataParallel::~DistributedDataParallel() = default;
+
+Tensor DistributedDataParallel::forward(const Tensor& x) {
+  if (opts_.broadcast_buffers && pg_->size() > 1 && module_->is_training()) {
+    const std::vector<Tensor> buffers = module_->buffers();
+    if (!buffers.empty()) broadcast_from_rank0(*pg_, buffers);
+  }
+  reducer_->prepare_forward();
+  return module_->forward(x);
+}
+
+DistributedDataParallel::NoSync::NoSync(DistributedDataParallel& ddp)
+    : ddp_(ddp), previous_(ddp.reducer_->no_sync()) {
+  ddp_.reducer_->set_no_sync(true);
+}
+
+DistributedDataParallel::NoSync::~NoSync() { ddp_.reducer_->set_no_sync(previous_); }
+
+DDPStats DistributedDataParallel::stats() const { return reducer_->stats(); }
+
+}  // namespace lockstep::dist

@@ -1,0 +1,167 @@
+// read_dist_env(): this process's place in the job from torchrun's, SLURM's or Open MPI's
+// variables.
+#include <cctype>
+#include <charconv>
+#include <cstdlib>
+
+#include "lockstep/base/error.h"
+#include "lockstep/distributed/init.h"
+#include "lockstep/distributed/store/tcp_store.h"
+
+namespace lockstep::dist {
+
+std::optional<std::string> process_env(const std::string& name) {
+  const char* v = std::getenv(name.c_str());
+  if (v == nullptr) return std::nullopt;
+  return std::string(v);
+}
+
+namespace {
+
+// SLURM jobs that share a machine must not share a port: derive one from the job id (in
+// [kSlurmPortBase, kSlurmPortBase + kSlurmPortSpan)) unless MASTER_PORT says otherwise.
+constexpr int kSlurmPortBase = 20000;
+constexpr int kSlurmPortSpan = 20000;
+
+class Reader {
+ public:
+  explicit Reader(const EnvLookup& lookup) : lookup_(lookup) {}
+
+  bool has(const std::string& name) const { return lookup_(name).has_value(); }
+
+  std::optional<std::string> str(const std::string& name) const {
+    auto v = lookup_(name);
+    if (v && v->empty()) return std::nullopt;  // NAME= counts as unset
+    return v;
+  }
+
+  // A decimal integer in [lo, hi], or nullopt when unset.
+  std::optional<int> integer(const std::string& name, long long lo, long long hi) const {
+    auto v = str(name);
+    if (!v) return std::nullopt;
+    long long x = 0;
+    const char* begin = v->data();
+    const char* end = begin + v->size();
+    auto [p, ec] = std::from_chars(begin, end, x);
+    LS_CHECK(ec == std::errc() && p == end, name, "='", *v, "' is not an integer");
+    LS_CHECK(x >= lo && x <= hi, name, "=", x, " is out of range: expected ", lo, " to ", hi);
+    return static_cast<int>(x);
+  }
+
+ private:
+  const EnvLookup& lookup_;
+};
+
+constexpr long long kMaxRanks = 1 << 24;
+
+// "node[01-04,07]" -> "node01"; "a,b" -> "a"; "host" -> "host".
+std::string first_slurm_host(const std::string& list) {
+  std::string out;
+  for (size_t i = 0; i < list.size(); ++i) {
+    const char c = list[i];
+    if (c == ',') break;
+    if (c == '[') {
+      for (size_t j = i + 1; j < list.size() && std::isdigit(static_cast<unsigned char>(list[j]));
+           ++j) {
+        out += list[j];
+      }
+      break;
+    }
+    out += c;
+  }
+  return out;
+}
+
+// "4(x2),3" -> 4: SLURM_TASKS_PER_NODE's count on the first node.
+std::optional<int> leading_count(const std::optional<std::string>& s) {
+  if (!s) return std::nullopt;
+  int x = 0;
+  auto [p, ec] = std::from_chars(s->data(), s->data() + s->size(), x);
+  if (ec != std::errc() || x < 1) return std::nullopt;
+  return x;
+}
+
+void check_consistent(const DistEnv& e, const std::string& vars) {
+  LS_CHECK(e.world_size >= 1, vars, ": the world size must be >= 1, got ", e.world_size);
+  LS_CHECK(e.rank < e.world_size, vars, ": rank ", e.rank, " must be < world size ", e.world_size);
+  LS_CHECK(e.local_world_size >= 1 && e.local_world_size <= e.world_size, vars,
+           ": the local world size ", e.local_world_size, " must be in [1, world size ",
+           e.world_size, "]");
+  LS_CHECK(e.local_rank < e.local_world_size, vars, ": local rank ", e.local_rank,
+           " must be < local world size ", e.local_world_size);
+}
+
+}  // namespace
+
+DistEnv read_dist_env(const EnvLookup& lookup) {
+  const Reader env(lookup);
+  DistEnv e;
+  e.agent_store = env.str(kUseAgentStoreEnv).value_or("0") == "1";
+  e.restart_count = env.integer("LOCKSTEP_RESTART_COUNT", 0, 1 << 30).value_or(0);
+  e.run_id = env.str("LOCKSTEP_RUN_ID").value_or("");
+  e.socket_ifname = env.str(kSocketIfnameEnv).value_or(env.str("GLOO_SOCKET_IFNAME").value_or(""));
+  const auto master_addr = env.str("MASTER_ADDR");
+  const auto master_port = env.integer("MASTER_PORT", 1, 65535);
+
+  const bool torchrun = env.str("RANK") || env.str("WORLD_SIZE");
+  const bool slurm = env.str("SLURM_PROCID") && env.str("SLURM_NTASKS");
+  const bool ompi = env.str("OMPI_COMM_WORLD_RANK") && env.str("OMPI_COMM_WORLD_SIZE");
+  if (torchrun) {
+    e.source = "RANK/WORLD_SIZE";
+    auto rank = env.integer("RANK", 0, kMaxRanks);
+    auto size = env.integer("WORLD_SIZE", 1, kMaxRanks);
+    LS_CHECK(rank && size, rank ? "RANK" : "WORLD_SIZE", " is set but ",
+             rank ? "WORLD_SIZE" : "RANK",
+             " is not: set both (a launcher such as `lockstep run` sets every variable)");
+    e.rank = *rank;
+    e.world_size = *size;
+    // Without LOCAL_* the job is taken to run on this one machine.
+    e.local_world_size = env.integer("LOCAL_WORLD_SIZE", 1, kMaxRanks).value_or(e.world_size);
+    e.local_rank = env.integer("LOCAL_RANK", 0, kMaxRanks).value_or(e.rank % e.local_world_size);
+    e.group_rank = env.integer("GROUP_RANK", 0, kMaxRanks).value_or(e.rank / e.local_world_size);
+    check_consistent(e, "RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE");
+  } else if (slurm) {
+    e.source = "SLURM";
+    e.rank = *env.integer("SLURM_PROCID", 0, kMaxRanks);
+    e.world_size = *env.integer("SLURM_NTASKS", 1, kMaxRanks);
+    e.local_rank = env.integer("SLURM_LOCALID", 0, kMaxRanks).value_or(0);
+    e.local_world_size =
+        env.integer("SLURM_NTASKS_PER_NODE", 1, kMaxRanks)
+            .value_or(leading_count(env.str("SLURM_TASKS_PER_NODE")).value_or(e.world_size));
+    e.group_rank = env.integer("SLURM_NODEID", 0, kMaxRanks).value_or(0);
+    check_consistent(e, "SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID/SLURM_NTASKS_PER_NODE");
+  } else if (ompi) {
+    e.source = "Open MPI";
+    e.rank = *env.integer("OMPI_COMM_WORLD_RANK", 0, kMaxRanks);
+    e.world_size = *env.integer("OMPI_COMM_WORLD_SIZE", 1, kMaxRanks);
+    e.local_rank = env.integer("OMPI_COMM_WORLD_LOCAL_RANK", 0, kMaxRanks).value_or(0);
+    e.local_world_size =
+        env.integer("OMPI_COMM_WORLD_LOCAL_SIZE", 1, kMaxRanks).value_or(e.world_size);
+    e.group_rank = env.integer("OMPI_COMM_WORLD_NODE_RANK", 0, kMaxRanks).value_or(0);
+    check_consistent(e, "OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE");
+  } else {
+    return e;  // a world of one
+  }
+
+  const bool one_machine = e.local_world_size == e.world_size;
+  if (master_addr) {
+    e.master_addr = *master_addr;
+  } else if (e.source == "SLURM" && env.str("SLURM_NODELIST")) {
+    e.master_addr = first_slurm_host(*env.str("SLURM_NODELIST"));
+  } else {
+    LS_CHECK(one_machine, "MASTER_ADDR is not set, but the job spans several machines (", e.source,
+             ": world size ", e.world_size, ", ", e.local_world_size,
+             " per machine); set MASTER_ADDR to the host of rank 0");
+  }
+  if (master_port) {
+    e.master_port = static_cast<uint16_t>(*master_port);
+  } else if (e.source == "SLURM" && env.str("SLURM_JOB_ID")) {
+    const int job = env.integer("SLURM_JOB_ID", 0, (1LL << 31) - 1).value_or(0);
+    e.master_port = static_cast<uint16_t>(kSlurmPortBase + job % kSlurmPortSpan);
+  } else {
+    e.master_port = kDefaultStorePort;
+  }
+  return e;
+}
+
+}  // namespace lockstep::dist

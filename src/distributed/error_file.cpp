@@ -1,0 +1,63 @@
+// LOCKSTEP_ERROR_FILE: recording why a worker died.
+#include "lockstep/distributed/error_file.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <exception>
+#include <mutex>
+
+#include <nlohmann/json.hpp>
+
+namespace lockstep::dist {
+
+void record_error(const std::string& message) {
+  const char* path = std::getenv(kErrorFileEnv);
+  if (path == nullptr || *path == '\0') return;
+  try {
+    const nlohmann::json j = {{"message", message},
+                              {"time", static_cast<int64_t>(std::time(nullptr))},
+                              {"pid", static_cast<int64_t>(::getpid())}};
+    // Replace, not append: the file holds this worker's last word. dump() with replace for
+    // invalid UTF-8, since messages may carry arbitrary bytes.
+    const std::string text =
+        j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+    if (FILE* f = std::fopen(path, "w")) {
+      std::fwrite(text.data(), 1, text.size(), f);
+      std::fclose(f);
+    }
+  } catch (...) {
+    // Nothing to be done: the process is already failing.
+  }
+}
+
+namespace {
+
+std::terminate_handler previous_handler = nullptr;
+
+[[noreturn]] void on_terminate() {
+  std::string message = "terminate called without an active exception";
+  if (std::exception_ptr e = std::current_exception()) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& ex) {
+      message = ex.what();
+    } catch (...) {
+      message = "terminate called after throwing a non-std::exception";
+    }
+  }
+  record_error(message);
+  if (previous_handler != nullptr) previous_handler();
+  std::abort();
+}
+
+}  // namespace
+
+void install_error_handler() {
+  static std::once_flag once;
+  std::call_once(once, [] { previous_handler = std::set_terminate(on_terminate); });
+}
+
+}  // namespace lockstep::dist

@@ -1,0 +1,452 @@
+// ProcessGroupGloo: a queue of collectives drained by one communication thread that owns the
+// Gloo context.
+#include "lockstep/distributed/gloo/process_group_gloo.h"
+
+#include <pthread.h>
+#include <signal.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <future>
+#include <mutex>
+#include <thread>
+
+#include <gloo/allgather.h>
+#include <gloo/allreduce.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/transport/tcp/device.h>
+
+#include "distributed/gloo/reduce.h"
+#include "distributed/gloo/store_adapter.h"
+#include "lockstep/base/error.h"
+#include "lockstep/distributed/init.h"
+#include "lockstep/distributed/store/prefix_store.h"
+#include "lockstep/distributed/store/tcp_store.h"
+
+namespace lockstep::dist {
+
+namespace {
+
+// The address to bind when the caller named neither an address nor an interface: the one that
+// routes to the TCP store's host (the other ranks reach that host, so they reach this address
+// the same way), or loopback when the store lives in this process.
+std::string default_bind_address(const std::shared_ptr<Store>& store) {
+  Store* s = store.get();
+  while (auto* prefix = dynamic_cast<PrefixStore*>(s)) s = prefix->underlying().get();
+  if (auto* tcp = dynamic_cast<TCPStore*>(s)) return local_address_toward(tcp->host(), tcp->port());
+  return "127.0.0.1";
+}
+
+// Adds what a person needs to act on Gloo's terse messages.
+std::string explain(const std::string& what, std::chrono::milliseconds timeout) {
+  if (what.find("Timed out") != std::string::npos) {
+    return lockstep::detail::str_cat(
+        "timed out after ", timeout.count(), " ms (", what,
+        "): a rank did not reach this collective or is far behind; every rank must issue the "
+        "same collectives in the same order");
+  }
+  if (what.find("closed") != std::string::npos || what.find("reset") != std::string::npos ||
+      what.find("Broken pipe") != std::string::npos) {
+    return lockstep::detail::str_cat(
+        "a peer closed its connection (", what,
+        "): its process exited or crashed, or its own collective failed "
+        "first; see the other ranks' errors");
+  }
+  return what;
+}
+
+// Gloo's TCP transport writes with writev(), which raises SIGPIPE when a peer is gone; that
+// signal's default action kills the process before the error can be reported. The
+// communication thread blocks it, and Gloo's event-loop thread, created from there, inherits the
+// mask; writes then fail with EPIPE, which Gloo reports as an error.
+void block_sigpipe_on_this_thread() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGPIPE);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+}
+
+// Blocks SIGPIPE on a caller's thread while it runs collectives (Note [Caller runs]), then
+// discards a SIGPIPE raised meanwhile before restoring the caller's mask.
+// How long a queued collective is left for a waiting caller to run (Note [Caller runs]); an
+// asynchronous collective starts at most this late.
+constexpr std::chrono::microseconds kCallerGrace{50};
+
+class SigpipeBlocked {
+ public:
+  SigpipeBlocked() {
+    sigemptyset(&pipe_);
+    sigaddset(&pipe_, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe_, &old_);
+  }
+  ~SigpipeBlocked() {
+    if (sigismember(&old_, SIGPIPE)) return;  // blocked before: leave it as it was
+    sigset_t pending;
+    sigemptyset(&pending);
+    if (sigpending(&pending) == 0 && sigismember(&pending, SIGPIPE)) {
+      const timespec zero{0, 0};
+      sigtimedwait(&pipe_, nullptr, &zero);
+    }
+    pthread_sigmask(SIG_SETMASK, &old_, nullptr);
+  }
+  SigpipeBlocked(const SigpipeBlocked&) = delete;
+  SigpipeBlocked& operator=(const SigpipeBlocked&) = delete;
+
+ private:
+  sigset_t pipe_;
+  sigset_t old_;
+};
+
+// Gloo sizes segments in elements; hand it words of the element's width.
+template <typename F>
+void with_word_type(int64_t element_size, F&& f) {
+  switch (element_size) {
+    case 1:
+      f(uint8_t{});
+      return;
+    case 2:
+      f(uint16_t{});
+      return;
+    case 4:
+      f(uint32_t{});
+      return;
+    case 8:
+      f(uint64_t{});
+      return;
+    default:
+      LS_THROW("no Gloo word type of ", element_size, " bytes");
+  }
+}
+
+}  // namespace
+
+class ProcessGroupGloo::Impl : public std::enable_shared_from_this<ProcessGroupGloo::Impl> {
+ public:
+  Impl(std::string who, int rank, int size)
+      : who_(std::move(who)), rank_(rank), size_(size), thread_([this] { loop(); }) {}
+
+  ~Impl() { shutdown(); }
+
+  // Runs what is queued, then stops the communication thread. Idempotent. Called by
+  // ~ProcessGroupGloo, so that destroying a group drains it even while a waiting caller's hook
+  // still holds this Impl.
+  void shutdown() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (!thread_.joinable()) return;
+    if (thread_.get_id() == std::this_thread::get_id()) {
+      // The last owner went away inside a task (a Work::then step holding the group): the
+      // thread cannot join itself; it exits once the queue is empty.
+      thread_.detach();
+      return;
+    }
+    thread_.join();
+  }
+
+  // Creates the transport and connects to every rank, on the communication thread.
+  void connect(const BackendConfig& config) {
+    auto done = std::make_shared<std::promise<void>>();
+    post([this, &config, done] {
+      try {
+        gloo::transport::tcp::attr attr;
+        if (!config.bind_address.empty()) {
+          attr.hostname = config.bind_address;
+        } else if (!config.bind_interface.empty()) {
+          attr.iface = config.bind_interface;
+        } else {
+          attr.hostname = default_bind_address(config.store);
+        }
+        address_ = attr.iface.empty() ? attr.hostname : attr.iface;
+        try {
+          device_ = gloo::transport::tcp::CreateDevice(attr);
+        } catch (const std::exception& e) {
+          LS_THROW(who_, ": cannot listen on ", address_, " for Gloo's connections: ", e.what());
+        }
+        auto context = std::make_shared<gloo::rendezvous::Context>(rank_, size_);
+        context->setTimeout(config.timeout);
+        detail::GlooStoreAdapter adapter(config.store, config.timeout);
+        try {
+          context->connectFullMesh(adapter, device_);
+        } catch (const Error& e) {
+          LS_THROW(who_, ": rendezvous with the other ", size_ - 1, " ranks failed: ", e.message());
+        } catch (const std::exception& e) {
+          LS_THROW(who_, ": connecting to the other ", size_ - 1, " ranks failed: ", e.what());
+        }
+        context_ = std::move(context);
+        done->set_value();
+      } catch (...) {
+        // Tell the other ranks, which are waiting for this rank's address (store_adapter.h).
+        try {
+          throw;
+        } catch (const std::exception& e) {
+          try {
+            config.store->set(detail::GlooStoreAdapter::kAbortKey, std::string(e.what()));
+          } catch (...) {
+          }
+        }
+        done->set_exception(std::current_exception());
+      }
+    });
+    done->get_future().get();
+  }
+
+  // Queues `body` to run with the context on the communication thread, then finish `work`.
+  void run(const WorkPtr& work, std::chrono::milliseconds timeout,
+           std::function<void(const std::shared_ptr<gloo::Context>&)> body) {
+    work->set_wait_hook([self = weak_from_this()](const Work& w) {
+      if (auto impl = self.lock()) impl->help(w);
+    });
+    post([this, work, timeout, body = std::move(body)] {
+      if (!context_) {
+        work->finish(std::make_exception_ptr(
+            Error(lockstep::detail::str_cat(who_, ": ", work->description(),
+                                            " was not run: this group failed earlier (", broken_,
+                                            "); build a new group to continue"),
+                  __FILE__, __LINE__)));
+        return;
+      }
+      try {
+        body(context_);
+      } catch (...) {
+        std::string what = "unknown exception";
+        try {
+          throw;
+        } catch (const std::exception& e) {
+          what = e.what();
+        } catch (...) {
+        }
+        const std::string reason = explain(what, timeout);
+        broken_ = work->description() + ": " + reason;
+        // Closing every connection makes the peers' collectives fail now rather than at their
+        // own timeouts, and no later collective can run on a stream in an unknown state.
+        context_.reset();
+        work->finish(std::make_exception_ptr(
+            Error(lockstep::detail::str_cat(who_, ": ", work->description(), " failed: ", reason),
+                  __FILE__, __LINE__)));
+        return;
+      }
+      work->finish();
+    });
+  }
+
+  const std::string& address() const { return address_; }
+
+ private:
+  void post(std::function<void()> task) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back({std::move(task), std::chrono::steady_clock::now()});
+    }
+    cv_.notify_one();
+  }
+
+  void loop() {
+    block_sigpipe_on_this_thread();
+    for (;;) {
+      {
+        // While a waiting caller runs the queue itself, stay asleep: waking only to block on
+        // exec_mu_ would cost two wake-ups per collective on a busy machine.
+        std::unique_lock<std::mutex> lock(mu_);
+        for (;;) {
+          if (queue_.empty()) {
+            if (stop_) break;
+            cv_.wait(lock);
+          } else if (caller_running_ && !stop_) {
+            cv_.wait(lock);
+          } else if (const auto due = queue_.front().posted + kCallerGrace;
+                     !stop_ && std::chrono::steady_clock::now() < due) {
+            cv_.wait_until(lock, due);
+          } else {
+            break;
+          }
+        }
+        if (queue_.empty()) break;  // stop_ and nothing left to run
+      }
+      std::lock_guard<std::mutex> exec(exec_mu_);
+      if (auto task = pop()) task();  // a waiting caller may have run it already
+    }
+    // Gloo's objects are created and destroyed on this thread only.
+    std::lock_guard<std::mutex> exec(exec_mu_);
+    context_.reset();
+    device_.reset();
+  }
+
+  void set_caller_running(bool running) {
+    bool more = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      caller_running_ = running;
+      more = !queue_.empty();
+    }
+    if (!running && more) cv_.notify_one();  // what the caller left is the thread's again
+  }
+
+  // The next queued task, or an empty function. Callers hold exec_mu_, so that tasks start in
+  // queue order whichever thread runs them.
+  std::function<void()> pop() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (queue_.empty()) return {};
+    std::function<void()> task = std::move(queue_.front().fn);
+    queue_.pop_front();
+    return task;
+  }
+
+ public:
+  // Note [Caller runs]
+  // all_reduce(x)->wait() would cost two thread hand-offs per collective (to the communication
+  // thread and back), each a wake-up that takes hundreds of microseconds on a virtual machine.
+  // When a caller waits and the communication thread is not running a collective, the caller
+  // runs the queued collectives itself, in queue order, until its own has completed; Gloo then
+  // wakes the caller directly, as it would with raw Gloo calls. exec_mu_ makes one thread at a
+  // time use the context. The communication thread leaves a new collective alone for
+  // kCallerGrace, the window in which a caller that waits at once claims it; without that window
+  // the thread, woken by the previous collective, keeps winning the race for the next one.
+  void help(const Work& work) {
+    std::unique_lock<std::mutex> exec(exec_mu_, std::try_to_lock);
+    if (!exec.owns_lock()) return;  // the communication thread is busy: let it finish
+    struct CallerRunning {
+      Impl& impl;
+      explicit CallerRunning(Impl& i) : impl(i) { impl.set_caller_running(true); }
+      ~CallerRunning() { impl.set_caller_running(false); }
+    } running(*this);
+    SigpipeBlocked no_sigpipe;
+    while (!work.is_completed()) {
+      auto task = pop();
+      if (!task) break;
+      task();
+    }
+  }
+
+ private:
+  const std::string who_;
+  const int rank_;
+  const int size_;
+  // Used by whichever thread holds exec_mu_.
+  std::shared_ptr<gloo::transport::Device> device_;
+  std::shared_ptr<gloo::Context> context_;
+  std::string broken_;
+  std::string address_;
+
+  std::mutex exec_mu_;  // held while a task runs (Note [Caller runs])
+  std::mutex mu_;       // guards the queue
+  std::condition_variable cv_;
+  struct Task {
+    std::function<void()> fn;
+    std::chrono::steady_clock::time_point posted;
+  };
+  std::deque<Task> queue_;
+  bool stop_ = false;
+  bool caller_running_ = false;  // a waiting caller runs the queue (Note [Caller runs])
+  std::thread thread_;           // last: starts once everything above exists
+};
+
+ProcessGroupGloo::ProcessGroupGloo(const BackendConfig& config)
+    : ProcessGroup(config.rank, config.size, config.timeout) {
+  LS_CHECK(config.store != nullptr, who(), ": a store to rendezvous through is required");
+  impl_ = std::make_shared<Impl>(who(), rank(), size());
+  impl_->connect(config);
+}
+
+ProcessGroupGloo::~ProcessGroupGloo() {
+  if (impl_) impl_->shutdown();
+}
+
+const std::string& ProcessGroupGloo::address() const { return impl_->address(); }
+
+void ProcessGroupGloo::do_all_reduce(Tensor tensor, ReduceOp op, std::chrono::milliseconds timeout,
+                                     const WorkPtr& work) {
+  const auto tag = static_cast<uint32_t>(work->seq());
+  impl_->run(work, timeout, [tensor, op, timeout, tag](const std::shared_ptr<gloo::Context>& ctx) {
+    const auto n = static_cast<size_t>(tensor.numel());
+    if (n == 0) return;
+    gloo::AllreduceOptions o(ctx);
+    with_word_type(tensor.element_size(), [&](auto word) {
+      o.setOutput(static_cast<decltype(word)*>(tensor.data_ptr()), n);
+    });
+    o.setReduceFunction(detail::reduce_fn(tensor.dtype(), op));
+    o.setTag(tag);
+    o.setTimeout(timeout);
+    gloo::allreduce(o);
+    if (op == ReduceOp::avg)
+      detail::divide_in_place(tensor.data_ptr(), tensor.dtype(), n, ctx->size);
+  });
+}
+
+void ProcessGroupGloo::do_broadcast(Tensor tensor, int root, std::chrono::milliseconds timeout,
+                                    const WorkPtr& work) {
+  const auto tag = static_cast<uint32_t>(work->seq());
+  impl_->run(
+      work, timeout, [tensor, root, timeout, tag](const std::shared_ptr<gloo::Context>& ctx) {
+        if (tensor.numel() == 0) return;
+        gloo::BroadcastOptions o(ctx);
+        o.setOutput(static_cast<uint8_t*>(tensor.data_ptr()), static_cast<size_t>(tensor.nbytes()));
+        o.setRoot(root);
+        o.setTag(tag);
+        o.setTimeout(timeout);
+        gloo::broadcast(o);
+      });
+}
+
+void ProcessGroupGloo::do_all_gather(Tensor output, Tensor input, std::chrono::milliseconds timeout,
+                                     const WorkPtr& work) {
+  const auto tag = static_cast<uint32_t>(work->seq());
+  impl_->run(
+      work, timeout, [output, input, timeout, tag](const std::shared_ptr<gloo::Context>& ctx) {
+        if (input.numel() == 0) return;
+        gloo::AllgatherOptions o(ctx);
+        o.setInput(static_cast<uint8_t*>(input.data_ptr()), static_cast<size_t>(input.nbytes()));
+        o.setOutput(static_cast<uint8_t*>(output.data_ptr()), static_cast<size_t>(output.nbytes()));
+        o.setTag(tag);
+        o.setTimeout(timeout);
+        gloo::allgather(o);
+      });
+}
+
+// Gloo's collectives API has no reduce-scatter: all-reduce a scratch copy of the input and keep
+// this rank's chunk. It moves twice the bytes of a ring reduce-scatter, which DDP does not need;
+// a sharded optimizer would want the real one.
+void ProcessGroupGloo::do_reduce_scatter(Tensor output, Tensor input, ReduceOp op,
+                                         std::chrono::milliseconds timeout, const WorkPtr& work) {
+  const auto tag = static_cast<uint32_t>(work->seq());
+  const int rank = this->rank();
+  impl_->run(work, timeout,
+             [output, input, op, timeout, tag, rank](const std::shared_ptr<gloo::Context>& ctx) {
+               const auto n = static_cast<size_t>(input.numel());
+               if (n == 0) return;
+               Tensor scratch = input.clone();
+               gloo::AllreduceOptions o(ctx);
+               with_word_type(scratch.element_size(), [&](auto word) {
+                 o.setOutput(static_cast<decltype(word)*>(scratch.data_ptr()), n);
+               });
+               o.setReduceFunction(detail::reduce_fn(scratch.dtype(), op));
+               o.setTag(tag);
+               o.setTimeout(timeout);
+               gloo::allreduce(o);
+               const auto chunk = static_cast<size_t>(output.nbytes());
+               std::memcpy(output.data_ptr(),
+                           static_cast<const uint8_t*>(scratch.data_ptr()) + rank * chunk, chunk);
+               if (op == ReduceOp::avg) {
+                 detail::divide_in_place(output.data_ptr(), output.dtype(),
+                                         static_cast<size_t>(output.numel()), ctx->size);
+               }
+             });
+}
+
+void ProcessGroupGloo::do_barrier(std::chrono::milliseconds timeout, const WorkPtr& work) {
+  const auto tag = static_cast<uint32_t>(work->seq());
+  impl_->run(work, timeout, [timeout, tag](const std::shared_ptr<gloo::Context>& ctx) {
+    gloo::BarrierOptions o(ctx);
+    o.setTag(tag);
+    o.setTimeout(timeout);
+    gloo::barrier(o);
+  });
+}
+
+}  // namespace lockstep::dist

@@ -1,0 +1,282 @@
+// init_process_group(): the store, the join check, the world group, the process-wide default
+// group and new_group().
+#include "lockstep/distributed/init.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "distributed/net.h"
+#include "lockstep/base/error.h"
+#include "lockstep/base/log.h"
+#include "lockstep/distributed/error_file.h"
+#include "lockstep/distributed/store/prefix_store.h"
+#include "lockstep/distributed/store/tcp_store.h"
+
+namespace lockstep::dist {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// "host pid 1234 (join 9f3a...)": the nonce tells apart two claims from one process (ranks as
+// threads), which host and pid alone would not.
+std::string identity() {
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  std::random_device rd;
+  char nonce[17];
+  std::snprintf(nonce, sizeof(nonce), "%08x%08x", rd(), rd());
+  return lockstep::detail::str_cat(host, " pid ", ::getpid(), " (join ", nonce, ")");
+}
+
+// Note [Join check]
+// Before any backend connects, every process announces itself through the store:
+//   world_size  the first process's WORLD_SIZE (compare_set); a different one is an error;
+//   rank/<r>    who claimed rank r (compare_set); a second claimant is an error;
+//   joined      a counter of the processes that got this far.
+// A process that finds a problem writes it under `error` before throwing, and every process
+// waiting for the others polls that key, so all of them fail with the same message instead of
+// the others waiting out the rendezvous timeout for a rank that will never come.
+void join(Store& store, const DistEnv& env, std::chrono::milliseconds timeout) {
+  const std::string me = identity();
+  auto fail = [&](const std::string& msg) {
+    store.set("error", msg);
+    LS_THROW(msg);
+  };
+  const std::string ws = std::to_string(env.world_size);
+  const std::string first_ws = store.compare_set("world_size", "", ws);
+  if (first_ws != ws) {
+    fail(lockstep::detail::str_cat("ranks disagree on the world size: rank ", env.rank, " (", me,
+                                   ") has WORLD_SIZE=", ws, ", the first process to join had ",
+                                   first_ws));
+  }
+  const std::string key = "rank/" + std::to_string(env.rank);
+  const std::string owner = store.compare_set(key, "", me);
+  if (owner != me) {
+    fail(lockstep::detail::str_cat("rank ", env.rank, " is claimed by two processes: ", owner,
+                                   " and ", me,
+                                   "; every process needs its own RANK (or one process "
+                                   "initialized twice with the same store)"));
+  }
+  store.add("joined", 1);
+
+  const auto deadline = Clock::now() + timeout;
+  auto pause = std::chrono::milliseconds(1);
+  for (;;) {
+    if (store.check({"error"})) LS_THROW(store.get_string("error"));
+    const int64_t joined = store.add("joined", 0);
+    if (joined > env.world_size) {
+      fail(lockstep::detail::str_cat(joined,
+                                     " processes joined a world of WORLD_SIZE=", env.world_size));
+    }
+    if (joined == env.world_size) break;
+    if (Clock::now() >= deadline) {
+      std::string missing;
+      for (int r = 0; r < env.world_size; ++r) {
+        if (!store.check({"rank/" + std::to_string(r)})) {
+          missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+        }
+      }
+      LS_THROW("only ", joined, " of ", env.world_size, " ranks joined within ", timeout.count(),
+               " ms; missing rank(s): ", missing);
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(100));
+  }
+}
+
+std::string join_ranks(const std::vector<int>& ranks) {
+  std::string s;
+  for (int r : ranks) s += (s.empty() ? "" : ",") + std::to_string(r);
+  return s;
+}
+
+// The process-wide default group (DESIGN.md: the only global mutable state besides the
+// per-thread grad/autocast modes).
+struct Default {
+  std::mutex mu;
+  std::optional<World> world;
+};
+Default& global() {
+  static Default d;
+  return d;
+}
+
+World& default_world_locked(Default& d) {
+  LS_CHECK(d.world.has_value(),
+           "the default process group is not initialized: call "
+           "lockstep::dist::init_process_group() first");
+  return *d.world;
+}
+
+}  // namespace
+
+World connect_world(DistEnv env, const InitOptions& opts) {
+  LS_CHECK(opts.rank.has_value() == opts.world_size.has_value(),
+           "InitOptions: set both rank and world_size, or neither");
+  if (opts.world_size) {
+    env.world_size = *opts.world_size;
+    env.rank = *opts.rank;
+    LS_CHECK(env.world_size >= 1 && env.rank >= 0 && env.rank < env.world_size,
+             "InitOptions: rank ", env.rank, " is outside [0, world_size ", env.world_size, ")");
+    if (env.local_world_size > env.world_size) env.local_world_size = env.world_size;
+    if (env.local_rank >= env.local_world_size) env.local_rank = env.rank % env.local_world_size;
+  }
+  LS_CHECK(has_backend(opts.backend), "init_process_group: unknown backend '", opts.backend, "'");
+  World w;
+  w.env = env;
+  w.backend = opts.backend;
+  if (env.world_size == 1 && opts.store == nullptr) {
+    w.group = std::make_shared<WorldOfOneGroup>(opts.timeout);
+    return w;
+  }
+
+  std::shared_ptr<Store> store = opts.store;
+  if (!store) {
+    TCPStoreOptions so;
+    so.host = env.master_addr;
+    so.port = env.master_port;
+    so.is_server = env.rank == 0 && !env.agent_store;
+    so.wait_for_workers = false;
+    so.timeout = opts.timeout;
+    store = std::make_shared<TCPStore>(so);
+  }
+  // A launcher's store outlives restarts: each generation joins under its own keys.
+  w.store = std::make_shared<PrefixStore>(
+      lockstep::detail::str_cat("lockstep/", env.run_id.empty() ? "default" : env.run_id, "/gen",
+                                env.restart_count),
+      store);
+  // Local choices first; a mistake here is reported to the other ranks through the join's error
+  // key, so that they fail at once too (Note [Join check]).
+  try {
+    if (!env.socket_ifname.empty()) {
+      if (detail::is_ip_address(env.socket_ifname)) {
+        w.bind_address = env.socket_ifname;
+      } else {
+        detail::check_interface(env.socket_ifname);
+        w.bind_interface = env.socket_ifname;
+      }
+    } else if (!opts.store) {
+      w.bind_address = local_address_toward(env.master_addr, env.master_port);
+    }
+  } catch (const Error& e) {
+    w.store->set("error", lockstep::detail::str_cat("rank ", env.rank, ": ", e.message()));
+    throw;
+  }
+  join(*w.store, env, opts.timeout);
+
+  BackendConfig config;
+  config.store = std::make_shared<PrefixStore>("group/world", w.store);
+  config.rank = env.rank;
+  config.size = env.world_size;
+  config.timeout = opts.timeout;
+  config.bind_address = w.bind_address;
+  config.bind_interface = w.bind_interface;
+  w.group = create_process_group(opts.backend, config);
+  lockstep::set_log_rank(env.rank);
+  return w;
+}
+
+ProcessGroupPtr init_process_group(const InitOptions& opts) {
+  install_error_handler();  // an uncaught exception reaches the launcher's summary
+  auto& d = global();
+  std::lock_guard<std::mutex> lock(d.mu);
+  LS_CHECK(!d.world.has_value(), "init_process_group: the default group already exists (rank ",
+           d.world ? d.world->env.rank : 0,
+           "); call destroy_process_group() before initializing again");
+  d.world = connect_world(read_dist_env(), opts);
+  return d.world->group;
+}
+
+void destroy_process_group() {
+  std::optional<World> old;
+  {
+    auto& d = global();
+    std::lock_guard<std::mutex> lock(d.mu);
+    old.swap(d.world);
+  }
+  // `old` goes out of scope here, outside the lock: a group drains its queue when destroyed.
+}
+
+bool is_initialized() {
+  auto& d = global();
+  std::lock_guard<std::mutex> lock(d.mu);
+  return d.world.has_value();
+}
+
+ProcessGroupPtr default_group() {
+  auto& d = global();
+  std::lock_guard<std::mutex> lock(d.mu);
+  return default_world_locked(d).group;
+}
+
+int rank() { return default_group()->rank(); }
+int world_size() { return default_group()->size(); }
+
+int local_rank() {
+  auto& d = global();
+  std::lock_guard<std::mutex> lock(d.mu);
+  return default_world_locked(d).env.local_rank;
+}
+
+int local_world_size() {
+  auto& d = global();
+  std::lock_guard<std::mutex> lock(d.mu);
+  return default_world_locked(d).env.local_world_size;
+}
+
+bool is_main_process() { return rank() == 0; }
+
+namespace {
+
+ProcessGroupPtr make_group(World& w, const std::vector<int>& ranks, int nth) {
+  const int size = w.group->size();
+  LS_CHECK(!ranks.empty(), "new_group: expected at least one rank, got none");
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    LS_CHECK(ranks[i] >= 0 && ranks[i] < size, "new_group: rank ", ranks[i],
+             " is outside the world [0, ", size, ")");
+    LS_CHECK(i == 0 || ranks[i] > ranks[i - 1],
+             "new_group: ranks must be increasing and "
+             "distinct, got [",
+             join_ranks(ranks), "]");
+  }
+  auto it = std::find(ranks.begin(), ranks.end(), w.group->rank());
+  if (it == ranks.end()) return nullptr;
+  const int my_rank = static_cast<int>(it - ranks.begin());
+  if (ranks.size() == 1) return std::make_shared<WorldOfOneGroup>(w.group->timeout());
+  BackendConfig config;
+  config.store = std::make_shared<PrefixStore>(
+      lockstep::detail::str_cat("group/", join_ranks(ranks), "/", nth), w.store);
+  config.rank = my_rank;
+  config.size = static_cast<int>(ranks.size());
+  config.timeout = w.group->timeout();
+  config.bind_address = w.bind_address;
+  config.bind_interface = w.bind_interface;
+  return create_process_group(w.backend, config);
+}
+
+}  // namespace
+
+// Members agree on the store namespace of their nth group of one rank list by the order of their
+// calls; non-members need not call at all.
+ProcessGroupPtr new_group(World& world, std::vector<int> ranks) {
+  const int nth = world.groups_made[join_ranks(ranks)]++;
+  return make_group(world, ranks, nth);
+}
+
+ProcessGroupPtr new_group(std::vector<int> ranks) {
+  auto& d = global();
+  std::unique_lock<std::mutex> lock(d.mu);
+  World& w = default_world_locked(d);
+  const int nth = w.groups_made[join_ranks(ranks)]++;
+  World copy = w;
+  lock.unlock();  // the rendezvous below may take long
+  return make_group(copy, ranks, nth);
+}
+
+}  // namespace lockstep::dist

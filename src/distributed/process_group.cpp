@@ -1,0 +1,455 @@
+// Work, the backend-independent half of ProcessGroup (argument checks, packing, numbering), the
+// world-of-one group and the backend registry.
+#include "lockstep/distributed/process_group.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <thread>
+
+#include "lockstep/autograd/grad_mode.h"
+#include "lockstep/base/error.h"
+#include "lockstep/distributed/gloo/process_group_gloo.h"
+
+namespace lockstep::dist {
+
+std::string_view reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum:
+      return "sum";
+    case ReduceOp::avg:
+      return "avg";
+    case ReduceOp::min:
+      return "min";
+    case ReduceOp::max:
+      return "max";
+    case ReduceOp::product:
+      return "product";
+  }
+  return "?";
+}
+
+// ---- Work ----
+
+Work::Work(std::string description, int64_t seq)
+    : description_(std::move(description)), seq_(seq) {}
+
+bool Work::is_completed() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return completed_;
+}
+
+bool Work::is_success() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return completed_ && !error_;
+}
+
+std::exception_ptr Work::exception() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return error_;
+}
+
+namespace {
+
+// Yields until `ready` is true or kSpinBeforeSleep passed; Note [Spin before sleeping].
+void spin_until(const std::atomic<bool>& ready) {
+  const auto until = std::chrono::steady_clock::now() + kSpinBeforeSleep;
+  while (!ready.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < until) {
+    std::this_thread::yield();
+  }
+}
+
+}  // namespace
+
+void Work::wait() {
+  if (wait_hook_ && !completed_flag_.load(std::memory_order_acquire)) wait_hook_(*this);
+  spin_until(completed_flag_);
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return completed_; });
+  if (error_) std::rethrow_exception(error_);
+}
+
+void Work::wait(std::chrono::milliseconds timeout) {
+  if (timeout >= kSpinBeforeSleep) spin_until(completed_flag_);
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!cv_.wait_for(lock, timeout, [&] { return completed_; })) {
+    LS_THROW(description_, " did not complete within the ", timeout.count(),
+             " ms given to wait(); it is still running (its own timeout bounds it)");
+  }
+  if (error_) std::rethrow_exception(error_);
+}
+
+void Work::then(std::function<void()> fn) {
+  std::lock_guard<std::mutex> lock(mu_);
+  LS_CHECK(!finishing_, "Work::then on ", description_, ", which has already completed");
+  on_success_.push_back(std::move(fn));
+}
+
+void Work::finish(std::exception_ptr error) {
+  std::vector<std::function<void()>> steps;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (finishing_) return;
+    finishing_ = true;
+    steps.swap(on_success_);
+  }
+  if (!error) {
+    try {
+      for (auto& step : steps) step();
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    completed_ = true;
+    error_ = error;
+    completed_flag_.store(true, std::memory_order_release);
+  }
+  cv_.notify_all();
+}
+
+// ---- ProcessGroup ----
+
+namespace {
+
+std::string format_bytes(int64_t n) {
+  char buf[32];
+  if (n < 1024) {
+    std::snprintf(buf, sizeof(buf), "%lld B", static_cast<long long>(n));
+  } else if (n < 1024 * 1024) {
+    std::snprintf(buf, sizeof(buf), "%.1f KiB", static_cast<double>(n) / 1024);
+  } else {
+    std::snprintf(buf, sizeof(buf), "%.1f MiB", static_cast<double>(n) / (1024 * 1024));
+  }
+  return buf;
+}
+
+std::string describe(const std::vector<Tensor>& tensors) {
+  int64_t bytes = 0;
+  for (const auto& t : tensors) bytes += t.nbytes();
+  return lockstep::detail::str_cat(tensors.size(), tensors.size() == 1 ? " tensor, " : " tensors, ",
+                                   format_bytes(bytes), " of ", dtype_name(tensors[0].dtype()));
+}
+
+bool is_reducible(DType t) {
+  switch (t) {
+    case DType::f32:
+    case DType::f64:
+    case DType::bf16:
+    case DType::f16:
+    case DType::i32:
+    case DType::i64:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// Copies `src` into `dst` (same number of elements, same dtype), whatever their strides.
+// Collectives write into parameters that require grad; the copy is not part of any graph.
+void copy_elements(const Tensor& dst, const Tensor& src) {
+  if (dst.numel() == 0) return;
+  if (dst.is_contiguous() && src.is_contiguous()) {
+    std::memcpy(dst.data_ptr(), src.data_ptr(), static_cast<size_t>(dst.nbytes()));
+    return;
+  }
+  autograd::NoGradGuard no_grad;
+  // Row-major order on both sides: src reshaped to dst's shape (a view when src is contiguous).
+  dst.detach().copy_(src.detach().reshape(dst.shape()));
+}
+
+// One contiguous buffer holding every tensor's elements in order.
+Tensor pack(const std::vector<Tensor>& tensors, bool copy_values) {
+  int64_t total = 0;
+  for (const auto& t : tensors) total += t.numel();
+  Tensor flat = empty({total}, tensors[0].dtype());
+  if (!copy_values) return flat;
+  int64_t offset = 0;
+  for (const auto& t : tensors) {
+    copy_elements(flat.narrow(0, offset, t.numel()), t);
+    offset += t.numel();
+  }
+  return flat;
+}
+
+void unpack(const Tensor& flat, const std::vector<Tensor>& tensors) {
+  int64_t offset = 0;
+  for (const auto& t : tensors) {
+    copy_elements(t, flat.narrow(0, offset, t.numel()));
+    offset += t.numel();
+  }
+}
+
+// Copies that dst is a non-contiguous view into: writes go to a contiguous stand-in, copied
+// back when the collective succeeds.
+Tensor writable_contiguous(const Tensor& dst, const WorkPtr& work) {
+  if (dst.is_contiguous()) return dst;
+  Tensor staged = empty({dst.numel()}, dst.dtype());
+  work->then([dst, staged] { copy_elements(dst, staged); });
+  return staged;
+}
+
+}  // namespace
+
+ProcessGroup::ProcessGroup(int rank, int size, std::chrono::milliseconds timeout)
+    : rank_(rank), size_(size), timeout_(timeout) {
+  LS_CHECK(size >= 1, "process group: expected a size >= 1, got ", size);
+  LS_CHECK(rank >= 0 && rank < size, "process group: rank ", rank, " is outside [0, ", size, ")");
+  LS_CHECK(timeout.count() > 0, "process group: expected a timeout > 0 ms, got ", timeout.count(),
+           " ms");
+}
+
+std::string ProcessGroup::who() const {
+  return lockstep::detail::str_cat("rank ", rank_, "/", size_, " (", backend(), ")");
+}
+
+WorkPtr ProcessGroup::make_work(std::string_view op, std::string detail) {
+  const int64_t seq = ++seq_;
+  return std::make_shared<Work>(lockstep::detail::str_cat(op, " #", seq, " (", detail, ")"), seq);
+}
+
+std::chrono::milliseconds ProcessGroup::effective(std::chrono::milliseconds timeout) const {
+  LS_CHECK(timeout.count() >= 0, who(), ": expected a collective timeout >= 0 ms (0: the group's ",
+           timeout_.count(), " ms), got ", timeout.count(), " ms");
+  return timeout.count() == 0 ? timeout_ : timeout;
+}
+
+void ProcessGroup::check_tensors(std::string_view op, const std::vector<Tensor>& tensors,
+                                 bool reduction) const {
+  LS_CHECK(!tensors.empty(), who(), ": ", op, " needs at least one tensor, got none");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const Tensor& t = tensors[i];
+    LS_CHECK(t.defined(), who(), ": ", op, ": tensor ", i, " is undefined");
+    LS_CHECK(supports(t.device()), who(), ": ", op, ": the ", backend(),
+             " backend cannot move tensors on ", t.device().str(), " (tensor ", i, ")");
+    LS_CHECK(t.dtype() == tensors[0].dtype(), who(), ": ", op,
+             ": every tensor of one call must have one dtype; tensor 0 is ",
+             dtype_name(tensors[0].dtype()), ", tensor ", i, " is ", dtype_name(t.dtype()));
+    LS_CHECK(t.device() == tensors[0].device(), who(), ": ", op,
+             ": every tensor of one call must be on one device; tensor 0 is on ",
+             tensors[0].device().str(), ", tensor ", i, " on ", t.device().str());
+    LS_CHECK(!reduction || is_reducible(t.dtype()), who(), ": ", op, " cannot reduce ",
+             dtype_name(t.dtype()),
+             " tensors; expected f32, f64, bf16, f16, "
+             "i32 or i64");
+  }
+}
+
+WorkPtr ProcessGroup::all_reduce(const Tensor& tensor, const AllReduceOptions& opts) {
+  return all_reduce(std::vector<Tensor>{tensor}, opts);
+}
+
+WorkPtr ProcessGroup::all_reduce(std::vector<Tensor> tensors, const AllReduceOptions& opts) {
+  check_tensors("all_reduce", tensors, true);
+  LS_CHECK(opts.op != ReduceOp::avg || is_floating(tensors[0].dtype()), who(),
+           ": all_reduce with avg needs floating-point tensors, got ",
+           dtype_name(tensors[0].dtype()), "; use sum and divide as you see fit");
+  const auto timeout = effective(opts.timeout);
+  // Buffers first: a failure here must not consume a sequence number (ranks would disagree).
+  const bool packed = !(tensors.size() == 1 && tensors[0].is_contiguous());
+  Tensor flat = packed ? pack(tensors, true) : tensors[0];
+  WorkPtr work = make_work(
+      "all_reduce", lockstep::detail::str_cat(reduce_op_name(opts.op), ", ", describe(tensors)));
+  if (packed) work->then([flat, tensors] { unpack(flat, tensors); });
+  do_all_reduce(flat, opts.op, timeout, work);
+  return work;
+}
+
+WorkPtr ProcessGroup::broadcast(const Tensor& tensor, const BroadcastOptions& opts) {
+  return broadcast(std::vector<Tensor>{tensor}, opts);
+}
+
+WorkPtr ProcessGroup::broadcast(std::vector<Tensor> tensors, const BroadcastOptions& opts) {
+  check_tensors("broadcast", tensors, false);
+  LS_CHECK(opts.root >= 0 && opts.root < size_, who(), ": broadcast: root ", opts.root,
+           " is outside [0, ", size_, ")");
+  const auto timeout = effective(opts.timeout);
+  const bool packed = !(tensors.size() == 1 && tensors[0].is_contiguous());
+  Tensor flat = packed ? pack(tensors, rank_ == opts.root) : tensors[0];
+  WorkPtr work = make_work("broadcast",
+                           lockstep::detail::str_cat("root ", opts.root, ", ", describe(tensors)));
+  if (packed && rank_ != opts.root) work->then([flat, tensors] { unpack(flat, tensors); });
+  do_broadcast(flat, opts.root, timeout, work);
+  return work;
+}
+
+WorkPtr ProcessGroup::all_gather(const Tensor& output, const Tensor& input,
+                                 const AllGatherOptions& opts) {
+  check_tensors("all_gather", {output, input}, false);
+  LS_CHECK(output.numel() == size_ * input.numel(), who(), ": all_gather: the output needs ", size_,
+           " x ", input.numel(), " = ", size_ * input.numel(),
+           " elements (world size x input), got ", output.numel(), " (shape ", output.shape().str(),
+           ")");
+  const auto timeout = effective(opts.timeout);
+  WorkPtr work = make_work("all_gather", describe({input}));
+  Tensor out = writable_contiguous(output, work);
+  do_all_gather(out, input.contiguous(), timeout, work);
+  return work;
+}
+
+WorkPtr ProcessGroup::all_gather(std::vector<Tensor> outputs, const Tensor& input,
+                                 const AllGatherOptions& opts) {
+  LS_CHECK(static_cast<int>(outputs.size()) == size_, who(), ": all_gather: expected ", size_,
+           " output tensors (one per rank), got ", outputs.size());
+  std::vector<Tensor> all = outputs;
+  all.push_back(input);
+  check_tensors("all_gather", all, false);
+  for (size_t r = 0; r < outputs.size(); ++r) {
+    LS_CHECK(outputs[r].numel() == input.numel(), who(), ": all_gather: output ", r, " has ",
+             outputs[r].numel(), " elements (shape ", outputs[r].shape().str(),
+             "), expected the input's ", input.numel());
+  }
+  const auto timeout = effective(opts.timeout);
+  Tensor flat = pack(outputs, false);
+  WorkPtr work = make_work("all_gather", describe({input}));
+  work->then([flat, outputs] { unpack(flat, outputs); });
+  do_all_gather(flat, input.contiguous(), timeout, work);
+  return work;
+}
+
+WorkPtr ProcessGroup::reduce_scatter(const Tensor& output, const Tensor& input,
+                                     const ReduceScatterOptions& opts) {
+  check_tensors("reduce_scatter", {output, input}, true);
+  LS_CHECK(input.numel() == size_ * output.numel(), who(), ": reduce_scatter: the input needs ",
+           size_, " x ", output.numel(), " = ", size_ * output.numel(),
+           " elements (world size x output), got ", input.numel(), " (shape ", input.shape().str(),
+           ")");
+  LS_CHECK(opts.op != ReduceOp::avg || is_floating(input.dtype()), who(),
+           ": reduce_scatter with avg needs floating-point tensors, got ",
+           dtype_name(input.dtype()));
+  const auto timeout = effective(opts.timeout);
+  WorkPtr work = make_work("reduce_scatter", lockstep::detail::str_cat(reduce_op_name(opts.op),
+                                                                       ", ", describe({input})));
+  Tensor out = writable_contiguous(output, work);
+  do_reduce_scatter(out, input.contiguous(), opts.op, timeout, work);
+  return work;
+}
+
+WorkPtr ProcessGroup::barrier(const BarrierOptions& opts) {
+  const auto timeout = effective(opts.timeout);
+  WorkPtr work = make_work("barrier", lockstep::detail::str_cat(size_, " ranks"));
+  do_barrier(timeout, work);
+  return work;
+}
+
+// Two broadcasts: the length (so receivers can size their buffer), then the bytes.
+Bytes ProcessGroup::broadcast_object(const Bytes& object, int root) {
+  Tensor length = full({1}, rank_ == root ? static_cast<double>(object.size()) : 0.0, kInt64);
+  broadcast(length, {.root = root})->wait();
+  const int64_t n = length.data<int64_t>()[0];
+  Tensor data = empty({n}, kUInt8);
+  if (rank_ == root && n > 0) std::memcpy(data.data_ptr(), object.data(), object.size());
+  broadcast(data, {.root = root})->wait();
+  const auto* p = static_cast<const uint8_t*>(data.data_ptr());
+  return Bytes(p, p + n);
+}
+
+// Two all_gathers: every length, then every object padded to the longest.
+std::vector<Bytes> ProcessGroup::all_gather_object(const Bytes& object) {
+  Tensor mine = full({1}, static_cast<double>(object.size()), kInt64);
+  Tensor lengths = empty({size_}, kInt64);
+  all_gather(lengths, mine)->wait();
+  const auto* len = lengths.data<int64_t>();
+  const int64_t longest = *std::max_element(len, len + size_);
+  Tensor padded = zeros({longest}, kUInt8);
+  if (!object.empty()) std::memcpy(padded.data_ptr(), object.data(), object.size());
+  Tensor all = empty({size_ * longest}, kUInt8);
+  all_gather(all, padded)->wait();
+  std::vector<Bytes> out(static_cast<size_t>(size_));
+  const auto* p = static_cast<const uint8_t*>(all.data_ptr());
+  for (int r = 0; r < size_; ++r) out[r].assign(p + r * longest, p + r * longest + len[r]);
+  return out;
+}
+
+// ---- WorldOfOneGroup: with one rank every collective is the identity ----
+
+void WorldOfOneGroup::do_all_reduce(Tensor, ReduceOp, std::chrono::milliseconds,
+                                    const WorkPtr& work) {
+  work->finish();
+}
+
+void WorldOfOneGroup::do_broadcast(Tensor, int, std::chrono::milliseconds, const WorkPtr& work) {
+  work->finish();
+}
+
+void WorldOfOneGroup::do_all_gather(Tensor output, Tensor input, std::chrono::milliseconds,
+                                    const WorkPtr& work) {
+  copy_elements(output, input);
+  work->finish();
+}
+
+void WorldOfOneGroup::do_reduce_scatter(Tensor output, Tensor input, ReduceOp,
+                                        std::chrono::milliseconds, const WorkPtr& work) {
+  copy_elements(output, input);
+  work->finish();
+}
+
+void WorldOfOneGroup::do_barrier(std::chrono::milliseconds, const WorkPtr& work) { work->finish(); }
+
+// ---- Backend registry ----
+
+namespace {
+
+struct Registry {
+  std::mutex mu;
+  std::map<std::string, BackendFactory> factories;
+};
+
+// Built-ins are registered on first use rather than by static initializers, which a static
+// library's linker would drop.
+Registry& registry() {
+  static Registry r;
+  static std::once_flag builtins;
+  std::call_once(builtins, [] {
+    r.factories["gloo"] = [](const BackendConfig& c) -> ProcessGroupPtr {
+      return std::make_shared<ProcessGroupGloo>(c);
+    };
+  });
+  return r;
+}
+
+}  // namespace
+
+void register_backend(const std::string& name, BackendFactory factory) {
+  LS_CHECK(!name.empty(), "register_backend: expected a name, got an empty string");
+  LS_CHECK(factory != nullptr, "register_backend: no factory given for '", name, "'");
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.factories[name] = std::move(factory);
+}
+
+bool has_backend(const std::string& name) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  return r.factories.count(name) > 0;
+}
+
+std::vector<std::string> backend_names() {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  std::vector<std::string> names;
+  for (const auto& [name, f] : r.factories) names.push_back(name);
+  return names;
+}
+
+ProcessGroupPtr create_process_group(const std::string& backend, const BackendConfig& config) {
+  BackendFactory factory;
+  {
+    auto& r = registry();
+    std::lock_guard<std::mutex> lock(r.mu);
+    auto it = r.factories.find(backend);
+    if (it == r.factories.end()) {
+      std::string known;
+      for (const auto& [name, f] : r.factories) known += (known.empty() ? "" : ", ") + name;
+      LS_THROW("unknown process group backend '", backend, "'; registered backends: ", known);
+    }
+    factory = it->second;
+  }
+  if (config.size == 1) return std::make_shared<WorldOfOneGroup>(config.timeout);
+  LS_CHECK(config.store != nullptr, "create_process_group(", backend, "): a group of ", config.size,
+           " ranks needs a store to rendezvous through; none was given");
+  return factory(config);
+}
+
+}  // namespace lockstep::dist

@@ -1,0 +1,269 @@
+// Reducer: gradient buckets, launched as their gradients become ready during backward.
+#include "distributed/reducer.h"
+
+#include <cstring>
+#include <numeric>
+#include <unordered_set>
+
+#include "lockstep/autograd/engine.h"
+#include "lockstep/autograd/grad_mode.h"
+#include "lockstep/base/error.h"
+
+namespace lockstep::dist {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+}
+
+Reducer::Reducer(std::vector<std::pair<std::string, Tensor>> params, ProcessGroupPtr pg,
+                 const DDPOptions& opts)
+    : params_(std::move(params)), pg_(std::move(pg)), opts_(opts) {
+  LS_CHECK(opts_.first_bucket_bytes > 0 && opts_.bucket_bytes > 0,
+           "DistributedDataParallel: bucket caps must be > 0 bytes, got first_bucket_bytes ",
+           opts_.first_bucket_bytes, " and bucket_bytes ", opts_.bucket_bytes);
+  LS_CHECK(opts_.comm_hook.start != nullptr, "DistributedDataParallel: the comm hook '",
+           opts_.comm_hook.name, "' has no start function");
+  // Note [Bucket order]: gradients become ready roughly in reverse registration order (the last
+  // layer's first), so buckets start that way; after the first step they are rebuilt in the order
+  // actually observed (rank 0's, so that every rank launches the same buckets in the same order).
+  std::vector<size_t> order(params_.size());
+  std::iota(order.rbegin(), order.rend(), size_t{0});
+  build_buckets(order);
+  ready_.assign(params_.size(), false);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    hook_ids_.push_back(params_[i].second.register_post_accumulate_grad_hook(
+        [this, i](Tensor&) { on_grad_ready(i); }));
+  }
+}
+
+Reducer::~Reducer() {
+  for (size_t i = 0; i < params_.size() && i < hook_ids_.size(); ++i) {
+    params_[i].second.remove_post_accumulate_grad_hook(hook_ids_[i]);
+  }
+  // Collectives still in flight hold their tensors; wait so none outlives its bucket's purpose.
+  for (auto& b : buckets_) {
+    if (b.work) {
+      try {
+        b.work->wait();
+      } catch (...) {
+      }
+    }
+  }
+}
+
+void Reducer::build_buckets(const std::vector<size_t>& order) {
+  autograd::NoGradGuard no_grad;
+  std::vector<Bucket> buckets;
+  std::vector<Slot> slots(params_.size());
+  int64_t bytes = 0;
+  for (size_t i : order) {
+    const Tensor& p = params_[i].second;
+    // The bucket being filled is the first (small cap) or a later one (large cap).
+    const int64_t limit = buckets.size() == 1 ? opts_.first_bucket_bytes : opts_.bucket_bytes;
+    if (buckets.empty() || buckets.back().dtype != p.dtype() ||
+        (bytes > 0 && bytes + p.nbytes() > limit)) {
+      buckets.emplace_back();
+      buckets.back().dtype = p.dtype();
+      bytes = 0;
+    }
+    Bucket& b = buckets.back();
+    slots[i].bucket = buckets.size() - 1;
+    slots[i].offset = b.numel;
+    b.params.push_back(i);
+    b.numel += p.numel();
+    bytes += p.nbytes();
+  }
+  for (size_t bi = 0; bi < buckets.size(); ++bi) {
+    Bucket& b = buckets[bi];
+    b.flat = zeros({b.numel + 1}, b.dtype);
+    b.pending = static_cast<int>(b.params.size());
+    b.handle.index = static_cast<int>(bi);
+    b.handle.buffer = b.flat;
+    for (size_t i : b.params) {
+      const Tensor& p = params_[i].second;
+      Slot& s = slots[i];
+      s.view = b.flat.narrow(0, s.offset, p.numel()).view(p.shape());
+      b.handle.parameter_names.push_back(params_[i].first);
+      if (p.grad().defined()) {
+        s.view.copy_(p.grad());
+        p.set_grad(s.view);
+      }
+    }
+  }
+  buckets_ = std::move(buckets);
+  slots_ = std::move(slots);
+  stats_.bucket_bytes.clear();
+  stats_.bucket_params.clear();
+  for (const auto& b : buckets_) {
+    stats_.bucket_bytes.push_back(b.numel * dtype_size(b.dtype));
+    stats_.bucket_params.push_back(static_cast<int64_t>(b.params.size()));
+  }
+}
+
+void Reducer::prepare_forward() {
+  if (!autograd::grad_enabled()) return;
+  autograd::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Tensor& p = params_[i].second;
+    if (!p.grad().defined()) {
+      slots_[i].view.zero_();
+      p.set_grad(slots_[i].view);
+    }
+  }
+}
+
+// The gradient must live in the bucket: after zero_grad(set_to_none) without a DDP forward, or
+// if the user replaced .grad(), AccumulateGrad made a tensor of its own; copy it in.
+void Reducer::ensure_view(size_t i) {
+  const Tensor& p = params_[i].second;
+  Tensor view = slots_[i].view;
+  Tensor g = p.grad();
+  if (g.defined() && g.data_ptr() == view.data_ptr() && g.is_contiguous()) return;
+  autograd::NoGradGuard no_grad;
+  if (g.defined()) {
+    view.copy_(g);
+  } else {
+    view.zero_();
+  }
+  p.set_grad(view);
+}
+
+void Reducer::on_grad_ready(size_t i) {
+  ensure_view(i);
+  if (no_sync_) return;  // accumulate locally; the next synced backward reduces it all
+  if (!iteration_active_) {
+    iteration_active_ = true;
+    bytes_this_step_ = 0;
+    autograd::queue_callback([this] { finalize(); });
+  }
+  if (ready_[i]) return;
+  ready_[i] = true;
+  ready_order_.push_back(i);
+  if (--buckets_[slots_[i].bucket].pending == 0) launch_ready();
+}
+
+// Buckets go out in index order on every rank, whatever order they fill in: a later bucket that
+// is ready first waits for the earlier ones (collectives must match across ranks).
+void Reducer::launch_ready() {
+  while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
+    Bucket& b = buckets_[next_launch_++];
+    b.work = opts_.comm_hook.start(*pg_, b.handle);
+    bytes_this_step_ += b.numel * dtype_size(b.dtype);
+  }
+}
+
+void Reducer::reset_iteration() {
+  iteration_active_ = false;
+  std::fill(ready_.begin(), ready_.end(), false);
+  ready_order_.clear();
+  next_launch_ = 0;
+  for (auto& b : buckets_) {
+    b.pending = static_cast<int>(b.params.size());
+    b.work.reset();
+  }
+}
+
+void Reducer::finalize() {
+  const auto t0 = Clock::now();
+  std::vector<size_t> unused;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!ready_[i]) unused.push_back(i);
+  }
+  if (!unused.empty()) {
+    // Zero contribution from this rank, so that every rank's collectives still match. Without
+    // find_unused_parameters the count rides in the status element of the first bucket still
+    // to go, and every rank learns of it from the reduced value.
+    autograd::NoGradGuard no_grad;
+    for (size_t i : unused) {
+      slots_[i].view.zero_();
+      params_[i].second.set_grad(slots_[i].view);
+      --buckets_[slots_[i].bucket].pending;
+    }
+    if (!opts_.find_unused_parameters) {
+      Bucket& b = buckets_[next_launch_];
+      b.flat.narrow(0, b.numel, 1).fill_(static_cast<double>(unused.size()));
+    }
+    launch_ready();
+  }
+  try {
+    for (auto& b : buckets_) {
+      b.work->wait();
+      if (opts_.comm_hook.finish) opts_.comm_hook.finish(b.handle);
+    }
+  } catch (...) {
+    reset_iteration();
+    throw;
+  }
+  const double exposed = std::chrono::duration<double>(Clock::now() - t0).count();
+  bool someone_unused = false;
+  if (!opts_.find_unused_parameters) {
+    for (auto& b : buckets_) {
+      Tensor status = b.flat.narrow(0, b.numel, 1);
+      if (status.item() != 0.0) someone_unused = true;
+      status.zero_();
+    }
+  }
+  const std::vector<size_t> order = ready_order_;
+  reset_iteration();
+  if (someone_unused) throw_unused(unused);
+
+  stats_.bytes_reduced_last_step = bytes_this_step_;
+  stats_.synced_steps += 1;
+  stats_.exposed_comm_seconds_last = exposed;
+  stats_.exposed_comm_seconds_total += exposed;
+  if (!rebuilt_) {
+    ready_order_ = order;
+    rebuild_in_ready_order();
+    ready_order_.clear();
+  }
+}
+
+// Note [Bucket order] (see the constructor): rank 0's observed order, for every rank.
+void Reducer::rebuild_in_ready_order() {
+  std::vector<int32_t> order;
+  std::vector<bool> seen(params_.size(), false);
+  for (size_t i : ready_order_) {
+    order.push_back(static_cast<int32_t>(i));
+    seen[i] = true;
+  }
+  for (size_t i = params_.size(); i-- > 0;) {
+    if (!seen[i]) order.push_back(static_cast<int32_t>(i));
+  }
+  Bytes mine(order.size() * sizeof(int32_t));
+  std::memcpy(mine.data(), order.data(), mine.size());
+  const Bytes agreed = pg_->broadcast_object(mine, 0);
+  LS_CHECK(agreed.size() == mine.size(), "DistributedDataParallel: rank 0 has ",
+           agreed.size() / sizeof(int32_t), " parameters to bucket, this rank ", order.size());
+  std::memcpy(order.data(), agreed.data(), agreed.size());
+  std::vector<size_t> new_order;
+  std::vector<bool> placed(params_.size(), false);
+  for (int32_t i : order) {
+    LS_CHECK(i >= 0 && static_cast<size_t>(i) < params_.size() && !placed[i],
+             "DistributedDataParallel: rank 0's bucket order is not a permutation");
+    placed[i] = true;
+    new_order.push_back(static_cast<size_t>(i));
+  }
+  rebuilt_ = true;
+  build_buckets(new_order);
+  stats_.buckets_rebuilt = true;
+}
+
+void Reducer::throw_unused(const std::vector<size_t>& unused_here) {
+  std::string mine;
+  for (size_t i : unused_here) mine += (mine.empty() ? "" : ", ") + params_[i].first;
+  const auto all = pg_->all_gather_object(to_bytes(mine));
+  std::string listing;
+  for (size_t r = 0; r < all.size(); ++r) {
+    const std::string names = to_string(all[r]);
+    if (!names.empty()) listing += lockstep::detail::str_cat("\n  rank ", r, ": ", names);
+  }
+  LS_THROW(
+      "DistributedDataParallel: parameters that require grad received no gradient in this "
+      "backward pass:",
+      listing,
+      "\nEvery such parameter must contribute to the loss on every rank; if some do not by "
+      "design, construct DistributedDataParallel with find_unused_parameters = true (they are "
+      "then reduced with zero contribution), or set requires_grad_(false) on them.");
+}
+
+}  // namespace lockstep::dist

@@ -1,0 +1,74 @@
+// Reducer: DDP's gradient buckets, the hooks that launch their all-reduces during backward, and
+// the final callback that waits for them.
+#pragma once
+
+#include <chrono>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "lockstep/distributed/ddp.h"
+
+namespace lockstep::dist {
+
+class Reducer {
+ public:
+  // `params`: the parameters that require grad, in registration order, with their names.
+  Reducer(std::vector<std::pair<std::string, Tensor>> params, ProcessGroupPtr pg,
+          const DDPOptions& opts);
+  ~Reducer();
+  Reducer(const Reducer&) = delete;
+  Reducer& operator=(const Reducer&) = delete;
+
+  // Before each forward with grad mode on: parameters whose .grad() was dropped
+  // (zero_grad(set_to_none)) get their zeroed bucket view back, so that backward accumulates
+  // straight into the buckets.
+  void prepare_forward();
+  void set_no_sync(bool on) { no_sync_ = on; }
+  bool no_sync() const { return no_sync_; }
+  DDPStats stats() const { return stats_; }
+
+ private:
+  struct Bucket {
+    DType dtype = DType::f32;
+    std::vector<size_t> params;  // indices into params_
+    int64_t numel = 0;           // gradient elements (the flat buffer has one more: status)
+    Tensor flat;
+    int pending = 0;  // parameters not yet ready this iteration
+    GradBucket handle;
+    WorkPtr work;
+  };
+  struct Slot {
+    size_t bucket = 0;
+    int64_t offset = 0;
+    Tensor view;  // params_[i]'s .grad() while it is ours
+  };
+
+  // Lays the buckets out, parameters in `order`; current gradients are copied into the views.
+  void build_buckets(const std::vector<size_t>& order);
+  void on_grad_ready(size_t i);
+  void ensure_view(size_t i);
+  void launch_ready();
+  void finalize();
+  void reset_iteration();
+  void rebuild_in_ready_order();
+  [[noreturn]] void throw_unused(const std::vector<size_t>& unused_here);
+
+  std::vector<std::pair<std::string, Tensor>> params_;
+  std::vector<int> hook_ids_;
+  ProcessGroupPtr pg_;
+  DDPOptions opts_;
+  std::vector<Bucket> buckets_;
+  std::vector<Slot> slots_;
+
+  bool no_sync_ = false;
+  bool iteration_active_ = false;  // a synced backward is running; finalize() is queued
+  std::vector<bool> ready_;
+  std::vector<size_t> ready_order_;
+  size_t next_launch_ = 0;
+  int64_t bytes_this_step_ = 0;
+  bool rebuilt_ = false;
+  DDPStats stats_;
+};
+
+}  // namespace lockstep::dist

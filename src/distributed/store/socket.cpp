@@ -1,0 +1,182 @@
+// Sockets for the TCP store: listening, connecting with backoff, deadline-bounded send and recv.
+#include "distributed/store/socket.h"
+
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+namespace lockstep::dist::detail {
+
+namespace {
+// Retrying a refused connect: start short (the server is usually seconds away at most), double,
+// and never sleep longer than this between attempts.
+constexpr std::chrono::milliseconds kFirstBackoff{10};
+constexpr std::chrono::milliseconds kMaxBackoff{1000};
+}  // namespace
+
+void set_nonblocking(int fd) {
+  int flags = LS_SYSCHECK(::fcntl(fd, F_GETFL));
+  LS_SYSCHECK(::fcntl(fd, F_SETFL, flags | O_NONBLOCK));
+}
+
+void set_nodelay(int fd) {
+  int one = 1;
+  LS_SYSCHECK(::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one));
+}
+
+int poll_timeout_ms(Clock::time_point deadline) {
+  auto left = deadline - Clock::now();
+  if (left <= Clock::duration::zero()) return 0;
+  auto ms = std::chrono::ceil<std::chrono::milliseconds>(left).count();
+  return static_cast<int>(std::min<int64_t>(ms, 1 << 30));
+}
+
+Listener listen_on(uint16_t port, int backlog) {
+  // Prefer one IPv6 socket that also accepts IPv4; fall back to IPv4 where IPv6 is off.
+  Fd fd(::socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  bool v6 = fd.valid();
+  if (!v6) fd = Fd(LS_SYSCHECK(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)));
+  int one = 1, zero = 0;
+  // SO_REUSEADDR lets a restarted job rebind a port still in TIME_WAIT; it does not let two
+  // listeners share a port.
+  LS_SYSCHECK(::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one));
+  int rc = 0;
+  if (v6) {
+    LS_SYSCHECK(::setsockopt(fd.get(), IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero));
+    sockaddr_in6 addr{};
+    addr.sin6_family = AF_INET6;
+    addr.sin6_addr = in6addr_any;
+    addr.sin6_port = htons(port);
+    rc = LS_SYSCHECK(::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr), EADDRINUSE);
+  } else {
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_ANY);
+    addr.sin_port = htons(port);
+    rc = LS_SYSCHECK(::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr), EADDRINUSE);
+  }
+  LS_CHECK(rc == 0, "store server: port ", port,
+           " is already in use (another job or store is listening there; pick another port or "
+           "pass 0 for a free one)");
+  rc = LS_SYSCHECK(::listen(fd.get(), backlog), EADDRINUSE);
+  LS_CHECK(rc == 0, "store server: port ", port, " is already in use");
+  sockaddr_storage bound{};
+  socklen_t len = sizeof bound;
+  LS_SYSCHECK(::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&bound), &len));
+  Listener l;
+  l.port = ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                                             : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  set_nonblocking(fd.get());
+  l.fd = std::move(fd);
+  return l;
+}
+
+namespace {
+// One non-blocking connect attempt to one address, bounded by `deadline`. Returns the connected
+// socket, or an invalid Fd with `err` set for failures worth retrying.
+Fd try_connect(const addrinfo* ai, Clock::time_point deadline, int& err) {
+  Fd fd(LS_SYSCHECK(::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol)));
+  set_nonblocking(fd.get());
+  int rc = LS_SYSCHECK(::connect(fd.get(), ai->ai_addr, ai->ai_addrlen), EINPROGRESS, EINTR,
+                       ECONNREFUSED, ENETUNREACH, EHOSTUNREACH, ETIMEDOUT, EADDRNOTAVAIL,
+                       ECONNRESET, EAGAIN);
+  if (rc == -1 && errno != EINPROGRESS && errno != EINTR) {
+    err = errno;
+    return Fd();
+  }
+  if (rc == -1) {
+    pollfd p{fd.get(), POLLOUT, 0};
+    int n = LS_SYSCHECK(::poll(&p, 1, poll_timeout_ms(deadline)), EINTR);
+    if (n <= 0) {
+      err = ETIMEDOUT;
+      return Fd();
+    }
+    int so_error = 0;
+    socklen_t len = sizeof so_error;
+    LS_SYSCHECK(::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &so_error, &len));
+    if (so_error != 0) {
+      err = so_error;
+      return Fd();
+    }
+  }
+  set_nodelay(fd.get());
+  return fd;
+}
+}  // namespace
+
+Fd connect_to(const std::string& host, uint16_t port, Clock::time_point deadline,
+              std::chrono::milliseconds timeout) {
+  auto backoff = kFirstBackoff;
+  std::string last_error = "no attempt made";
+  for (;;) {
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* res = nullptr;
+    int gai = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res);
+    if (gai != 0) {
+      // A name that does not resolve yet (DNS of a node still coming up) is retried too.
+      last_error = std::string("getaddrinfo: ") + ::gai_strerror(gai);
+    } else {
+      std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> guard(res, &::freeaddrinfo);
+      for (const addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
+        int err = 0;
+        Fd fd = try_connect(ai, deadline, err);
+        if (fd.valid()) return fd;
+        last_error = errno_text(err);
+      }
+    }
+    auto now = Clock::now();
+    LS_CHECK(now < deadline, "could not connect to the store at ", host, ":", port, " within ",
+             timeout.count(), " ms (last error: ", last_error,
+             "); is the server running and reachable?");
+    std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - now));
+    backoff = std::min(backoff * 2, kMaxBackoff);
+  }
+}
+
+bool send_all(int fd, const uint8_t* data, size_t n, Clock::time_point deadline) {
+  size_t done = 0;
+  while (done < n) {
+    // MSG_NOSIGNAL: a peer that went away is an error here, not a SIGPIPE that kills the process.
+    ssize_t k =
+        LS_SYSCHECK(::send(fd, data + done, n - done, MSG_NOSIGNAL), EAGAIN, EWOULDBLOCK, EINTR);
+    if (k > 0) {
+      done += static_cast<size_t>(k);
+      continue;
+    }
+    if (errno == EINTR) continue;
+    pollfd p{fd, POLLOUT, 0};
+    int r = LS_SYSCHECK(::poll(&p, 1, poll_timeout_ms(deadline)), EINTR);
+    if (r == 0 && Clock::now() >= deadline) return false;
+  }
+  return true;
+}
+
+bool recv_exact(int fd, uint8_t* data, size_t n, Clock::time_point deadline) {
+  size_t done = 0;
+  while (done < n) {
+    ssize_t k = LS_SYSCHECK(::recv(fd, data + done, n - done, 0), EAGAIN, EWOULDBLOCK, EINTR);
+    if (k > 0) {
+      done += static_cast<size_t>(k);
+      continue;
+    }
+    LS_CHECK(k != 0, "the store server closed the connection");
+    if (errno == EINTR) continue;
+    pollfd p{fd, POLLIN, 0};
+    int r = LS_SYSCHECK(::poll(&p, 1, poll_timeout_ms(deadline)), EINTR);
+    if (r == 0 && Clock::now() >= deadline) return false;
+  }
+  return true;
+}
+
+}  // namespace lockstep::dist::detail

@@ -1,0 +1,221 @@
+// TCPStore: the client side of every request, and the server a TCPStore with is_server starts.
+#include "lockstep/distributed/store/tcp_store.h"
+
+#include <cstdlib>
+
+#include "distributed/store/kv_table.h"
+#include "distributed/store/tcp_store_client.h"
+#include "distributed/store/tcp_store_server.h"
+
+namespace lockstep::dist {
+
+namespace detail {
+
+namespace {
+// A server answers a timed-out get()/wait() itself at its deadline; the client waits this much
+// longer before it declares the server unresponsive and drops the connection.
+constexpr std::chrono::milliseconds kReplyGrace{5000};
+}  // namespace
+
+TCPStoreClient::TCPStoreClient(std::string host, uint16_t port, std::string token,
+                               std::chrono::milliseconds timeout)
+    : host_(std::move(host)), port_(port), token_(std::move(token)) {
+  connect(timeout);
+}
+
+void TCPStoreClient::connect(std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  fd_ = connect_to(host_, port_, deadline, timeout);
+  auto hello =
+      FrameWriter(static_cast<uint8_t>(Op::kHello)).field(token_).field(int64_t{counted_ ? 0 : 1});
+  std::optional<Reply> r;
+  try {
+    const auto frame = std::move(hello).finish();
+    LS_CHECK(send_all(fd_.get(), frame.data(), frame.size(), deadline),
+             "timed out sending the handshake");
+    r = read_reply(deadline);
+    LS_CHECK(r.has_value(), "no handshake reply within ", timeout.count(), " ms");
+  } catch (const Error& e) {
+    fd_.reset();
+    LS_THROW("the store at ", where(),
+             " closed the connection during the handshake (a server that wants a token, or one "
+             "speaking another protocol version): ",
+             e.message());
+  }
+  if (r->status == Status::kRejected) {
+    fd_.reset();
+    LS_THROW("store rejected the connection: bad or missing token (the store at ", where(),
+             " wants the token it was started with, from ", kStoreTokenEnv,
+             " or TCPStoreOptions::token)");
+  }
+  if (r->status != Status::kOk) {
+    fd_.reset();
+    LS_THROW("the store at ", where(), " answered the handshake with an unexpected reply");
+  }
+  counted_ = true;
+}
+
+std::optional<TCPStoreClient::Reply> TCPStoreClient::read_reply(Clock::time_point deadline) {
+  uint8_t header[kHeaderBytes];
+  if (!recv_exact(fd_.get(), header, kHeaderBytes, deadline)) return std::nullopt;
+  auto h = parse_header(header);
+  LS_CHECK(h && h->opcode >= static_cast<uint8_t>(Status::kOk) &&
+               h->opcode <= static_cast<uint8_t>(Status::kRejected),
+           "malformed reply header from the store at ", where(), " (expected protocol version ",
+           int(kProtocolVersion), ")");
+  std::vector<uint8_t> payload(h->length);
+  if (!recv_exact(fd_.get(), payload.data(), payload.size(), deadline)) return std::nullopt;
+  auto fields = parse_fields(payload.data(), payload.size());
+  LS_CHECK(fields.has_value(), "malformed reply payload from the store at ", where());
+  return Reply{static_cast<Status>(h->opcode), std::move(*fields)};
+}
+
+TCPStoreClient::Reply TCPStoreClient::request(const std::vector<uint8_t>& frame,
+                                              std::chrono::milliseconds reply_within,
+                                              std::chrono::milliseconds connect_within) {
+  if (!fd_.valid()) connect(connect_within);
+  const auto deadline = Clock::now() + reply_within + kReplyGrace;
+  std::optional<Reply> r;
+  try {
+    LS_CHECK(send_all(fd_.get(), frame.data(), frame.size(), deadline),
+             "timed out sending a request");
+    r = read_reply(deadline);
+  } catch (const Error& e) {
+    fd_.reset();  // the stream is out of step now: the next request reconnects
+    LS_THROW("lost the connection to the store at ", where(), ": ", e.message());
+  }
+  if (!r) {
+    fd_.reset();
+    LS_THROW("the store at ", where(), " did not reply within ",
+             (reply_within + kReplyGrace).count(), " ms");
+  }
+  return std::move(*r);
+}
+
+}  // namespace detail
+
+namespace {
+using detail::FrameWriter;
+using detail::Op;
+using detail::Status;
+
+FrameWriter request(Op op) { return FrameWriter(static_cast<uint8_t>(op)); }
+
+std::string resolve_token(const TCPStoreOptions& opts) {
+  if (opts.token) return *opts.token;
+  const char* env = std::getenv(kStoreTokenEnv);
+  return env ? std::string(env) : std::string();
+}
+
+int64_t field_i64(const detail::TCPStoreClient::Reply& r, size_t i, const std::string& where) {
+  auto v = i < r.fields.size() ? detail::as_i64(r.fields[i]) : std::nullopt;
+  LS_CHECK(v.has_value(), "malformed reply from the store at ", where);
+  return *v;
+}
+}  // namespace
+
+TCPStore::TCPStore(TCPStoreOptions opts) : Store(opts.timeout), opts_(std::move(opts)) {
+  LS_CHECK(!opts_.num_workers || *opts_.num_workers >= 1,
+           "TCPStore: expected num_workers >= 1, got ", opts_.num_workers.value_or(0));
+  const std::string token = resolve_token(opts_);
+  if (opts_.is_server) {
+    server_ = std::make_unique<detail::TCPStoreServer>(opts_.port, token);
+    port_ = server_->port();
+  } else {
+    LS_CHECK(opts_.port != 0, "TCPStore client for ", opts_.host,
+             ": expected the server's port, got 0 (only a server may pick a free port)");
+    port_ = opts_.port;
+  }
+  // The server's own store talks to it over loopback like every other client.
+  client_ = std::make_unique<detail::TCPStoreClient>(opts_.is_server ? "127.0.0.1" : opts_.host,
+                                                     port_, token, timeout());
+  if (opts_.is_server && opts_.num_workers && opts_.wait_for_workers) {
+    const int64_t n =
+        server_->wait_for_workers(*opts_.num_workers, detail::Clock::now() + timeout());
+    LS_CHECK(n >= *opts_.num_workers, "store server on port ", port_, ": timed out after ",
+             timeout().count(), " ms waiting for workers: ", n, " of ", *opts_.num_workers,
+             " connected");
+  }
+}
+
+TCPStore::~TCPStore() = default;
+
+void TCPStore::do_set(const std::string& key, const Bytes& value) {
+  auto frame = request(Op::kSet).field(key).field(value).finish();
+  std::lock_guard<std::mutex> lock(mu_);
+  auto r = client_->request(frame, timeout(), timeout());
+  LS_CHECK(r.status == Status::kOk, "store set(\"", key, "\"): unexpected reply from ",
+           client_->where());
+}
+
+Bytes TCPStore::do_get(const std::string& key) {
+  const auto t = timeout();
+  auto frame = request(Op::kGet).field(key).field(int64_t{t.count()}).finish();
+  std::lock_guard<std::mutex> lock(mu_);
+  auto r = client_->request(frame, t, t);
+  LS_CHECK(r.status != Status::kTimeout, "store get(\"", key, "\") timed out after ", t.count(),
+           " ms: the key was never set");
+  LS_CHECK(r.status == Status::kOk && r.fields.size() == 1, "store get(\"", key,
+           "\"): unexpected reply from ", client_->where());
+  return Bytes(r.fields[0].begin(), r.fields[0].end());
+}
+
+int64_t TCPStore::do_add(const std::string& key, int64_t delta) {
+  auto frame = request(Op::kAdd).field(key).field(delta).finish();
+  std::lock_guard<std::mutex> lock(mu_);
+  auto r = client_->request(frame, timeout(), timeout());
+  if (r.status == Status::kError && r.fields.size() == 1) LS_THROW(r.fields[0]);
+  LS_CHECK(r.status == Status::kOk, "store add(\"", key, "\"): unexpected reply from ",
+           client_->where());
+  return field_i64(r, 0, client_->where());
+}
+
+Bytes TCPStore::do_compare_set(const std::string& key, const Bytes& expected,
+                               const Bytes& desired) {
+  auto frame = request(Op::kCompareSet).field(key).field(expected).field(desired).finish();
+  std::lock_guard<std::mutex> lock(mu_);
+  auto r = client_->request(frame, timeout(), timeout());
+  LS_CHECK(r.status == Status::kOk && r.fields.size() == 1, "store compare_set(\"", key,
+           "\"): unexpected reply from ", client_->where());
+  return Bytes(r.fields[0].begin(), r.fields[0].end());
+}
+
+bool TCPStore::do_check(const std::vector<std::string>& keys) {
+  auto w = request(Op::kCheck);
+  for (const auto& k : keys) w.field(k);
+  auto frame = std::move(w).finish();
+  std::lock_guard<std::mutex> lock(mu_);
+  auto r = client_->request(frame, timeout(), timeout());
+  LS_CHECK(r.status == Status::kOk, "store check: unexpected reply from ", client_->where());
+  return field_i64(r, 0, client_->where()) != 0;
+}
+
+void TCPStore::do_wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
+  auto w = request(Op::kWait).field(int64_t{timeout.count()});
+  for (const auto& k : keys) w.field(k);
+  auto frame = std::move(w).finish();
+  std::lock_guard<std::mutex> lock(mu_);
+  auto r = client_->request(frame, timeout, this->timeout());
+  LS_CHECK(r.status != Status::kTimeout, "store wait timed out after ", timeout.count(),
+           " ms; keys still missing: ", detail::join_keys(r.fields));
+  LS_CHECK(r.status == Status::kOk, "store wait: unexpected reply from ", client_->where());
+}
+
+bool TCPStore::do_delete_key(const std::string& key) {
+  auto frame = request(Op::kDelete).field(key).finish();
+  std::lock_guard<std::mutex> lock(mu_);
+  auto r = client_->request(frame, timeout(), timeout());
+  LS_CHECK(r.status == Status::kOk, "store delete_key(\"", key, "\"): unexpected reply from ",
+           client_->where());
+  return field_i64(r, 0, client_->where()) != 0;
+}
+
+int64_t TCPStore::do_num_keys() {
+  auto frame = request(Op::kNumKeys).finish();
+  std::lock_guard<std::mutex> lock(mu_);
+  auto r = client_->request(frame, timeout(), timeout());
+  LS_CHECK(r.status == Status::kOk, "store num_keys: unexpected reply from ", client_->where());
+  return field_i64(r, 0, client_->where());
+}
+
+}  // namespace lockstep::dist

@@ -1,0 +1,26 @@
+// Which device types have a kernel table in this build, and the error for a missing kernel.
+#include "ops/kernels.h"
+
+#include "ops/cpu/kernels.h"
+
+namespace lockstep::detail {
+
+const Kernels* kernels_of(DeviceType type) {
+  switch (type) {
+    case DeviceType::cpu:
+      return &cpu::kernels();
+    case DeviceType::cuda:
+      return nullptr;  // the CUDA build adds its table here (src/ops/cuda/)
+  }
+  return nullptr;
+}
+
+void throw_no_kernel(const char* op, const Device& device, bool device_has_table) {
+  if (!device_has_table) {
+    LS_THROW(op, ": tensor on ", device.str(), " but this build of lockstep has no ", device.str(),
+             " support (it has kernels for cpu only)");
+  }
+  LS_THROW(op, ": no kernel for ", device.str(), " (the op exists for cpu only)");
+}
+
+}  // namespace lockstep::detail

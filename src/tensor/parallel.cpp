@@ -1,0 +1,53 @@
+// Thread count shared by OpenMP kernels and OpenBLAS.
+#include "lockstep/tensor/parallel.h"
+
+#include <cblas.h>
+#include <omp.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <thread>
+
+#include "lockstep/base/error.h"
+
+namespace lockstep {
+
+namespace {
+int initial_threads() {
+  if (const char* env = std::getenv("OMP_NUM_THREADS")) {
+    int n = std::atoi(env);
+    if (n > 0) return n;
+  }
+  unsigned hc = std::thread::hardware_concurrency();
+  return hc > 0 ? static_cast<int>(hc) : 1;
+}
+
+std::atomic<int>& threads() {
+  static std::atomic<int> n = [] {
+    int v = initial_threads();
+    openblas_set_num_threads(v);
+    return v;
+  }();
+  return n;
+}
+}  // namespace
+
+void set_num_threads(int n) {
+  LS_CHECK(n > 0, "set_num_threads: expected a positive thread count, got ", n);
+  threads().store(n);
+  omp_set_num_threads(n);
+  openblas_set_num_threads(n);
+}
+
+int get_num_threads() { return threads().load(std::memory_order_relaxed); }
+
+const char* blas_threading() {
+  switch (openblas_get_parallel()) {
+    case 0: return "sequential";
+    case 1: return "pthreads";
+    case 2: return "openmp";
+  }
+  return "unknown";
+}
+
+}  // namespace lockstep

@@ -1,0 +1,366 @@
+// init: reading the environment (torchrun, SLURM, Open MPI, none), the join check that makes
+// disagreeing ranks fail loudly, new_group, the default group and the local address choice.
+#include <map>
+#include <thread>
+
+#include "lockstep/distributed/init.h"
+#include "lockstep/distributed/store/hash_store.h"
+#include "testing.h"
+
+using namespace lockstep;
+using namespace lockstep::dist;
+using lockstep::testing::expect_error;
+using namespace std::chrono_literals;
+
+namespace {
+
+EnvLookup env_of(std::map<std::string, std::string> vars) {
+  return [vars = std::move(vars)](const std::string& name) -> std::optional<std::string> {
+    auto it = vars.find(name);
+    if (it == vars.end()) return std::nullopt;
+    return it->second;
+  };
+}
+
+TEST(ReadDistEnv, NothingSetIsAWorldOfOne) {
+  DistEnv e = read_dist_env(env_of({}));
+  EXPECT_EQ(e.rank, 0);
+  EXPECT_EQ(e.world_size, 1);
+  EXPECT_EQ(e.local_rank, 0);
+  EXPECT_EQ(e.local_world_size, 1);
+  EXPECT_EQ(e.source, "none");
+}
+
+TEST(ReadDistEnv, TorchrunVariables) {
+  DistEnv e = read_dist_env(env_of({{"RANK", "5"},
+                                    {"WORLD_SIZE", "8"},
+                                    {"LOCAL_RANK", "1"},
+                                    {"LOCAL_WORLD_SIZE", "4"},
+                                    {"GROUP_RANK", "1"},
+                                    {"MASTER_ADDR", "10.0.0.7"},
+                                    {"MASTER_PORT", "29600"},
+                                    {"LOCKSTEP_RESTART_COUNT", "2"},
+                                    {"LOCKSTEP_RUN_ID", "job42"},
+                                    {"LOCKSTEP_USE_AGENT_STORE", "1"}}));
+  EXPECT_EQ(e.source, "RANK/WORLD_SIZE");
+  EXPECT_EQ(e.rank, 5);
+  EXPECT_EQ(e.world_size, 8);
+  EXPECT_EQ(e.local_rank, 1);
+  EXPECT_EQ(e.local_world_size, 4);
+  EXPECT_EQ(e.group_rank, 1);
+  EXPECT_EQ(e.master_addr, "10.0.0.7");
+  EXPECT_EQ(e.master_port, 29600);
+  EXPECT_EQ(e.restart_count, 2);
+  EXPECT_EQ(e.run_id, "job42");
+  EXPECT_TRUE(e.agent_store);
+}
+
+TEST(ReadDistEnv, MissingLocalVariablesMeanOneMachine) {
+  DistEnv e = read_dist_env(env_of({{"RANK", "2"}, {"WORLD_SIZE", "3"}}));
+  EXPECT_EQ(e.local_rank, 2);
+  EXPECT_EQ(e.local_world_size, 3);
+  EXPECT_EQ(e.master_addr, "127.0.0.1");
+  EXPECT_EQ(e.master_port, 29500);
+  EXPECT_FALSE(e.agent_store);
+}
+
+TEST(ReadDistEnv, InconsistentValuesNameTheVariables) {
+  expect_error(
+      [] {
+        read_dist_env(env_of({{"RANK", "4"}, {"WORLD_SIZE", "4"}}));
+      },
+      {"rank 4 must be < world size 4"});
+  expect_error(
+      [] {
+        read_dist_env(env_of({{"RANK", "1"}}));
+      },
+      {"RANK is set but WORLD_SIZE is not"});
+  expect_error(
+      [] {
+        read_dist_env(env_of({{"WORLD_SIZE", "2"}}));
+      },
+      {"WORLD_SIZE is set but RANK is not"});
+  expect_error(
+      [] {
+        read_dist_env(env_of({{"RANK", "one"}, {"WORLD_SIZE", "2"}}));
+      },
+      {"RANK='one' is not an integer"});
+  expect_error(
+      [] {
+        read_dist_env(env_of({{"RANK", "0"}, {"WORLD_SIZE", "0"}}));
+      },
+      {"WORLD_SIZE=0 is out of range"});
+  expect_error(
+      [] {
+        read_dist_env(env_of({{"RANK", "-1"}, {"WORLD_SIZE", "2"}}));
+      },
+      {"RANK=-1 is out of range"});
+  expect_error(
+      [] {
+        read_dist_env(env_of(
+            {{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "2"}, {"LOCAL_WORLD_SIZE", "2"}}));
+      },
+      {"local rank 2 must be < local world size 2"});
+  expect_error(
+      [] {
+        read_dist_env(env_of({{"RANK", "0"}, {"WORLD_SIZE", "8"}, {"LOCAL_WORLD_SIZE", "4"}}));
+      },
+      {"MASTER_ADDR is not set", "several machines", "world size 8, 4 per machine"});
+  expect_error(
+      [] {
+        read_dist_env(env_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "70000"}}));
+      },
+      {"MASTER_PORT=70000 is out of range"});
+}
+
+TEST(ReadDistEnv, SlurmVariables) {
+  DistEnv e = read_dist_env(env_of({{"SLURM_PROCID", "6"},
+                                    {"SLURM_NTASKS", "8"},
+                                    {"SLURM_LOCALID", "2"},
+                                    {"SLURM_TASKS_PER_NODE", "4(x2)"},
+                                    {"SLURM_NODEID", "1"},
+                                    {"SLURM_NODELIST", "gpu[07-08]"},
+                                    {"SLURM_JOB_ID", "123456"}}));
+  EXPECT_EQ(e.source, "SLURM");
+  EXPECT_EQ(e.rank, 6);
+  EXPECT_EQ(e.world_size, 8);
+  EXPECT_EQ(e.local_rank, 2);
+  EXPECT_EQ(e.local_world_size, 4);
+  EXPECT_EQ(e.group_rank, 1);
+  EXPECT_EQ(e.master_addr, "gpu07");
+  EXPECT_EQ(e.master_port, 20000 + 123456 % 20000);
+  // Explicit MASTER_* and torchrun's variables win.
+  DistEnv t = read_dist_env(env_of({{"SLURM_PROCID", "6"},
+                                    {"SLURM_NTASKS", "8"},
+                                    {"RANK", "1"},
+                                    {"WORLD_SIZE", "2"},
+                                    {"MASTER_ADDR", "h"},
+                                    {"MASTER_PORT", "1234"}}));
+  EXPECT_EQ(t.source, "RANK/WORLD_SIZE");
+  EXPECT_EQ(t.rank, 1);
+  EXPECT_EQ(t.master_addr, "h");
+  EXPECT_EQ(t.master_port, 1234);
+}
+
+TEST(ReadDistEnv, OpenMpiVariables) {
+  DistEnv e = read_dist_env(env_of({{"OMPI_COMM_WORLD_RANK", "3"},
+                                    {"OMPI_COMM_WORLD_SIZE", "4"},
+                                    {"OMPI_COMM_WORLD_LOCAL_RANK", "3"},
+                                    {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}}));
+  EXPECT_EQ(e.source, "Open MPI");
+  EXPECT_EQ(e.rank, 3);
+  EXPECT_EQ(e.world_size, 4);
+  EXPECT_EQ(e.local_rank, 3);
+  EXPECT_EQ(e.master_addr, "127.0.0.1");
+  expect_error(
+      [] {
+        read_dist_env(env_of({{"OMPI_COMM_WORLD_RANK", "3"},
+                              {"OMPI_COMM_WORLD_SIZE", "8"},
+                              {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}}));
+      },
+      {"MASTER_ADDR is not set", "Open MPI"});
+}
+
+TEST(ReadDistEnv, SocketInterfaceOverride) {
+  EXPECT_EQ(read_dist_env(env_of({{"LOCKSTEP_SOCKET_IFNAME", "eth1"}})).socket_ifname, "eth1");
+  EXPECT_EQ(read_dist_env(env_of({{"GLOO_SOCKET_IFNAME", "ib0"}})).socket_ifname, "ib0");
+  EXPECT_EQ(read_dist_env(env_of({{"GLOO_SOCKET_IFNAME", "ib0"}, {"LOCKSTEP_SOCKET_IFNAME", "e"}}))
+                .socket_ifname,
+            "e");
+}
+
+// Runs connect_world for several (rank, world_size) claims as threads over one HashStore.
+std::vector<std::string> join_threads(const std::vector<std::pair<int, int>>& claims,
+                                      std::chrono::milliseconds timeout = 30s) {
+  auto store = std::make_shared<HashStore>(30s);
+  std::vector<std::string> errors(claims.size());
+  std::vector<std::thread> ts;
+  for (size_t i = 0; i < claims.size(); ++i) {
+    ts.emplace_back([&, i] {
+      try {
+        InitOptions o;
+        o.store = store;
+        o.rank = claims[i].first;
+        o.world_size = claims[i].second;
+        o.timeout = timeout;
+        World w = connect_world(DistEnv{}, o);
+        w.group->barrier()->wait();
+      } catch (const std::exception& e) {
+        errors[i] = e.what();
+      }
+    });
+  }
+  for (auto& t : ts) t.join();
+  return errors;
+}
+
+TEST(ConnectWorld, RanksThatAgreeFormAWorld) {
+  for (const auto& e : join_threads({{0, 3}, {1, 3}, {2, 3}})) EXPECT_EQ(e, "");
+}
+
+TEST(ConnectWorld, TwoProcessesClaimingOneRankFailBoth) {
+  const auto errors = join_threads({{0, 2}, {0, 2}});
+  for (const auto& e : errors) {
+    EXPECT_THAT(e, ::testing::HasSubstr("rank 0 is claimed by two processes"));
+    EXPECT_THAT(e, ::testing::HasSubstr("every process needs its own RANK"));
+  }
+}
+
+TEST(ConnectWorld, DifferentWorldSizesFailEveryRank) {
+  const auto errors = join_threads({{0, 2}, {1, 3}});
+  for (const auto& e : errors) {
+    EXPECT_THAT(e, ::testing::HasSubstr("ranks disagree on the world size"));
+  }
+}
+
+TEST(ConnectWorld, AMissingRankIsNamedAtTheTimeout) {
+  const auto errors = join_threads({{0, 3}, {2, 3}}, 300ms);
+  for (const auto& e : errors) {
+    EXPECT_THAT(e, ::testing::HasSubstr("only 2 of 3 ranks joined within 300 ms"));
+    EXPECT_THAT(e, ::testing::HasSubstr("missing rank(s): 1"));
+  }
+}
+
+TEST(ConnectWorld, UnknownInterfaceListsTheMachinesInterfaces) {
+  DistEnv env;
+  env.socket_ifname = "nosuch0";
+  InitOptions o;
+  o.store = std::make_shared<HashStore>(30s);
+  expect_error([&] { connect_world(env, o); }, {"nosuch0: no such network interface", "lo"});
+  o.backend = "nope";
+  expect_error([&] { connect_world(DistEnv{}, o); }, {"unknown backend 'nope'"});
+}
+
+TEST(ConnectWorld, InterfaceOrAddressOverrideIsUsed) {
+  auto store = std::make_shared<HashStore>(30s);
+  std::vector<std::thread> ts;
+  std::vector<std::string> errors(2);
+  for (int r = 0; r < 2; ++r) {
+    ts.emplace_back([&, r] {
+      try {
+        DistEnv env;
+        env.socket_ifname = r == 0 ? "lo" : "127.0.0.1";
+        InitOptions o;
+        o.store = store;
+        o.rank = r;
+        o.world_size = 2;
+        World w = connect_world(env, o);
+        LS_CHECK(r == 0 ? w.bind_interface == "lo" : w.bind_address == "127.0.0.1", "binding");
+        Tensor x = full({3}, 1.0);
+        w.group->all_reduce(x)->wait();
+        LS_CHECK(x.to_vector<double>()[0] == 2.0, "sum");
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : ts) t.join();
+  for (const auto& e : errors) EXPECT_EQ(e, "");
+}
+
+TEST(NewGroup, MembersGetASubgroupNonMembersGetNothing) {
+  auto store = std::make_shared<HashStore>(30s);
+  std::vector<std::thread> ts;
+  std::vector<std::string> errors(4);
+  for (int r = 0; r < 4; ++r) {
+    ts.emplace_back([&, r] {
+      try {
+        InitOptions o;
+        o.store = store;
+        o.rank = r;
+        o.world_size = 4;
+        World w = connect_world(DistEnv{}, o);
+        // Ranks 1 and 3 make two groups of the same list; rank 0 and 2 do not call at all.
+        if (r == 1 || r == 3) {
+          for (int k = 0; k < 2; ++k) {
+            auto g = new_group(w, {1, 3});
+            LS_CHECK(g && g->size() == 2 && g->rank() == (r == 1 ? 0 : 1), "membership");
+            Tensor x = full({2}, static_cast<double>(r + k), kInt32);
+            g->all_reduce(x)->wait();
+            LS_CHECK(x.to_vector<double>()[1] == 4 + 2 * k, "sum in subgroup");
+          }
+        }
+        auto alone = new_group(w, {r});
+        LS_CHECK(alone && alone->size() == 1, "a group of one");
+        LS_CHECK(new_group(w, {(r + 1) % 4}) == nullptr, "non-member got a group");
+        w.group->barrier()->wait();
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : ts) t.join();
+  for (const auto& e : errors) EXPECT_EQ(e, "");
+}
+
+TEST(NewGroup, RejectsBadRankLists) {
+  World w = connect_world(DistEnv{}, {});
+  expect_error([&] { new_group(w, {}); }, {"at least one rank"});
+  expect_error([&] { new_group(w, {0, 1}); }, {"rank 1 is outside the world [0, 1)"});
+  expect_error([&] { new_group(w, {0, 0}); }, {"increasing and distinct"});
+}
+
+TEST(DefaultGroup, LifecycleAndAccessors) {
+  // The test runs without launcher variables: a world of one with no network.
+  if (is_initialized()) destroy_process_group();
+  expect_error([] { rank(); }, {"not initialized", "init_process_group"});
+  EXPECT_FALSE(is_initialized());
+  auto pg = init_process_group();
+  EXPECT_TRUE(is_initialized());
+  EXPECT_EQ(pg->size(), world_size());
+  EXPECT_EQ(rank(), 0);
+  EXPECT_EQ(local_rank(), 0);
+  EXPECT_EQ(local_world_size(), 1);
+  EXPECT_TRUE(is_main_process());
+  EXPECT_EQ(default_group(), pg);
+  expect_error([] { init_process_group(); }, {"already exists", "destroy_process_group"});
+  auto solo = new_group({0});
+  ASSERT_NE(solo, nullptr);
+  EXPECT_EQ(solo->size(), 1);
+  destroy_process_group();
+  EXPECT_FALSE(is_initialized());
+  destroy_process_group();  // a no-op
+  expect_error([] { world_size(); }, {"not initialized"});
+}
+
+TEST(LocalAddress, LoopbackRoutesThroughLoopback) {
+  EXPECT_EQ(local_address_toward("127.0.0.1", 29500), "127.0.0.1");
+  EXPECT_EQ(local_address_toward("localhost", 29500).rfind("127.", 0) == 0 ||
+                local_address_toward("localhost", 29500) == "::1",
+            true);
+  expect_error([] { local_address_toward("no-such-host.invalid", 1); },
+               {"cannot resolve 'no-such-host.invalid'"});
+}
+
+}  // namespace
+
+namespace {
+
+TEST(ConnectWorld, ABadInterfaceOnOneRankFailsEveryRankAtOnce) {
+  auto store = std::make_shared<HashStore>(30s);
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> ts;
+  for (int r = 0; r < 2; ++r) {
+    ts.emplace_back([&, r] {
+      try {
+        DistEnv env;
+        if (r == 1) env.socket_ifname = "nosuch0";
+        InitOptions o;
+        o.store = store;
+        o.rank = r;
+        o.world_size = 2;
+        o.timeout = 20s;  // rank 0 would wait this long for rank 1 without the error key
+        connect_world(env, o);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : ts) t.join();
+  for (const auto& e : errors) {
+    EXPECT_THAT(e, ::testing::HasSubstr("nosuch0: no such network interface"));
+  }
+  EXPECT_THAT(errors[0], ::testing::HasSubstr("rank 1: "));
+}
+
+}  // namespace

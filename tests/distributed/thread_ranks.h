@@ -1,0 +1,44 @@
+// Ranks as threads: each runs a body with its own process group over one shared HashStore.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "lockstep/distributed/gloo/process_group_gloo.h"
+#include "lockstep/distributed/store/hash_store.h"
+
+namespace lockstep::testing {
+
+// Runs body(rank, group) on `world` threads and returns each rank's exception message ("" when
+// it succeeded). Groups are Gloo's even for a world of one unless `via_registry`, which builds
+// them as create_process_group("gloo") does (a world of one is then a WorldOfOneGroup).
+inline std::vector<std::string> run_ranks(
+    int world, const std::function<void(int, dist::ProcessGroupPtr)>& body,
+    std::chrono::milliseconds timeout = std::chrono::seconds(60), bool via_registry = false) {
+  auto store = std::make_shared<dist::HashStore>(std::chrono::seconds(30));
+  std::vector<std::string> errors(static_cast<size_t>(world));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        dist::BackendConfig c;
+        c.store = store;
+        c.rank = r;
+        c.size = world;
+        c.timeout = timeout;
+        body(r, via_registry ? dist::create_process_group("gloo", c)
+                             : std::make_shared<dist::ProcessGroupGloo>(c));
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return errors;
+}
+
+}  // namespace lockstep::testing
