@@ -12,6 +12,8 @@
 #include <memory>
 #include <mutex>
 
+#include "lockstep/base/worker_env.h"
+
 
 namespace lockstep {
 
@@ -56,7 +58,7 @@ std::string utc_timestamp() {
 }
 
 int rank_from_env() {
-  const char* v = std::getenv("RANK");
+  const char* v = std::getenv(env::kRank);
   if (v == nullptr || *v == '\0') return kUnknownRank;
   char* end = nullptr;
   errno = 0;

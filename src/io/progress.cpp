@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "lockstep/base/log.h"
+#include "lockstep/base/worker_env.h"
 
 namespace lockstep::io {
 
@@ -102,7 +103,7 @@ Progress::Progress(ProgressOptions opts) : opts_(std::move(opts)) {
   if (opts_.terminal) {
     terminal_ = *opts_.terminal;
   } else {
-    const char* env = std::getenv("LOCKSTEP_STDOUT_IS_TTY");
+    const char* env = std::getenv(env::kStdoutIsTty);
     terminal_ = (env != nullptr && std::strcmp(env, "1") == 0) || tty_fd_;
   }
 }

@@ -102,12 +102,7 @@ BatchNorm::BatchNorm(int64_t num_features, int64_t spatial_dims, double eps, dou
 }
 
 Tensor BatchNorm::forward(const Tensor& x) {
-  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/ops/autocast.cpp
-    static const amp::CastPolicy policy = amp::cast_policy("batch_norm");
-    const Tensor x_ac = amp::detail::autocast_arg(x, policy);
-    amp::detail::AutocastSuspend off;
-    return forward(x_ac);
-  }
+  LS_AUTOCAST("batch_norm", forward, x);
   const bool ok_rank = spatial_dims_ == 2 ? x.dim() == 4 : (x.dim() == 2 || x.dim() == 3);
   LS_CHECK(ok_rank && x.size(1) == num_features_, type_name(), ": expected input of shape ",
            spatial_dims_ == 2 ? "(N, C, H, W)" : "(N, C) or (N, C, L)", " with C=", num_features_,

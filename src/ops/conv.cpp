@@ -425,14 +425,7 @@ Tensor conv2d_bf16(const Tensor& x, const Tensor& weight, const Tensor& bias, co
 
 Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias,
               const Conv2dOptions& opts) {
-  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/ops/autocast.cpp
-    static const amp::CastPolicy policy = amp::cast_policy("conv2d");
-    const Tensor x_ac = amp::detail::autocast_arg(x, policy);
-    const Tensor weight_ac = amp::detail::autocast_arg(weight, policy);
-    const Tensor bias_ac = amp::detail::autocast_arg(bias, policy);
-    amp::detail::AutocastSuspend off;
-    return conv2d(x_ac, weight_ac, bias_ac, opts);
-  }
+  LS_AUTOCAST("conv2d", conv2d, x, weight, bias, opts);
   const ConvShape s = check_conv_args(x, weight, bias, opts);
   if (x.dtype() == kBFloat16 && cpu::bf16_gemm_available()) {
     Tensor y = conv2d_bf16(x, weight, bias, s);

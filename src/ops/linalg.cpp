@@ -436,13 +436,7 @@ std::string bf16_matmul_backend() {
 }
 
 Tensor matmul(const Tensor& a, const Tensor& b) {
-  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/ops/autocast.cpp
-    static const amp::CastPolicy policy = amp::cast_policy("matmul");
-    const Tensor a_ac = amp::detail::autocast_arg(a, policy);
-    const Tensor b_ac = amp::detail::autocast_arg(b, policy);
-    amp::detail::AutocastSuspend off;
-    return matmul(a_ac, b_ac);
-  }
+  LS_AUTOCAST("matmul", matmul, a, b);
   check_matmul_args(a, b, "matmul");
   Tensor out = matmul_nograd(a.detach(), b.detach());
   record("MatmulBackward", {a, b}, out,
@@ -452,14 +446,7 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
 }
 
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
-  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/ops/autocast.cpp
-    static const amp::CastPolicy policy = amp::cast_policy("linear");
-    const Tensor x_ac = amp::detail::autocast_arg(x, policy);
-    const Tensor w_ac = amp::detail::autocast_arg(w, policy);
-    const Tensor b_ac = amp::detail::autocast_arg(b, policy);
-    amp::detail::AutocastSuspend off;
-    return linear(x_ac, w_ac, b_ac);
-  }
+  LS_AUTOCAST("linear", linear, x, w, b);
   detail::check_cpu(x, "linear");
   detail::check_cpu(w, "linear");
   detail::check_same_device(x, w, "linear");

@@ -192,12 +192,7 @@ void mse_backward(const Tensor& x, const Tensor& t, const Tensor& g, Reduction r
 }  // namespace
 
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const CrossEntropyOptions& opts) {
-  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/ops/autocast.cpp
-    static const amp::CastPolicy policy = amp::cast_policy("cross_entropy");
-    const Tensor logits_ac = amp::detail::autocast_arg(logits, policy);
-    amp::detail::AutocastSuspend off;
-    return cross_entropy(logits_ac, targets, opts);
-  }
+  LS_AUTOCAST("cross_entropy", cross_entropy, logits, targets, opts);
   detail::check_cpu(logits, "cross_entropy");
   detail::check_cpu(targets, "cross_entropy");
   LS_CHECK(is_floating(logits.dtype()), "cross_entropy: logits must be floating-point, got ",
@@ -248,13 +243,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const CrossEnt
 }
 
 Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction) {
-  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/ops/autocast.cpp
-    static const amp::CastPolicy policy = amp::cast_policy("mse_loss");
-    const Tensor input_ac = amp::detail::autocast_arg(input, policy);
-    const Tensor target_ac = amp::detail::autocast_arg(target, policy);
-    amp::detail::AutocastSuspend off;
-    return mse_loss(input_ac, target_ac, reduction);
-  }
+  LS_AUTOCAST("mse_loss", mse_loss, input, target, reduction);
   detail::check_cpu(input, "mse_loss");
   detail::check_cpu(target, "mse_loss");
   LS_CHECK(input.shape() == target.shape(), "mse_loss: input of shape ", input.shape().str(),

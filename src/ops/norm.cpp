@@ -146,14 +146,7 @@ void check_affine(const Tensor& t, const Tensor& x, const Dims& normalized_shape
 
 Tensor layer_norm(const Tensor& x, const Dims& normalized_shape, const Tensor& weight,
                   const Tensor& bias, double eps) {
-  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/ops/autocast.cpp
-    static const amp::CastPolicy policy = amp::cast_policy("layer_norm");
-    const Tensor x_ac = amp::detail::autocast_arg(x, policy);
-    const Tensor weight_ac = amp::detail::autocast_arg(weight, policy);
-    const Tensor bias_ac = amp::detail::autocast_arg(bias, policy);
-    amp::detail::AutocastSuspend off;
-    return layer_norm(x_ac, normalized_shape, weight_ac, bias_ac, eps);
-  }
+  LS_AUTOCAST("layer_norm", layer_norm, x, normalized_shape, weight, bias, eps);
   detail::check_cpu(x, "layer_norm");
   LS_CHECK(is_floating(x.dtype()), "layer_norm: expected a floating-point input, got ",
            dtype_name(x.dtype()));

@@ -264,12 +264,7 @@ Tensor extreme_all(const Tensor& a, bool is_max) {
 }  // namespace
 
 Tensor sum(const Tensor& a, const Dims& dims, bool keepdim) {
-  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/ops/autocast.cpp
-    static const amp::CastPolicy policy = amp::cast_policy("sum");
-    const Tensor a_ac = amp::detail::autocast_arg(a, policy);
-    amp::detail::AutocastSuspend off;
-    return sum(a_ac, dims, keepdim);
-  }
+  LS_AUTOCAST("sum", sum, a, dims, keepdim);
   Tensor out = sum_impl(a, dims, keepdim, false, "sum");
   if (autograd::needs_grad({&a})) {
     ReducePlan p = make_plan(a, dims, keepdim, "sum");
@@ -283,12 +278,7 @@ Tensor sum(const Tensor& a, const Dims& dims, bool keepdim) {
 Tensor sum(const Tensor& a) { return sum(a, Dims{}, false); }
 
 Tensor mean(const Tensor& a, const Dims& dims, bool keepdim) {
-  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/ops/autocast.cpp
-    static const amp::CastPolicy policy = amp::cast_policy("mean");
-    const Tensor a_ac = amp::detail::autocast_arg(a, policy);
-    amp::detail::AutocastSuspend off;
-    return mean(a_ac, dims, keepdim);
-  }
+  LS_AUTOCAST("mean", mean, a, dims, keepdim);
   Tensor out = sum_impl(a, dims, keepdim, true, "mean");
   if (autograd::needs_grad({&a})) {
     ReducePlan p = make_plan(a, dims, keepdim, "mean");
@@ -302,12 +292,7 @@ Tensor mean(const Tensor& a, const Dims& dims, bool keepdim) {
 Tensor mean(const Tensor& a) { return mean(a, Dims{}, false); }
 
 Tensor var(const Tensor& a, const Dims& dims, int64_t correction, bool keepdim) {
-  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/ops/autocast.cpp
-    static const amp::CastPolicy policy = amp::cast_policy("var");
-    const Tensor a_ac = amp::detail::autocast_arg(a, policy);
-    amp::detail::AutocastSuspend off;
-    return var(a_ac, dims, correction, keepdim);
-  }
+  LS_AUTOCAST("var", var, a, dims, correction, keepdim);
   detail::check_cpu(a, "var");
   LS_CHECK(is_floating(a.dtype()), "var: needs a floating-point input, got ",
            dtype_name(a.dtype()));

@@ -120,22 +120,12 @@ Tensor softmax_op(const Tensor& x, int64_t dim, bool log, const char* op, const 
 }  // namespace
 
 Tensor softmax(const Tensor& x, int64_t dim) {
-  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/ops/autocast.cpp
-    static const amp::CastPolicy policy = amp::cast_policy("softmax");
-    const Tensor x_ac = amp::detail::autocast_arg(x, policy);
-    amp::detail::AutocastSuspend off;
-    return softmax(x_ac, dim);
-  }
+  LS_AUTOCAST("softmax", softmax, x, dim);
   return softmax_op(x, dim, false, "softmax", "SoftmaxBackward");
 }
 
 Tensor log_softmax(const Tensor& x, int64_t dim) {
-  if (amp::is_autocast_enabled()) {  // Note [Autocast policy] in src/ops/autocast.cpp
-    static const amp::CastPolicy policy = amp::cast_policy("log_softmax");
-    const Tensor x_ac = amp::detail::autocast_arg(x, policy);
-    amp::detail::AutocastSuspend off;
-    return log_softmax(x_ac, dim);
-  }
+  LS_AUTOCAST("log_softmax", log_softmax, x, dim);
   return softmax_op(x, dim, true, "log_softmax", "LogSoftmaxBackward");
 }
 

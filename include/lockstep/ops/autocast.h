@@ -10,6 +10,8 @@
 #pragma once
 
 #include <string_view>
+#include <tuple>
+#include <type_traits>
 
 #include "lockstep/tensor/tensor.h"
 
@@ -68,6 +70,36 @@ class AutocastSuspend {
  private:
   bool prev_;
 };
+
+// The one autocast prologue of an op (see LS_AUTOCAST below): casts every Tensor argument as
+// `policy` wants it, then calls `f` on the cast arguments with autocast suspended, so that the op
+// runs its own implementation once without casting again. Other arguments pass through.
+template <typename F, typename... Args>
+Tensor autocast_call(CastPolicy policy, const F& f, const Args&... args) {
+  auto cast = [policy](const auto& a) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(a)>, Tensor>) {
+      return autocast_arg(a, policy);
+    } else {
+      return a;
+    }
+  };
+  // All casts happen before the suspension: they are themselves ops that record a backward.
+  auto cast_args = std::tuple{cast(args)...};
+  AutocastSuspend off;
+  return std::apply(f, cast_args);
+}
 }  // namespace detail
 
 }  // namespace lockstep::amp
+
+// LS_AUTOCAST("linear", linear, x, w, b): the first line of an op that autocast applies to. Inside
+// an enabled autocast scope it returns `fn(args...)` with the Tensor arguments cast per the op's
+// policy (Note [Autocast policy] in src/ops/autocast.cpp; the policy is looked up once per call
+// site); outside one it does nothing and the op goes on.
+#define LS_AUTOCAST(name, fn, ...)                                                              \
+  if (::lockstep::amp::is_autocast_enabled()) {                                                 \
+    static const ::lockstep::amp::CastPolicy ls_autocast_policy_ =                              \
+        ::lockstep::amp::cast_policy(name);                                                     \
+    return ::lockstep::amp::detail::autocast_call(                                              \
+        ls_autocast_policy_, [&](const auto&... ls_args_) { return fn(ls_args_...); }, __VA_ARGS__); \
+  }

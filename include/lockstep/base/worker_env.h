@@ -1,0 +1,42 @@
+// The worker environment: the variables `lockstep run` sets for every worker and the library
+// reads, spelled once here (torchrun's names where torchrun has one, so cluster tools work).
+#pragma once
+
+#include <array>
+#include <string_view>
+
+namespace lockstep::env {
+
+// Where this worker sits in the job (torchrun's names).
+inline constexpr const char* kRank = "RANK";
+inline constexpr const char* kLocalRank = "LOCAL_RANK";
+inline constexpr const char* kWorldSize = "WORLD_SIZE";
+inline constexpr const char* kLocalWorldSize = "LOCAL_WORLD_SIZE";
+inline constexpr const char* kGroupRank = "GROUP_RANK";  // the node rank
+inline constexpr const char* kMasterAddr = "MASTER_ADDR";
+inline constexpr const char* kMasterPort = "MASTER_PORT";
+
+// The launcher's own (torchelastic's TORCHELASTIC_* counterparts).
+inline constexpr const char* kRestartCount = "LOCKSTEP_RESTART_COUNT";
+inline constexpr const char* kMaxRestarts = "LOCKSTEP_MAX_RESTARTS";
+inline constexpr const char* kRunId = "LOCKSTEP_RUN_ID";
+// "1": the launcher hosts the store at MASTER_ADDR:MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE).
+inline constexpr const char* kUseAgentStore = "LOCKSTEP_USE_AGENT_STORE";
+// The token a TCP store client presents (docs/LAUNCHER.md).
+inline constexpr const char* kStoreToken = "LOCKSTEP_STORE_TOKEN";
+// Where init_process_group's terminate handler writes an uncaught error (TORCHELASTIC_ERROR_FILE).
+inline constexpr const char* kErrorFile = "LOCKSTEP_ERROR_FILE";
+// "1": this worker's stdout reaches the launcher's terminal (progress bars redraw in place).
+inline constexpr const char* kStdoutIsTty = "LOCKSTEP_STDOUT_IS_TTY";
+
+// Every variable above: what a launcher sets for each worker, replacing any value it inherited.
+inline constexpr std::array<const char*, 14> kLauncherSet = {
+    kRank,         kLocalRank,   kWorldSize, kLocalWorldSize, kGroupRank,
+    kMasterAddr,   kMasterPort,  kRestartCount, kMaxRestarts, kRunId,
+    kUseAgentStore, kStoreToken, kErrorFile,  kStdoutIsTty};
+
+// Read by the library but set by the user, never by the launcher.
+inline constexpr const char* kOmpNumThreads = "OMP_NUM_THREADS";
+inline constexpr const char* kSocketIfname = "LOCKSTEP_SOCKET_IFNAME";
+
+}  // namespace lockstep::env
