@@ -10,6 +10,8 @@
 #include <memory>
 #include <vector>
 
+#include "lockstep/base/syscall.h"
+
 namespace lockstep::data {
 
 namespace {
@@ -59,7 +61,7 @@ class ByteSource {
  public:
   explicit ByteSource(const std::string& path) : path_(path) {
     file_.reset(std::fopen(path.c_str(), "rb"));
-    LS_CHECK(file_ != nullptr, "read_idx: cannot open ", path, ": ", std::strerror(errno));
+    LS_CHECK(file_ != nullptr, "read_idx: cannot open ", path, ": ", errno_text(errno));
     LS_CHECK(std::fseek(file_.get(), 0, SEEK_END) == 0, "read_idx: cannot seek in ", path);
     file_bytes_ = std::ftell(file_.get());
     std::rewind(file_.get());
@@ -102,7 +104,7 @@ class ByteSource {
     pos_ = 0;
     avail_ = std::fread(in_.data(), 1, in_.size(), file_.get());
     LS_CHECK(!std::ferror(file_.get()), "read_idx: error reading ", path_, ": ",
-             std::strerror(errno));
+             errno_text(errno));
     return avail_ > 0;
   }
 

@@ -9,8 +9,8 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
-#include <fstream>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "lockstep/autograd/grad_mode.h"
+#include "lockstep/base/syscall.h"
 #include "lockstep/tensor/tensor_impl.h"
 
 namespace lockstep::io {
@@ -42,22 +43,12 @@ constexpr int kQuoteDepth = 3;
 // Ordered so that "the first problem" is the first in the header as written.
 using json = nlohmann::ordered_json;
 
-struct Fd {
-  int fd = -1;
-  explicit Fd(int f) : fd(f) {}
-  ~Fd() {
-    if (fd >= 0) ::close(fd);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-};
-
 void write_all(int fd, const void* data, size_t n, const std::string& path) {
   const char* p = static_cast<const char*>(data);
   while (n > 0) {
-    ssize_t w = ::write(fd, p, n);
-    if (w < 0 && errno == EINTR) continue;
-    LS_CHECK(w > 0, "save_safetensors: writing ", path, " failed: ", std::strerror(errno));
+    const ssize_t w = LS_SYSCHECK_MSG(retry_on_eintr([&] { return ::write(fd, p, n); }),
+                                      "save_safetensors: writing ", path);
+    LS_CHECK(w > 0, "save_safetensors: writing ", path, " wrote nothing");
     p += w;
     n -= static_cast<size_t>(w);
   }
@@ -67,11 +58,9 @@ void write_all(int fd, const void* data, size_t n, const std::string& path) {
 void fsync_directory(const std::string& path) {
   std::string dir = std::filesystem::path(path).parent_path().string();
   if (dir.empty()) dir = ".";
-  Fd d(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  LS_CHECK(d.fd >= 0, "save_safetensors: cannot open directory ", dir,
-           " to fsync it: ", std::strerror(errno));
-  LS_CHECK(::fsync(d.fd) == 0, "save_safetensors: fsync of directory ", dir,
-           " failed: ", std::strerror(errno));
+  Fd d(LS_SYSCHECK_MSG(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC),
+                       "save_safetensors: cannot open directory ", dir, " to fsync it"));
+  LS_SYSCHECK_MSG(::fsync(d.get()), "save_safetensors: fsync of directory ", dir, " failed");
 }
 
 // A private, writable (copy-on-write) mapping of a whole file: tensors may be modified in place
@@ -83,7 +72,7 @@ class Mapping {
   Mapping(int fd, size_t size, const std::string& path) : size_(size) {
     void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
     LS_CHECK(p != MAP_FAILED, "load_safetensors: cannot map ", path, " (", size,
-             " bytes): ", std::strerror(errno));
+             " bytes): ", errno_text(errno));
     data_ = static_cast<unsigned char*>(p);
   }
   ~Mapping() { ::munmap(data_, size_); }
@@ -114,11 +103,10 @@ struct FileBytes {
 };
 
 FileBytes open_file(const std::string& path, const SafetensorsLoadOptions& opts) {
-  Fd f(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  LS_CHECK(f.fd >= 0, "load_safetensors: cannot open ", path, ": ", std::strerror(errno));
+  Fd f(LS_SYSCHECK_MSG(::open(path.c_str(), O_RDONLY | O_CLOEXEC), "load_safetensors: cannot open ",
+                       path));
   struct stat st {};
-  LS_CHECK(::fstat(f.fd, &st) == 0, "load_safetensors: cannot stat ", path, ": ",
-           std::strerror(errno));
+  LS_SYSCHECK_MSG(::fstat(f.get(), &st), "load_safetensors: cannot stat ", path);
   LS_CHECK(S_ISREG(st.st_mode), "load_safetensors: ", path,
            " is not a regular file (expected a .safetensors file)");
   FileBytes out;
@@ -126,7 +114,7 @@ FileBytes open_file(const std::string& path, const SafetensorsLoadOptions& opts)
   LS_CHECK(out.size >= kLengthBytes, "load_safetensors: ", path, " is ", out.size,
            " bytes, too short for the 8-byte header length");
   if (out.size >= opts.mmap_min_bytes) {
-    auto m = std::make_shared<const Mapping>(f.fd, static_cast<size_t>(out.size), path);
+    auto m = std::make_shared<const Mapping>(f.get(), static_cast<size_t>(out.size), path);
     out.data = m->data();
     out.mapping = std::move(m);
     return out;
@@ -134,9 +122,10 @@ FileBytes open_file(const std::string& path, const SafetensorsLoadOptions& opts)
   out.buffer.resize(static_cast<size_t>(out.size));
   size_t done = 0;
   while (done < out.buffer.size()) {
-    ssize_t r = ::read(f.fd, out.buffer.data() + done, out.buffer.size() - done);
-    if (r < 0 && errno == EINTR) continue;
-    LS_CHECK(r >= 0, "load_safetensors: reading ", path, " failed: ", std::strerror(errno));
+    const ssize_t r = LS_SYSCHECK_MSG(
+        retry_on_eintr(
+            [&] { return ::read(f.get(), out.buffer.data() + done, out.buffer.size() - done); }),
+        "load_safetensors: reading ", path, " failed");
     LS_CHECK(r > 0, "load_safetensors: ", path, " shrank from ", out.size, " to ", done,
              " bytes while being read");
     done += static_cast<size_t>(r);
@@ -427,15 +416,14 @@ void save_safetensors(const std::string& path, const NamedTensors& tensors,
   static std::atomic<uint64_t> counter{0};
   const std::string tmp =
       path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
-  Fd f(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-  LS_CHECK(f.fd >= 0, "save_safetensors: cannot create ", tmp, ": ", std::strerror(errno));
+  Fd f(LS_SYSCHECK_MSG(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644),
+                       "save_safetensors: cannot create ", tmp));
   try {
-    write_all(f.fd, len_le, kLengthBytes, tmp);
-    write_all(f.fd, h.data(), h.size(), tmp);
+    write_all(f.get(), len_le, kLengthBytes, tmp);
+    write_all(f.get(), h.data(), h.size(), tmp);
     for (const Tensor& c : data)
-      write_all(f.fd, c.data_ptr(), static_cast<size_t>(c.nbytes()), tmp);
-    LS_CHECK(::fsync(f.fd) == 0, "save_safetensors: fsync of ", tmp,
-             " failed: ", std::strerror(errno));
+      write_all(f.get(), c.data_ptr(), static_cast<size_t>(c.nbytes()), tmp);
+    LS_SYSCHECK_MSG(::fsync(f.get()), "save_safetensors: fsync of ", tmp, " failed");
   } catch (...) {
     ::unlink(tmp.c_str());
     throw;
@@ -443,7 +431,7 @@ void save_safetensors(const std::string& path, const NamedTensors& tensors,
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     const int err = errno;
     ::unlink(tmp.c_str());
-    LS_THROW("save_safetensors: renaming ", tmp, " to ", path, " failed: ", std::strerror(err));
+    LS_THROW("save_safetensors: renaming ", tmp, " to ", path, " failed: ", errno_text(err));
   }
   fsync_directory(path);
 }
@@ -451,7 +439,7 @@ void save_safetensors(const std::string& path, const NamedTensors& tensors,
 Metadata load_safetensors_metadata(const std::string& path) {
   const std::string where = "load_safetensors_metadata: " + path + ": ";
   std::ifstream in(path, std::ios::binary | std::ios::ate);
-  LS_CHECK(in.good(), where, "cannot open: ", std::strerror(errno));
+  LS_CHECK(in.good(), where, "cannot open: ", errno_text(errno));
   const uint64_t size = static_cast<uint64_t>(in.tellg());
   LS_CHECK(size >= kLengthBytes, where, "the file is ", size,
            " bytes, too short for the 8-byte header length");
@@ -464,7 +452,7 @@ Metadata load_safetensors_metadata(const std::string& path) {
            " is impossible for a file of ", size, " bytes");
   std::string text(hlen, '\0');
   LS_CHECK(in.read(text.data(), static_cast<std::streamsize>(hlen)), where,
-           "cannot read the header: ", std::strerror(errno));
+           "cannot read the header: ", errno_text(errno));
   return parse_header(text.data(), text.data() + hlen, where).metadata;
 }
 

@@ -21,6 +21,16 @@ inline bool errno_in(int err, std::initializer_list<int> allowed) {
 }
 }  // namespace detail
 
+// Calls f() again while it fails with EINTR (a signal arrived during a blocking call); returns
+// its last result with errno intact, for LS_SYSCHECK_MSG to check.
+template <typename F>
+auto retry_on_eintr(const F& f) {
+  for (;;) {
+    auto r = f();
+    if (r != -1 || errno != EINTR) return r;
+  }
+}
+
 // Owns one file descriptor; closes it on destruction (errors from close are ignored there: a
 // destructor never throws). close() reports them for callers that must know (a file written
 // through the descriptor).
@@ -74,12 +84,13 @@ class Fd {
   }()
 
 // LS_SYSCHECK_MSG(call, message...): as LS_SYSCHECK, with the caller's words (what was being done,
-// to which file) before errno's text: "cannot open data/x.idx: No such file or directory (errno 2)".
-#define LS_SYSCHECK_MSG(call, ...)                                           \
-  [&]() {                                                                    \
-    auto ls_result_ = (call);                                                \
-    const int ls_errno_ = errno;                                             \
+// to which file) before errno's text: "cannot open data/x.idx: No such file or directory (errno
+// 2)".
+#define LS_SYSCHECK_MSG(call, ...)                                                    \
+  [&]() {                                                                             \
+    auto ls_result_ = (call);                                                         \
+    const int ls_errno_ = errno;                                                      \
     LS_CHECK(ls_result_ != -1, __VA_ARGS__, ": ", ::lockstep::errno_text(ls_errno_)); \
-    errno = ls_errno_;                                                       \
-    return ls_result_;                                                       \
+    errno = ls_errno_;                                                                \
+    return ls_result_;                                                                \
   }()

@@ -1,0 +1,112 @@
+// The system-call check and the owning file descriptor (include/lockstep/base/syscall.h).
+#include "lockstep/base/syscall.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <string>
+
+namespace lockstep {
+namespace {
+
+bool fd_open(int fd) { return ::fcntl(fd, F_GETFD) != -1; }
+
+TEST(Syscall, CheckReturnsTheResultOfASuccessfulCall) {
+  int fds[2];
+  EXPECT_EQ(LS_SYSCHECK(::pipe(fds)), 0);
+  Fd r(fds[0]), w(fds[1]);
+  EXPECT_EQ(LS_SYSCHECK(::write(w.get(), "ab", 2)), 2);
+}
+
+TEST(Syscall, FailureThrowsNamingTheCallAndErrno) {
+  try {
+    LS_SYSCHECK(::close(-1));
+    FAIL() << "close(-1) did not throw";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("::close(-1) failed"), std::string::npos) << what;
+    EXPECT_NE(what.find("Bad file descriptor (errno " + std::to_string(EBADF) + ")"),
+              std::string::npos)
+        << what;
+    EXPECT_NE(what.find("syscall_test.cpp:"), std::string::npos) << what;
+  }
+}
+
+TEST(Syscall, AllowedErrnoIsReturnedNotThrown) {
+  int fds[2];
+  ASSERT_EQ(::pipe2(fds, O_NONBLOCK), 0);
+  Fd r(fds[0]), w(fds[1]);
+  char c;
+  errno = 0;
+  EXPECT_EQ(LS_SYSCHECK(::read(r.get(), &c, 1), EAGAIN, EWOULDBLOCK), -1);
+  EXPECT_EQ(errno, EAGAIN);
+  EXPECT_THROW(LS_SYSCHECK(::read(r.get(), &c, 1), EINTR), Error);  // EAGAIN not allowed here
+}
+
+TEST(Syscall, MessageVariantPutsTheCallersWordsFirst) {
+  try {
+    LS_SYSCHECK_MSG(::open("/nonexistent-dir/x", O_RDONLY), "cannot open ", "/nonexistent-dir/x");
+    FAIL() << "open did not throw";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.message(), "cannot open /nonexistent-dir/x: No such file or directory (errno " +
+                               std::to_string(ENOENT) + ")");
+  }
+}
+
+TEST(Syscall, RetryOnEintrStopsAtTheFirstOtherResult) {
+  int calls = 0;
+  auto r = retry_on_eintr([&] {
+    ++calls;
+    errno = calls < 3 ? EINTR : 0;
+    return calls < 3 ? -1 : 7;
+  });
+  EXPECT_EQ(r, 7);
+  EXPECT_EQ(calls, 3);
+  calls = 0;
+  r = retry_on_eintr([&] {
+    ++calls;
+    errno = EIO;
+    return -1;
+  });
+  EXPECT_EQ(r, -1);
+  EXPECT_EQ(errno, EIO);
+  EXPECT_EQ(calls, 1);
+}
+
+TEST(Fd, ClosesOnDestructionAndMovesOwnership) {
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  ::close(fds[1]);
+  {
+    Fd a(fds[0]);
+    EXPECT_TRUE(a.valid());
+    Fd b(std::move(a));
+    EXPECT_FALSE(a.valid());
+    EXPECT_EQ(b.get(), fds[0]);
+    EXPECT_TRUE(fd_open(fds[0]));
+  }
+  EXPECT_FALSE(fd_open(fds[0]));
+}
+
+TEST(Fd, ReleaseGivesUpOwnershipAndCloseReportsErrors) {
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  int raw;
+  {
+    Fd a(fds[0]);
+    raw = a.release();
+    EXPECT_FALSE(a.valid());
+  }
+  EXPECT_TRUE(fd_open(raw));
+  ::close(raw);
+  Fd w(fds[1]);
+  EXPECT_EQ(w.close(), 0);
+  EXPECT_FALSE(w.valid());
+  EXPECT_FALSE(fd_open(fds[1]));
+  EXPECT_EQ(w.close(), 0);  // closing an empty Fd is a no-op
+}
+
+}  // namespace
+}  // namespace lockstep
