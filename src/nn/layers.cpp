@@ -5,7 +5,6 @@
 #include <sstream>
 
 #include "lockstep/autograd/grad_mode.h"
-#include "lockstep/ops/autocast.h"
 #include "lockstep/ops/elementwise.h"
 #include "lockstep/ops/linalg.h"
 #include "lockstep/ops/reduce.h"
@@ -102,34 +101,17 @@ BatchNorm::BatchNorm(int64_t num_features, int64_t spatial_dims, double eps, dou
 }
 
 Tensor BatchNorm::forward(const Tensor& x) {
-  LS_AUTOCAST("batch_norm", forward, x);
   const bool ok_rank = spatial_dims_ == 2 ? x.dim() == 4 : (x.dim() == 2 || x.dim() == 3);
   LS_CHECK(ok_rank && x.size(1) == num_features_, type_name(), ": expected input of shape ",
            spatial_dims_ == 2 ? "(N, C, H, W)" : "(N, C) or (N, C, L)", " with C=", num_features_,
            ", got ", x.shape().str());
-  Dims reduce_dims{0};
-  for (int64_t d = 2; d < x.dim(); ++d) reduce_dims.push_back(d);
-  Dims bshape = Dims::filled(x.dim(), 1);  // (1, C, 1, ...) to broadcast per channel
-  bshape[1] = num_features_;
-  Tensor mean_b, var_b;
+  // The op normalizes (in f32 under autocast: its policy) and updates the running statistics.
+  Tensor y = batch_norm(x, running_mean_, running_var_, weight_, bias_, is_training(), momentum_,
+                        eps_);
   if (is_training()) {
-    const int64_t count = x.numel() / num_features_;
-    LS_CHECK(count > 1, type_name(), ": training needs more than one value per channel, got input ",
-             x.shape().str());
-    mean_b = mean(x, reduce_dims, true);
-    var_b = var(x, reduce_dims, 0, true);
     autograd::NoGradGuard no_grad;
-    const double unbias = static_cast<double>(count) / static_cast<double>(count - 1);
-    running_mean_.mul_(1.0 - momentum_).add_(mean_b.detach().reshape({num_features_}), momentum_);
-    running_var_.mul_(1.0 - momentum_)
-        .add_(var_b.detach().reshape({num_features_}), momentum_ * unbias);
     num_batches_tracked_.add_(1.0);
-  } else {
-    mean_b = running_mean_.reshape(bshape);
-    var_b = running_var_.reshape(bshape);
   }
-  Tensor y = mul(sub(x, mean_b), rsqrt(add(var_b, eps_)));
-  if (weight_.defined()) y = add(mul(y, weight_.reshape(bshape)), bias_.reshape(bshape));
   return y;
 }
 

@@ -135,6 +135,97 @@ TEST(Module, BatchNormMatchesReferenceAndTracksStatistics) {
   expect_error([&] { (void)bn.forward(zeros({2, 4, 3, 3})); }, {"C=3", "[2, 4, 3, 3]"});
 }
 
+namespace {
+// BatchNorm as the module composed it before the batch_norm op: mean/var ops and elementwise
+// arithmetic, the running statistics updated with in-place ops. The reference for the op.
+struct ComposedBatchNorm {
+  Tensor weight, bias, running_mean, running_var;
+  double eps = 1e-5, momentum = 0.1;
+
+  Tensor forward(const Tensor& x, bool training) {
+    const int64_t c = x.size(1);
+    Dims reduce_dims{0};
+    for (int64_t d = 2; d < x.dim(); ++d) reduce_dims.push_back(d);
+    Dims bshape = Dims::filled(x.dim(), 1);
+    bshape[1] = c;
+    Tensor mean_b, var_b;
+    if (training) {
+      const int64_t count = x.numel() / c;
+      mean_b = mean(x, reduce_dims, true);
+      var_b = var(x, reduce_dims, 0, true);
+      NoGradGuard no_grad;
+      const double unbias = static_cast<double>(count) / static_cast<double>(count - 1);
+      running_mean.mul_(1.0 - momentum).add_(mean_b.detach().reshape({c}), momentum);
+      running_var.mul_(1.0 - momentum).add_(var_b.detach().reshape({c}), momentum * unbias);
+    } else {
+      mean_b = running_mean.reshape(bshape);
+      var_b = running_var.reshape(bshape);
+    }
+    Tensor y = mul(sub(x, mean_b), rsqrt(add(var_b, eps)));
+    return add(mul(y, weight.reshape(bshape)), bias.reshape(bshape));
+  }
+};
+
+Tensor state(Module& m, const std::string& name) {
+  for (auto& [k, t] : m.state_dict())
+    if (k == name) return t;
+  return Tensor();
+}
+}  // namespace
+
+// The module runs the batch_norm op; its outputs, gradients and running statistics match the
+// composed version it replaced, over training steps and in evaluation.
+TEST(Module, BatchNormOpMatchesTheComposedModule) {
+  Generator gen(9);
+  struct Case {
+    std::shared_ptr<BatchNorm> bn;
+    Dims shape;
+  };
+  const std::vector<Case> cases = {{std::make_shared<BatchNorm1d>(5), {8, 5}},
+                                   {std::make_shared<BatchNorm1d>(3, 1e-3, 0.2), {4, 3, 6}},
+                                   {std::make_shared<BatchNorm2d>(4), {3, 4, 5, 5}}};
+  for (const Case& c : cases) {
+    BatchNorm& bn = *c.bn;
+    const std::string what = bn.to_string() + " " + c.shape.str();
+    const int64_t ch = c.shape[1];
+    // Non-trivial affine parameters, shared with the reference by value.
+    {
+      NoGradGuard no_grad;
+      state(bn, "weight").copy_(randn({ch}, gen));
+      state(bn, "bias").copy_(randn({ch}, gen));
+    }
+    ComposedBatchNorm ref{state(bn, "weight").detach().clone().requires_grad_(),
+                          state(bn, "bias").detach().clone().requires_grad_(), zeros({ch}),
+                          ones({ch})};
+    if (what.find("eps=0.001") != std::string::npos) {
+      ref.eps = 1e-3;
+      ref.momentum = 0.2;
+    }
+    for (int step = 0; step < 3; ++step) {
+      const Tensor x0 = randn(c.shape, gen, kFloat32, 1.0, 3.0);
+      Tensor x = x0.detach().requires_grad_(), xr = x0.detach().requires_grad_();
+      const Tensor g = randn(c.shape, gen);
+      Tensor y = bn.forward(x), yr = ref.forward(xr, true);
+      EXPECT_TRUE(allclose(y, yr, 1e-5, 1e-5)) << what << " step " << step;
+      sum(mul(y, g)).backward();
+      sum(mul(yr, g)).backward();
+      EXPECT_TRUE(allclose(x.grad(), xr.grad(), 1e-4, 1e-4)) << what << " input gradient";
+      EXPECT_TRUE(allclose(state(bn, "weight").grad(), ref.weight.grad(), 1e-4, 1e-4)) << what;
+      EXPECT_TRUE(allclose(state(bn, "bias").grad(), ref.bias.grad(), 1e-4, 1e-4)) << what;
+      bn.zero_grad();
+      ref.weight.set_grad(Tensor());
+      ref.bias.set_grad(Tensor());
+      EXPECT_TRUE(allclose(state(bn, "running_mean"), ref.running_mean, 1e-6, 1e-5)) << what;
+      EXPECT_TRUE(allclose(state(bn, "running_var"), ref.running_var, 1e-6, 1e-5)) << what;
+    }
+    EXPECT_EQ(state(bn, "num_batches_tracked").item(), 3);
+    bn.eval();
+    const Tensor x = randn(c.shape, gen);
+    EXPECT_TRUE(allclose(bn.forward(x), ref.forward(x, false), 1e-5, 1e-5)) << what << " eval";
+    EXPECT_EQ(state(bn, "num_batches_tracked").item(), 3);
+  }
+}
+
 TEST(Module, DropoutOnlyInTraining) {
   Dropout d(0.5, 7);
   Tensor x = ones({1000});

@@ -148,3 +148,9 @@ TEST(LayerNorm, Errors) {
       {"layer_norm", "bias", "f64", "f32"});
   expect_error([] { layer_norm(zeros({3, 4}), {}); }, {"layer_norm", "[]"});
 }
+
+TEST(LayerNorm, TensorOnAnotherDeviceFailsNamingOpAndDevice) {
+  std::vector<float> data(12);
+  const Tensor x = borrow(data.data(), {3, 4}, kFloat32, cuda(0));
+  expect_error([&] { layer_norm(x, {4}); }, {"layer_norm", "cuda:0"});
+}

@@ -462,3 +462,13 @@ TEST(Linear, Errors) {
   expect_error([] { linear(zeros({2, 3}), zeros({4, 3}, kFloat64)); }, {"linear", "f32", "f64"});
   expect_error([] { linear(zeros({2, 3}), zeros({3})); }, {"linear", "2-D", "[3]"});
 }
+
+// A tensor on a device this build has no kernels for fails in the kernel lookup, naming the op.
+TEST(Linalg, TensorOnAnotherDeviceFailsNamingOpAndDevice) {
+  std::vector<float> data(12);
+  const Tensor a = borrow(data.data(), {3, 4}, kFloat32, cuda(0));
+  const Tensor b = borrow(data.data(), {4, 3}, kFloat32, cuda(0));
+  expect_error([&] { matmul(a, b); }, {"matmul", "cuda:0"});
+  expect_error([&] { linear(a, a); }, {"linear", "cuda:0"});
+  expect_error([&] { matmul(a, zeros({4, 3})); }, {"matmul", "different devices"});
+}

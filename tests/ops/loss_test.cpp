@@ -273,3 +273,12 @@ TEST(MseLoss, Errors) {
   expect_error([] { mse_loss(zeros({2, 3}), zeros({3, 2})); }, {"mse_loss", "[2, 3]", "[3, 2]"});
   expect_error([] { mse_loss(zeros({2}), zeros({2}, kFloat64)); }, {"mse_loss", "f32", "f64"});
 }
+
+TEST(Loss, TensorOnAnotherDeviceFailsNamingOpAndDevice) {
+  std::vector<float> data(6);
+  std::vector<int64_t> labels(2);
+  const Tensor x = borrow(data.data(), {2, 3}, kFloat32, cuda(0));
+  const Tensor t = borrow(labels.data(), {2}, kInt64, cuda(0));
+  expect_error([&] { cross_entropy(x, t); }, {"cross_entropy", "cuda:0"});
+  expect_error([&] { mse_loss(x, x); }, {"mse_loss", "cuda:0"});
+}

@@ -219,3 +219,10 @@ TEST(Pool2d, ParallelPlanesMatchReference) {
   }
   set_num_threads(prev);
 }
+
+TEST(Pool2d, TensorOnAnotherDeviceFailsNamingOpAndDevice) {
+  std::vector<float> data(16);
+  const Tensor x = borrow(data.data(), {1, 4, 4}, kFloat32, cuda(0));
+  lockstep::testing::expect_error([&] { max_pool2d(x); }, {"max_pool2d", "cuda:0"});
+  lockstep::testing::expect_error([&] { avg_pool2d(x); }, {"avg_pool2d", "cuda:0"});
+}

@@ -1,4 +1,5 @@
-// Neural-network ops: softmax family, losses, normalization, embedding, dropout, convolution.
+// Neural-network ops: softmax family, losses, normalization, embedding, dropout, convolution,
+// pooling.
 #pragma once
 
 #include "lockstep/tensor/tensor.h"
@@ -27,6 +28,15 @@ Tensor embedding(const Tensor& weight, const Tensor& indices);
 // Normalizes over the trailing dims given by `normalized_shape`; weight/bias optional.
 Tensor layer_norm(const Tensor& x, const Dims& normalized_shape, const Tensor& weight = Tensor(),
                   const Tensor& bias = Tensor(), double eps = 1e-5);
+
+// torch.nn.functional.batch_norm over x (N, C, *), per channel (dim 1). training: normalizes
+// with the batch's mean and biased variance over all dims but 1 and, when running_mean and
+// running_var are defined, updates them in place (no gradient) as (1 - momentum) * running +
+// momentum * batch statistic, the variance unbiased. Not training: normalizes with the running
+// statistics, which must be defined. weight and bias (C) are optional.
+Tensor batch_norm(const Tensor& x, const Tensor& running_mean, const Tensor& running_var,
+                  const Tensor& weight, const Tensor& bias, bool training, double momentum = 0.1,
+                  double eps = 1e-5);
 
 // Zeroes elements with probability p and scales the rest by 1/(1-p); identity when !training.
 Tensor dropout(const Tensor& x, double p, bool training, Generator& gen);

@@ -5,19 +5,12 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "ops/kernels.h"
+
 namespace lockstep::cpu {
 
-// The geometry of a 2-D convolution (or pooling) window over one input plane.
-struct ConvGeometry {
-  int64_t height = 0, width = 0;  // input plane
-  int64_t kernel_h = 1, kernel_w = 1;
-  int64_t stride_h = 1, stride_w = 1;
-  int64_t pad_h = 0, pad_w = 0;
-  int64_t dilation_h = 1, dilation_w = 1;
-  int64_t out_h = 0, out_w = 0;  // output plane
-
-  int64_t out_plane() const { return out_h * out_w; }
-};
+// The window geometry (src/ops/kernels.h), shared with the kernel table.
+using detail::ConvGeometry;
 
 // The output positions o in [0, out) whose input coordinate o * stride + offset lies in
 // [0, size): [lo, hi). Everything outside reads padding.

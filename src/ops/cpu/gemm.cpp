@@ -1,0 +1,221 @@
+// The CPU gemm kernel of matmul and linear: batched products with broadcast batch dims and an
+// optional bias row, through BLAS (f32, f64) or oneDNN (bf16); f16, and bf16 shapes oneDNN
+// declines, are computed in f32 from converted operands.
+#include <algorithm>
+#include <climits>
+#include <cstring>
+
+#include "lockstep/tensor/parallel.h"
+#include "ops/cpu/gemm.h"
+#include "ops/cpu/kernels.h"
+#include "tensor/parallel.h"
+
+namespace lockstep::cpu {
+
+namespace {
+
+// Note [BLAS operands]
+// Row-major BLAS reads a (rows x cols) matrix either as stored (NoTrans: element (i, j) at
+// i * ld + j) or as the transpose of a stored (cols x rows) one (Trans: at i + j * ld). A strided
+// view fits one of the two when one of its strides is 1 and the other is a valid leading
+// dimension, which covers contiguous tensors and their .t() / .transpose(-1, -2) views, and
+// row slices of either. Those go to BLAS as they are; anything else (an expanded matrix dim, a
+// column step > 1 in both directions) is copied once first.
+
+struct Matrix {
+  bool trans = false;
+  int64_t ld = 1;
+};
+
+// Fills `out` with the BLAS view of a (rows x cols) matrix with strides (rs, cs); false when
+// neither layout fits. Strides of size-1 dims are never used, so they are free.
+bool blas_layout(int64_t rows, int64_t cols, int64_t rs, int64_t cs, Matrix* out) {
+  const int64_t min_row_ld = std::max<int64_t>(1, cols), min_col_ld = std::max<int64_t>(1, rows);
+  if ((cs == 1 || cols <= 1) && (rows <= 1 || rs >= min_row_ld)) {
+    out->trans = false;
+    out->ld = rows <= 1 ? min_row_ld : rs;
+  } else if ((rs == 1 || rows <= 1) && (cols <= 1 || cs >= min_col_ld)) {
+    out->trans = true;
+    out->ld = cols <= 1 ? min_col_ld : cs;
+  } else {
+    return false;
+  }
+  return out->ld <= INT_MAX;
+}
+
+// The last two dims of `t` as a BLAS operand.
+bool blas_layout(const Tensor& t, Matrix* out) {
+  return blas_layout(t.size(-2), t.size(-1), t.stride(-2), t.stride(-1), out);
+}
+
+// `t` when its last two dims fit BLAS, else a contiguous copy (see Note [BLAS operands]).
+Tensor blas_ready(const Tensor& t) {
+  Matrix m;
+  return blas_layout(t, &m) ? t : t.contiguous();
+}
+
+// Note [Batched GEMM threading]
+// A batch of small products (attention: one 64 x 64 matrix per head) leaves BLAS's threads
+// without enough work in any one of them, so such a batch is spread over OpenMP threads, one
+// whole gemm per entry: OpenBLAS's OpenMP build runs a gemm called inside a parallel region on
+// the calling thread. Larger products go one at a time from the calling thread, where BLAS
+// threads each of them. OpenBLAS's pthreads build would start its own threads from every OpenMP
+// thread, so with it the batch always runs serially (see Note [OpenMP BLAS] in CMakeLists.txt).
+constexpr int64_t kSmallGemmFlops = int64_t{1} << 21;  // m * n * k of a "small" product
+
+bool blas_runs_serially_in_parallel_regions() {
+  static const bool serial = std::strcmp(blas_threading(), "pthreads") != 0;
+  return serial;
+}
+
+// Leading (batch) dims of a shape of at least 2 dims.
+Dims batch_dims(Dims shape) {
+  shape.resize(shape.size() - 2);
+  return shape;
+}
+
+Dims with_matrix(Dims batch, int64_t rows, int64_t cols) {
+  batch.push_back(rows);
+  batch.push_back(cols);
+  return batch;
+}
+
+// Element offsets of batch entry i (row-major over `batch`) in a and b (expanded to it).
+std::pair<int64_t, int64_t> batch_offsets(int64_t i, const Dims& batch, const Tensor& a,
+                                          const Tensor& b) {
+  int64_t oa = 0, ob = 0, rem = i;
+  for (int64_t d = batch.size() - 1; d >= 0; --d) {
+    const int64_t idx = rem % batch[d];
+    rem /= batch[d];
+    oa += idx * a.stride(d);
+    ob += idx * b.stride(d);
+  }
+  return {oa, ob};
+}
+
+// Every row of c (rows x n, contiguous) = bias: a gemm with beta = 1 then adds the product, so
+// the bias costs no pass of its own over the output.
+template <typename T>
+void fill_rows_with_bias(T* c, int64_t rows, int64_t n, const Tensor& bias) {
+  const T* pb = bias.data<T>();
+  const int64_t bs = bias.stride(0);
+  parallel_for(0, rows, std::max<int64_t>(1, kElementwiseGrain / std::max<int64_t>(n, 1)),
+               [&](int64_t b, int64_t e) {
+                 for (int64_t i = b; i < e; ++i)
+                   for (int64_t j = 0; j < n; ++j) c[i * n + j] = pb[j * bs];
+               });
+}
+
+// f32 or f64: c = a @ b (+ bias), operands passed to BLAS as views (Note [BLAS operands]).
+template <typename T>
+void gemm_float(const Tensor& c, Tensor a, Tensor b, const Tensor& bias) {
+  const int64_t m = c.size(-2), n = c.size(-1), k = a.size(-1);
+  const Dims batch = batch_dims(c.shape());
+  const int64_t nb = batch.numel();
+  a = blas_ready(a).expand(with_matrix(batch, m, k));
+  b = blas_ready(b).expand(with_matrix(batch, k, n));
+  T* pc = c.data<T>();
+  if (bias.defined()) fill_rows_with_bias(pc, nb * m, n, bias);
+  const T beta = bias.defined() ? T(1) : T(0);
+  Matrix mb;
+  blas_layout(b, &mb);
+
+  // When b is the same matrix for every batch entry and a's batch dims merge into its rows,
+  // the whole product is one (nb * m) x k times k x n gemm.
+  bool b_shared = true;
+  for (int64_t d = 0; d < batch.size(); ++d)
+    b_shared = b_shared && (b.stride(d) == 0 || batch[d] == 1);
+  if (b_shared) {
+    // The rows of all of a's matrices are one evenly strided run when each non-trivial dim of
+    // (batch..., m) steps over exactly the dims inside it.
+    bool merge = true, first = true;
+    int64_t rs = a.stride(-2), expected = 0;
+    for (int64_t d = batch.size(); d >= 0; --d) {
+      if (a.size(d) == 1) continue;
+      if (first) {
+        rs = a.stride(d);
+        expected = rs * a.size(d);
+        first = false;
+      } else {
+        merge = merge && a.stride(d) == expected;
+        expected *= a.size(d);
+      }
+    }
+    Matrix ma;
+    if (merge && nb * m <= INT_MAX && blas_layout(nb * m, k, rs, a.stride(-1), &ma)) {
+      gemm<T>(ma.trans, mb.trans, nb * m, n, k, a.data<T>(), ma.ld, b.data<T>(), mb.ld, beta, pc,
+              n);
+      return;
+    }
+  }
+  // One gemm per batch entry (Note [Batched GEMM threading]).
+  Matrix ma;
+  blas_layout(a, &ma);
+  const T* pa = a.data<T>();
+  const T* pb = b.data<T>();
+  auto run = [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const auto [oa, ob] = batch_offsets(i, batch, a, b);
+      gemm<T>(ma.trans, mb.trans, m, n, k, pa + oa, ma.ld, pb + ob, mb.ld, beta, pc + i * m * n,
+              n);
+    }
+  };
+  const int64_t flops = m * n * k;
+  if (flops < kSmallGemmFlops && blas_runs_serially_in_parallel_regions()) {
+    parallel_for(0, nb, std::max<int64_t>(1, kSmallGemmFlops / std::max<int64_t>(flops, 1)), run);
+  } else {
+    run(0, nb);
+  }
+}
+
+// bf16 a and b into f32 c through oneDNN (Note [bf16 GEMM] in bf16_gemm.cpp), the bias (f32)
+// folded in as the accumulator's start; false when oneDNN declines (c is then partly written).
+bool gemm_bf16_operands(const Tensor& c, Tensor a, Tensor b, const Tensor& bias) {
+  if (!bf16_gemm_available()) return false;
+  const int64_t m = c.size(-2), n = c.size(-1), k = a.size(-1);
+  if (k == 0) return false;  // oneDNN takes no empty products; the f32 path writes zeros
+  const Dims batch = batch_dims(c.shape());
+  const int64_t nb = batch.numel();
+  a = blas_ready(a).expand(with_matrix(batch, m, k));
+  b = blas_ready(b).expand(with_matrix(batch, k, n));
+  float* pc = c.data<float>();
+  if (bias.defined()) fill_rows_with_bias(pc, nb * m, n, bias);
+  Matrix ma, mb;
+  blas_layout(a, &ma);
+  blas_layout(b, &mb);
+  const auto* pa = static_cast<const BFloat16*>(a.data_ptr());
+  const auto* pb = static_cast<const BFloat16*>(b.data_ptr());
+  for (int64_t i = 0; i < nb; ++i) {
+    const auto [oa, ob] = batch_offsets(i, batch, a, b);
+    if (!gemm_bf16(ma.trans, mb.trans, m, n, k, pa + oa, ma.ld, pb + ob, mb.ld, bias.defined(),
+                   pc + i * m * n, n)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+void gemm_kernel(const Tensor& c, const Tensor& a, const Tensor& b, const Tensor& bias) {
+  const char* op = "matmul";
+  check_blas_size(c.size(-2), c.size(-1), a.size(-1), op);
+  if (c.numel() == 0) return;
+  switch (a.dtype()) {
+    case DType::f32:
+      return gemm_float<float>(c, a, b, bias);
+    case DType::f64:
+      return gemm_float<double>(c, a, b, bias);
+    case DType::bf16:
+      if (gemm_bf16_operands(c, a, b, bias)) return;
+      [[fallthrough]];
+    case DType::f16:
+      // No 16-bit kernel here: the rounded inputs convert exactly to f32, multiply there.
+      return gemm_float<float>(c, a.to(kFloat32), b.to(kFloat32), bias);
+    default:
+      LS_THROW(op, ": dtype ", dtype_name(a.dtype()), " is not supported (expected f32, f64, ",
+               "bf16 or f16)");
+  }
+}
+
+}  // namespace lockstep::cpu
