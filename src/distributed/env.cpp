@@ -5,6 +5,7 @@
 #include <cstdlib>
 
 #include "lockstep/base/error.h"
+#include "lockstep/base/worker_env.h"
 #include "lockstep/distributed/init.h"
 #include "lockstep/distributed/store/tcp_store.h"
 
@@ -17,6 +18,10 @@ std::optional<std::string> process_env(const std::string& name) {
 }
 
 namespace {
+
+// Gloo's name for LOCKSTEP_SOCKET_IFNAME, honoured when ours is unset so that torchrun habits
+// keep working (read, never set; like the SLURM and Open MPI names below).
+constexpr const char* kGlooSocketIfname = "GLOO_SOCKET_IFNAME";
 
 // SLURM jobs that share a machine must not share a port: derive one from the job id (in
 // [kSlurmPortBase, kSlurmPortBase + kSlurmPortSpan)) unless MASTER_PORT says otherwise.
@@ -94,50 +99,51 @@ void check_consistent(const DistEnv& e, const std::string& vars) {
 }  // namespace
 
 DistEnv read_dist_env(const EnvLookup& lookup) {
-  const Reader env(lookup);
+  const Reader vars(lookup);
   DistEnv e;
-  e.agent_store = env.str(kUseAgentStoreEnv).value_or("0") == "1";
-  e.restart_count = env.integer("LOCKSTEP_RESTART_COUNT", 0, 1 << 30).value_or(0);
-  e.run_id = env.str("LOCKSTEP_RUN_ID").value_or("");
-  e.socket_ifname = env.str(kSocketIfnameEnv).value_or(env.str("GLOO_SOCKET_IFNAME").value_or(""));
-  const auto master_addr = env.str("MASTER_ADDR");
-  const auto master_port = env.integer("MASTER_PORT", 1, 65535);
+  e.agent_store = vars.str(env::kUseAgentStore).value_or("0") == "1";
+  e.restart_count = vars.integer(env::kRestartCount, 0, 1 << 30).value_or(0);
+  e.run_id = vars.str(env::kRunId).value_or("");
+  e.socket_ifname = vars.str(env::kSocketIfname).value_or(vars.str(kGlooSocketIfname).value_or(""));
+  const auto master_addr = vars.str(env::kMasterAddr);
+  const auto master_port = vars.integer(env::kMasterPort, 1, 65535);
 
-  const bool torchrun = env.str("RANK") || env.str("WORLD_SIZE");
-  const bool slurm = env.str("SLURM_PROCID") && env.str("SLURM_NTASKS");
-  const bool ompi = env.str("OMPI_COMM_WORLD_RANK") && env.str("OMPI_COMM_WORLD_SIZE");
+  const bool torchrun = vars.str(env::kRank) || vars.str(env::kWorldSize);
+  const bool slurm = vars.str("SLURM_PROCID") && vars.str("SLURM_NTASKS");
+  const bool ompi = vars.str("OMPI_COMM_WORLD_RANK") && vars.str("OMPI_COMM_WORLD_SIZE");
   if (torchrun) {
-    e.source = "RANK/WORLD_SIZE";
-    auto rank = env.integer("RANK", 0, kMaxRanks);
-    auto size = env.integer("WORLD_SIZE", 1, kMaxRanks);
-    LS_CHECK(rank && size, rank ? "RANK" : "WORLD_SIZE", " is set but ",
-             rank ? "WORLD_SIZE" : "RANK",
+    e.source = lockstep::detail::str_cat(env::kRank, "/", env::kWorldSize);
+    auto rank = vars.integer(env::kRank, 0, kMaxRanks);
+    auto size = vars.integer(env::kWorldSize, 1, kMaxRanks);
+    LS_CHECK(rank && size, rank ? env::kRank : env::kWorldSize, " is set but ",
+             rank ? env::kWorldSize : env::kRank,
              " is not: set both (a launcher such as `lockstep run` sets every variable)");
     e.rank = *rank;
     e.world_size = *size;
     // Without LOCAL_* the job is taken to run on this one machine.
-    e.local_world_size = env.integer("LOCAL_WORLD_SIZE", 1, kMaxRanks).value_or(e.world_size);
-    e.local_rank = env.integer("LOCAL_RANK", 0, kMaxRanks).value_or(e.rank % e.local_world_size);
-    e.group_rank = env.integer("GROUP_RANK", 0, kMaxRanks).value_or(e.rank / e.local_world_size);
-    check_consistent(e, "RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE");
+    e.local_world_size = vars.integer(env::kLocalWorldSize, 1, kMaxRanks).value_or(e.world_size);
+    e.local_rank = vars.integer(env::kLocalRank, 0, kMaxRanks).value_or(e.rank % e.local_world_size);
+    e.group_rank = vars.integer(env::kGroupRank, 0, kMaxRanks).value_or(e.rank / e.local_world_size);
+    check_consistent(e, lockstep::detail::str_cat(e.source, "/", env::kLocalRank, "/",
+                                                  env::kLocalWorldSize));
   } else if (slurm) {
     e.source = "SLURM";
-    e.rank = *env.integer("SLURM_PROCID", 0, kMaxRanks);
-    e.world_size = *env.integer("SLURM_NTASKS", 1, kMaxRanks);
-    e.local_rank = env.integer("SLURM_LOCALID", 0, kMaxRanks).value_or(0);
+    e.rank = *vars.integer("SLURM_PROCID", 0, kMaxRanks);
+    e.world_size = *vars.integer("SLURM_NTASKS", 1, kMaxRanks);
+    e.local_rank = vars.integer("SLURM_LOCALID", 0, kMaxRanks).value_or(0);
     e.local_world_size =
-        env.integer("SLURM_NTASKS_PER_NODE", 1, kMaxRanks)
-            .value_or(leading_count(env.str("SLURM_TASKS_PER_NODE")).value_or(e.world_size));
-    e.group_rank = env.integer("SLURM_NODEID", 0, kMaxRanks).value_or(0);
+        vars.integer("SLURM_NTASKS_PER_NODE", 1, kMaxRanks)
+            .value_or(leading_count(vars.str("SLURM_TASKS_PER_NODE")).value_or(e.world_size));
+    e.group_rank = vars.integer("SLURM_NODEID", 0, kMaxRanks).value_or(0);
     check_consistent(e, "SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID/SLURM_NTASKS_PER_NODE");
   } else if (ompi) {
     e.source = "Open MPI";
-    e.rank = *env.integer("OMPI_COMM_WORLD_RANK", 0, kMaxRanks);
-    e.world_size = *env.integer("OMPI_COMM_WORLD_SIZE", 1, kMaxRanks);
-    e.local_rank = env.integer("OMPI_COMM_WORLD_LOCAL_RANK", 0, kMaxRanks).value_or(0);
+    e.rank = *vars.integer("OMPI_COMM_WORLD_RANK", 0, kMaxRanks);
+    e.world_size = *vars.integer("OMPI_COMM_WORLD_SIZE", 1, kMaxRanks);
+    e.local_rank = vars.integer("OMPI_COMM_WORLD_LOCAL_RANK", 0, kMaxRanks).value_or(0);
     e.local_world_size =
-        env.integer("OMPI_COMM_WORLD_LOCAL_SIZE", 1, kMaxRanks).value_or(e.world_size);
-    e.group_rank = env.integer("OMPI_COMM_WORLD_NODE_RANK", 0, kMaxRanks).value_or(0);
+        vars.integer("OMPI_COMM_WORLD_LOCAL_SIZE", 1, kMaxRanks).value_or(e.world_size);
+    e.group_rank = vars.integer("OMPI_COMM_WORLD_NODE_RANK", 0, kMaxRanks).value_or(0);
     check_consistent(e, "OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE");
   } else {
     return e;  // a world of one
@@ -146,17 +152,17 @@ DistEnv read_dist_env(const EnvLookup& lookup) {
   const bool one_machine = e.local_world_size == e.world_size;
   if (master_addr) {
     e.master_addr = *master_addr;
-  } else if (e.source == "SLURM" && env.str("SLURM_NODELIST")) {
-    e.master_addr = first_slurm_host(*env.str("SLURM_NODELIST"));
+  } else if (e.source == "SLURM" && vars.str("SLURM_NODELIST")) {
+    e.master_addr = first_slurm_host(*vars.str("SLURM_NODELIST"));
   } else {
-    LS_CHECK(one_machine, "MASTER_ADDR is not set, but the job spans several machines (", e.source,
-             ": world size ", e.world_size, ", ", e.local_world_size,
-             " per machine); set MASTER_ADDR to the host of rank 0");
+    LS_CHECK(one_machine, env::kMasterAddr, " is not set, but the job spans several machines (",
+             e.source, ": world size ", e.world_size, ", ", e.local_world_size, " per machine); set ",
+             env::kMasterAddr, " to the host of rank 0");
   }
   if (master_port) {
     e.master_port = static_cast<uint16_t>(*master_port);
-  } else if (e.source == "SLURM" && env.str("SLURM_JOB_ID")) {
-    const int job = env.integer("SLURM_JOB_ID", 0, (1LL << 31) - 1).value_or(0);
+  } else if (e.source == "SLURM" && vars.str("SLURM_JOB_ID")) {
+    const int job = vars.integer("SLURM_JOB_ID", 0, (1LL << 31) - 1).value_or(0);
     e.master_port = static_cast<uint16_t>(kSlurmPortBase + job % kSlurmPortSpan);
   } else {
     e.master_port = kDefaultStorePort;

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <ctime>
 #include <exception>
+#include <memory>
 #include <mutex>
 
 #include <nlohmann/json.hpp>
@@ -14,7 +15,7 @@
 namespace lockstep::dist {
 
 void record_error(const std::string& message) {
-  const char* path = std::getenv(kErrorFileEnv);
+  const char* path = std::getenv(env::kErrorFile);
   if (path == nullptr || *path == '\0') return;
   try {
     const nlohmann::json j = {{"message", message},
@@ -24,10 +25,8 @@ void record_error(const std::string& message) {
     // invalid UTF-8, since messages may carry arbitrary bytes.
     const std::string text =
         j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
-    if (FILE* f = std::fopen(path, "w")) {
-      std::fwrite(text.data(), 1, text.size(), f);
-      std::fclose(f);
-    }
+    std::unique_ptr<FILE, decltype(&std::fclose)> f(std::fopen(path, "w"), &std::fclose);
+    if (f) std::fwrite(text.data(), 1, text.size(), f.get());
   } catch (...) {
     // Nothing to be done: the process is already failing.
   }

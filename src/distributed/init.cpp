@@ -10,9 +10,10 @@
 #include <random>
 #include <thread>
 
-#include "distributed/net.h"
+#include "distributed/bind_address.h"
 #include "lockstep/base/error.h"
 #include "lockstep/base/log.h"
+#include "lockstep/base/worker_env.h"
 #include "lockstep/distributed/error_file.h"
 #include "lockstep/distributed/store/prefix_store.h"
 #include "lockstep/distributed/store/tcp_store.h"
@@ -52,16 +53,15 @@ void join(Store& store, const DistEnv& env, std::chrono::milliseconds timeout) {
   const std::string first_ws = store.compare_set("world_size", "", ws);
   if (first_ws != ws) {
     fail(lockstep::detail::str_cat("ranks disagree on the world size: rank ", env.rank, " (", me,
-                                   ") has WORLD_SIZE=", ws, ", the first process to join had ",
-                                   first_ws));
+                                   ") has ", env::kWorldSize, "=", ws,
+                                   ", the first process to join had ", first_ws));
   }
   const std::string key = "rank/" + std::to_string(env.rank);
   const std::string owner = store.compare_set(key, "", me);
   if (owner != me) {
     fail(lockstep::detail::str_cat("rank ", env.rank, " is claimed by two processes: ", owner,
-                                   " and ", me,
-                                   "; every process needs its own RANK (or one process "
-                                   "initialized twice with the same store)"));
+                                   " and ", me, "; every process needs its own ", env::kRank,
+                                   " (or one process initialized twice with the same store)"));
   }
   store.add("joined", 1);
 
@@ -71,8 +71,8 @@ void join(Store& store, const DistEnv& env, std::chrono::milliseconds timeout) {
     if (store.check({"error"})) LS_THROW(store.get_string("error"));
     const int64_t joined = store.add("joined", 0);
     if (joined > env.world_size) {
-      fail(lockstep::detail::str_cat(joined,
-                                     " processes joined a world of WORLD_SIZE=", env.world_size));
+      fail(lockstep::detail::str_cat(joined, " processes joined a world of ", env::kWorldSize,
+                                     "=", env.world_size));
     }
     if (joined == env.world_size) break;
     if (Clock::now() >= deadline) {
@@ -152,18 +152,12 @@ World connect_world(DistEnv env, const InitOptions& opts) {
                                 env.restart_count),
       store);
   // Local choices first; a mistake here is reported to the other ranks through the join's error
-  // key, so that they fail at once too (Note [Join check]).
+  // key, so that they fail at once too (Note [Join check]). The bind address is chosen here once
+  // for the world and every group made from it (new_group).
   try {
-    if (!env.socket_ifname.empty()) {
-      if (detail::is_ip_address(env.socket_ifname)) {
-        w.bind_address = env.socket_ifname;
-      } else {
-        detail::check_interface(env.socket_ifname);
-        w.bind_interface = env.socket_ifname;
-      }
-    } else if (!opts.store) {
-      w.bind_address = local_address_toward(env.master_addr, env.master_port);
-    }
+    const detail::BindChoice bind = detail::choose_bind(env);
+    w.bind_address = bind.address;
+    w.bind_interface = bind.interface;
   } catch (const Error& e) {
     w.store->set("error", lockstep::detail::str_cat("rank ", env.rank, ": ", e.message()));
     throw;

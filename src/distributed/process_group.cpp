@@ -1,15 +1,13 @@
-// Work, the backend-independent half of ProcessGroup (argument checks, packing, numbering), the
-// world-of-one group and the backend registry.
+// Work, the backend-independent half of ProcessGroup (argument checks, packing, numbering) and
+// the world-of-one group.
 #include "lockstep/distributed/process_group.h"
 
 #include <algorithm>
 #include <cstring>
-#include <map>
 #include <thread>
 
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/base/error.h"
-#include "lockstep/distributed/gloo/process_group_gloo.h"
 
 namespace lockstep::dist {
 
@@ -181,13 +179,10 @@ void unpack(const Tensor& flat, const std::vector<Tensor>& tensors) {
   }
 }
 
-// Copies that dst is a non-contiguous view into: writes go to a contiguous stand-in, copied
-// back when the collective succeeds.
-Tensor writable_contiguous(const Tensor& dst, const WorkPtr& work) {
-  if (dst.is_contiguous()) return dst;
-  Tensor staged = empty({dst.numel()}, dst.dtype());
-  work->then([dst, staged] { copy_elements(dst, staged); });
-  return staged;
+// Where a collective writes dst: dst itself, or for a non-contiguous view a contiguous stand-in
+// that a then() step copies back when the collective succeeds.
+Tensor writable_contiguous(const Tensor& dst) {
+  return dst.is_contiguous() ? dst : empty({dst.numel()}, dst.dtype());
 }
 
 }  // namespace
@@ -283,7 +278,8 @@ WorkPtr ProcessGroup::all_gather(const Tensor& output, const Tensor& input,
            ")");
   const auto timeout = effective(opts.timeout);
   WorkPtr work = make_work("all_gather", describe({input}));
-  Tensor out = writable_contiguous(output, work);
+  Tensor out = writable_contiguous(output);
+  if (!output.is_contiguous()) work->then([output, out] { copy_elements(output, out); });
   do_all_gather(out, input.contiguous(), timeout, work);
   return work;
 }
@@ -321,7 +317,8 @@ WorkPtr ProcessGroup::reduce_scatter(const Tensor& output, const Tensor& input,
   const auto timeout = effective(opts.timeout);
   WorkPtr work = make_work("reduce_scatter", lockstep::detail::str_cat(reduce_op_name(opts.op),
                                                                        ", ", describe({input})));
-  Tensor out = writable_contiguous(output, work);
+  Tensor out = writable_contiguous(output);
+  if (!output.is_contiguous()) work->then([output, out] { copy_elements(output, out); });
   do_reduce_scatter(out, input.contiguous(), opts.op, timeout, work);
   return work;
 }
@@ -366,90 +363,27 @@ std::vector<Bytes> ProcessGroup::all_gather_object(const Bytes& object) {
 
 void WorldOfOneGroup::do_all_reduce(Tensor, ReduceOp, std::chrono::milliseconds,
                                     const WorkPtr& work) {
-  work->finish();
+  work_finish(*work);
 }
 
 void WorldOfOneGroup::do_broadcast(Tensor, int, std::chrono::milliseconds, const WorkPtr& work) {
-  work->finish();
+  work_finish(*work);
 }
 
 void WorldOfOneGroup::do_all_gather(Tensor output, Tensor input, std::chrono::milliseconds,
                                     const WorkPtr& work) {
   copy_elements(output, input);
-  work->finish();
+  work_finish(*work);
 }
 
 void WorldOfOneGroup::do_reduce_scatter(Tensor output, Tensor input, ReduceOp,
                                         std::chrono::milliseconds, const WorkPtr& work) {
   copy_elements(output, input);
-  work->finish();
+  work_finish(*work);
 }
 
-void WorldOfOneGroup::do_barrier(std::chrono::milliseconds, const WorkPtr& work) { work->finish(); }
-
-// ---- Backend registry ----
-
-namespace {
-
-struct Registry {
-  std::mutex mu;
-  std::map<std::string, BackendFactory> factories;
-};
-
-// Built-ins are registered on first use rather than by static initializers, which a static
-// library's linker would drop.
-Registry& registry() {
-  static Registry r;
-  static std::once_flag builtins;
-  std::call_once(builtins, [] {
-    r.factories["gloo"] = [](const BackendConfig& c) -> ProcessGroupPtr {
-      return std::make_shared<ProcessGroupGloo>(c);
-    };
-  });
-  return r;
-}
-
-}  // namespace
-
-void register_backend(const std::string& name, BackendFactory factory) {
-  LS_CHECK(!name.empty(), "register_backend: expected a name, got an empty string");
-  LS_CHECK(factory != nullptr, "register_backend: no factory given for '", name, "'");
-  auto& r = registry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  r.factories[name] = std::move(factory);
-}
-
-bool has_backend(const std::string& name) {
-  auto& r = registry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  return r.factories.count(name) > 0;
-}
-
-std::vector<std::string> backend_names() {
-  auto& r = registry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  std::vector<std::string> names;
-  for (const auto& [name, f] : r.factories) names.push_back(name);
-  return names;
-}
-
-ProcessGroupPtr create_process_group(const std::string& backend, const BackendConfig& config) {
-  BackendFactory factory;
-  {
-    auto& r = registry();
-    std::lock_guard<std::mutex> lock(r.mu);
-    auto it = r.factories.find(backend);
-    if (it == r.factories.end()) {
-      std::string known;
-      for (const auto& [name, f] : r.factories) known += (known.empty() ? "" : ", ") + name;
-      LS_THROW("unknown process group backend '", backend, "'; registered backends: ", known);
-    }
-    factory = it->second;
-  }
-  if (config.size == 1) return std::make_shared<WorldOfOneGroup>(config.timeout);
-  LS_CHECK(config.store != nullptr, "create_process_group(", backend, "): a group of ", config.size,
-           " ranks needs a store to rendezvous through; none was given");
-  return factory(config);
+void WorldOfOneGroup::do_barrier(std::chrono::milliseconds, const WorkPtr& work) {
+  work_finish(*work);
 }
 
 }  // namespace lockstep::dist

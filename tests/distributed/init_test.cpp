@@ -3,6 +3,7 @@
 #include <map>
 #include <thread>
 
+#include "lockstep/distributed/gloo/process_group_gloo.h"
 #include "lockstep/distributed/init.h"
 #include "lockstep/distributed/store/hash_store.h"
 #include "testing.h"
@@ -321,6 +322,48 @@ TEST(DefaultGroup, LifecycleAndAccessors) {
   EXPECT_FALSE(is_initialized());
   destroy_process_group();  // a no-op
   expect_error([] { world_size(); }, {"not initialized"});
+}
+
+// The bind address is chosen once, by connect_world, from MASTER_ADDR (whatever the store), and
+// reaches every group's backend; the world's groups and new_group's listen on it.
+TEST(ConnectWorld, TheBindAddressIsChosenOnceAndReachesEveryGroup) {
+  auto store = std::make_shared<HashStore>(30s);
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> ts;
+  for (int r = 0; r < 2; ++r) {
+    ts.emplace_back([&, r] {
+      try {
+        DistEnv env;
+        env.master_addr = "localhost";
+        InitOptions o;
+        o.store = store;
+        o.rank = r;
+        o.world_size = 2;
+        World w = connect_world(env, o);
+        LS_CHECK(w.bind_address == local_address_toward("localhost", env.master_port) &&
+                     w.bind_interface.empty(),
+                 "bound to '", w.bind_address, "'");
+        auto sub = new_group(w, {0, 1});
+        for (const auto& g : {w.group, sub}) {
+          auto* gloo = dynamic_cast<ProcessGroupGloo*>(g.get());
+          LS_CHECK(gloo != nullptr && gloo->address() == w.bind_address, "a group listens on ",
+                   gloo ? gloo->address() : "?");
+        }
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : ts) t.join();
+  for (const auto& e : errors) EXPECT_EQ(e, "");
+
+  DistEnv nowhere;
+  nowhere.master_addr = "no-such-host.invalid";
+  InitOptions o;
+  o.store = std::make_shared<HashStore>(30s);
+  o.rank = 0;
+  o.world_size = 2;
+  expect_error([&] { connect_world(nowhere, o); }, {"cannot resolve 'no-such-host.invalid'"});
 }
 
 TEST(LocalAddress, LoopbackRoutesThroughLoopback) {

@@ -78,6 +78,49 @@ TEST(ProcessGroupGloo, IsCompletedNeverBlocksAndWaitWithTimeoutGivesUp) {
   }));
 }
 
+// Callers wait; completing a Work is a backend's (ProcessGroup's protected work_* functions).
+template <typename W>
+concept CallerCanWait = requires(W& w) {
+  w.wait();
+  w.is_completed();
+  w.is_success();
+  w.exception();
+};
+template <typename W>
+concept CallerCanFinish = requires(W& w) { w.finish(); };
+template <typename W>
+concept CallerCanChain = requires(W& w) { w.then(std::function<void()>()); };
+template <typename W>
+concept CallerCanHook = requires(W& w) { w.set_wait_hook(std::function<void(const W&)>()); };
+static_assert(CallerCanWait<Work>);
+static_assert(!CallerCanFinish<Work> && !CallerCanChain<Work> && !CallerCanHook<Work>);
+
+struct BackendSide : ProcessGroup {
+  using ProcessGroup::work_finish;
+  using ProcessGroup::work_set_wait_hook;
+};
+
+TEST(Work, ABackendCompletesItAndWaitRethrowsItsError) {
+  Work ok("test op #1", 1);
+  int hooked = 0;
+  // Runs the "collective" on the waiting thread, as Gloo's hook does (Note [Caller runs]).
+  BackendSide::work_set_wait_hook(ok, [&](const Work& w) {
+    hooked += &w == &ok;
+    BackendSide::work_finish(ok);
+  });
+  EXPECT_FALSE(ok.is_completed());
+  ok.wait();
+  EXPECT_EQ(hooked, 1);
+  EXPECT_TRUE(ok.is_success());
+
+  Work failed("test op #2", 2);
+  BackendSide::work_finish(failed, std::make_exception_ptr(Error("peer gone", __FILE__, __LINE__)));
+  BackendSide::work_finish(failed);  // a second finish changes nothing
+  EXPECT_TRUE(failed.is_completed());
+  EXPECT_FALSE(failed.is_success());
+  expect_error([&] { failed.wait(); }, {"peer gone"});
+}
+
 TEST(ProcessGroupGloo, CollectivesRunOffTheCallingThread) {
   // The caller queues and returns; the collective completes while the caller does other work.
   expect_all_succeeded(run_ranks(2, [](int r, ProcessGroupPtr pg) {
@@ -209,6 +252,35 @@ TEST(Registry, KnowsGlooUnknownNamesListTheRegisteredOnes) {
   EXPECT_EQ(create_process_group("gloo", c)->backend(), "local");
   c.size = 2;
   expect_error([&] { create_process_group("gloo", c); }, {"needs a store"});
+}
+
+// The linker keeps a static library's object files only when something references them, so a
+// backend that registered itself from a static initializer would be missing here. The child is a
+// fresh process (the threadsafe style re-executes this binary): nothing has touched the registry
+// or the Gloo backend before it asks for "gloo" by name.
+TEST(Registry, AFreshProcessBuildsGlooGroupsByName) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        auto store = std::make_shared<HashStore>(30s);
+        std::atomic<int> ok{0};
+        std::vector<std::thread> ts;
+        for (int r = 0; r < 2; ++r) {
+          ts.emplace_back([&, r] {
+            BackendConfig c;
+            c.store = store;
+            c.rank = r;
+            c.size = 2;
+            auto pg = create_process_group("gloo", c);
+            Tensor x = full({2}, r + 1.0);
+            pg->all_reduce(x)->wait();
+            if (pg->backend() == "gloo" && x.to_vector<double>()[1] == 3.0) ++ok;
+          });
+        }
+        for (auto& t : ts) t.join();
+        std::_Exit(ok == 2 ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "");
 }
 
 TEST(Registry, RegisteredFactoriesAreUsedByName) {

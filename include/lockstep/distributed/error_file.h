@@ -5,9 +5,11 @@
 
 #include <string>
 
+#include "lockstep/base/worker_env.h"
+
 namespace lockstep::dist {
 
-inline constexpr const char* kErrorFileEnv = "LOCKSTEP_ERROR_FILE";
+inline constexpr const char* kErrorFileEnv = env::kErrorFile;
 
 // Writes {"message": ..., "time": <unix seconds>, "pid": ...} to $LOCKSTEP_ERROR_FILE, replacing
 // what was there. Does nothing when the variable is unset; never throws (a worker that is dying

@@ -11,17 +11,20 @@
 #include <string>
 #include <vector>
 
+#include "lockstep/base/worker_env.h"
 #include "lockstep/distributed/process_group.h"
 #include "lockstep/distributed/store/store.h"
 
 namespace lockstep::dist {
 
+// The worker environment's names are spelled once, in lockstep/base/worker_env.h; these are the
+// spellings this layer has always offered.
 // Set by `lockstep run` when its agent hosts the store at MASTER_ADDR:MASTER_PORT (workers then
 // connect to it instead of rank 0 starting one), as torchrun's TORCHELASTIC_USE_AGENT_STORE.
-inline constexpr const char* kUseAgentStoreEnv = "LOCKSTEP_USE_AGENT_STORE";
+inline constexpr const char* kUseAgentStoreEnv = env::kUseAgentStore;
 // An interface name ("eth0") or a local address ("10.1.2.3") for the transport to bind to.
 // GLOO_SOCKET_IFNAME is honoured as well when this is unset, so torchrun habits keep working.
-inline constexpr const char* kSocketIfnameEnv = "LOCKSTEP_SOCKET_IFNAME";
+inline constexpr const char* kSocketIfnameEnv = env::kSocketIfname;
 
 // Where this process sits in the job, as the environment describes it.
 struct DistEnv {

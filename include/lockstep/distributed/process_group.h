@@ -59,6 +59,8 @@ struct BarrierOptions {
 //   cannot block forever; wait(timeout) additionally gives up after `timeout` (an Error, the
 //   collective keeps running).
 // - The tensors passed to the collective must stay untouched until it completed.
+// Completing a Work is the backend's business: finish(), then() and the wait hook are reached
+// only through ProcessGroup's protected work_* functions (a backend derives from ProcessGroup).
 class Work {
  public:
   Work(std::string description, int64_t seq);
@@ -76,19 +78,21 @@ class Work {
   const std::string& description() const { return description_; }
   int64_t seq() const { return seq_; }
 
+ private:
+  friend class ProcessGroup;
+
   // Runs `fn` when the collective succeeds, before the Work counts as completed (on the thread
-  // that finishes it); an exception from `fn` fails the Work. For backends and the group's own
-  // packing: set before the collective is queued; a step must neither own its group nor wait
-  // on it (it runs on the thread that executes the group's collectives).
+  // that finishes it); an exception from `fn` fails the Work. For the group's own packing: set
+  // before the collective is queued; a step must neither own its group nor wait on it (it runs
+  // on the thread that executes the group's collectives).
   void then(std::function<void()> fn);
   // Called by wait() (not by wait(timeout)) before it blocks, with this Work: a backend may run
-  // queued collectives on the waiting thread (Note [Caller runs] in dist/gloo). Set before the
-  // collective is queued.
+  // queued collectives on the waiting thread (Note [Caller runs] in distributed/gloo). Set before
+  // the collective is queued.
   void set_wait_hook(std::function<void(const Work&)> hook) { wait_hook_ = std::move(hook); }
   // Called once by the backend; `error` null on success.
   void finish(std::exception_ptr error = nullptr);
 
- private:
   const std::string description_;
   const int64_t seq_;
   mutable std::mutex mu_;
@@ -102,9 +106,10 @@ class Work {
 };
 using WorkPtr = std::shared_ptr<Work>;
 
-// One interface for collectives over `size()` ranks; backends (dist/gloo, later dist/nccl)
-// implement the do_* hooks. The public methods check their arguments (the same on every backend,
-// so an error reads the same everywhere), number each collective and build its description.
+// One interface for collectives over `size()` ranks; backends (distributed/gloo, later
+// distributed/nccl) implement the do_* hooks. The public methods check their arguments (the same
+// on every backend, so an error reads the same everywhere), number each collective and build its
+// description.
 //
 // Every rank must call the same collectives in the same order with matching arguments (sizes,
 // dtypes, root). Collectives run in the order they were issued; a backend may run them on its
@@ -169,6 +174,13 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   // "rank 1/4 (gloo)", the start of every error message about this group.
   std::string who() const;
 
+  // A backend's side of Work (callers only wait): completes `work` (once; `error` null on
+  // success), and installs the hook its wait() runs before blocking (Note [Caller runs]).
+  static void work_finish(Work& work, std::exception_ptr error = nullptr) { work.finish(error); }
+  static void work_set_wait_hook(Work& work, std::function<void(const Work&)> hook) {
+    work.set_wait_hook(std::move(hook));
+  }
+
  private:
   WorkPtr make_work(std::string_view op, std::string detail);
   std::chrono::milliseconds effective(std::chrono::milliseconds timeout) const;
@@ -206,18 +218,22 @@ class WorldOfOneGroup : public ProcessGroup {
 
 // What a backend needs to build a group: the store to rendezvous through (already namespaced
 // for this group), this process's rank and the group's size, the default timeout, and where the
-// transport binds (an address or an interface; empty: the backend's choice).
+// transport binds. connect_world() computes the bind address once (from LOCKSTEP_SOCKET_IFNAME,
+// else the local address that routes to MASTER_ADDR) and hands the same value to every group it
+// builds; with neither field set a backend binds loopback (ranks on one machine, as in tests).
 struct BackendConfig {
   std::shared_ptr<Store> store;
   int rank = 0;
   int size = 1;
   std::chrono::milliseconds timeout = kDefaultCollectiveTimeout;
-  std::string bind_address;
-  std::string bind_interface;
+  std::string bind_address;    // a local address ("10.1.2.3"), or
+  std::string bind_interface;  // an interface ("eth0") whose address the transport takes
 };
 using BackendFactory = std::function<ProcessGroupPtr(const BackendConfig&)>;
 
-// "gloo" is built in. Registering a name again replaces its factory.
+// The registry knows backends by name and factory only. The built-in ones ("gloo") register
+// themselves on the registry's first use (src/distributed/builtin_backends.cpp names them).
+// Registering a name again replaces its factory.
 void register_backend(const std::string& name, BackendFactory factory);
 bool has_backend(const std::string& name);
 std::vector<std::string> backend_names();

@@ -21,25 +21,17 @@
 #include <gloo/transport/tcp/device.h>
 
 #include "distributed/gloo/reduce.h"
+#include "distributed/gloo/register.h"
 #include "distributed/gloo/store_adapter.h"
 #include "lockstep/base/error.h"
-#include "lockstep/distributed/init.h"
-#include "lockstep/distributed/store/prefix_store.h"
-#include "lockstep/distributed/store/tcp_store.h"
 
 namespace lockstep::dist {
 
 namespace {
 
-// The address to bind when the caller named neither an address nor an interface: the one that
-// routes to the TCP store's host (the other ranks reach that host, so they reach this address
-// the same way), or loopback when the store lives in this process.
-std::string default_bind_address(const std::shared_ptr<Store>& store) {
-  Store* s = store.get();
-  while (auto* prefix = dynamic_cast<PrefixStore*>(s)) s = prefix->underlying().get();
-  if (auto* tcp = dynamic_cast<TCPStore*>(s)) return local_address_toward(tcp->host(), tcp->port());
-  return "127.0.0.1";
-}
+// Where the transport listens when the caller named neither an address nor an interface: ranks
+// on one machine (connect_world always names one; see BackendConfig).
+constexpr const char* kLoopback = "127.0.0.1";
 
 // Adds what a person needs to act on Gloo's terse messages.
 std::string explain(const std::string& what, std::chrono::milliseconds timeout) {
@@ -70,12 +62,12 @@ void block_sigpipe_on_this_thread() {
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
 }
 
-// Blocks SIGPIPE on a caller's thread while it runs collectives (Note [Caller runs]), then
-// discards a SIGPIPE raised meanwhile before restoring the caller's mask.
 // How long a queued collective is left for a waiting caller to run (Note [Caller runs]); an
 // asynchronous collective starts at most this late.
 constexpr std::chrono::microseconds kCallerGrace{50};
 
+// Blocks SIGPIPE on a caller's thread while it runs collectives (Note [Caller runs]), then
+// discards a SIGPIPE raised meanwhile before restoring the caller's mask.
 class SigpipeBlocked {
  public:
   SigpipeBlocked() {
@@ -161,7 +153,7 @@ class ProcessGroupGloo::Impl : public std::enable_shared_from_this<ProcessGroupG
         } else if (!config.bind_interface.empty()) {
           attr.iface = config.bind_interface;
         } else {
-          attr.hostname = default_bind_address(config.store);
+          attr.hostname = kLoopback;
         }
         address_ = attr.iface.empty() ? attr.hostname : attr.iface;
         try {
@@ -200,16 +192,17 @@ class ProcessGroupGloo::Impl : public std::enable_shared_from_this<ProcessGroupG
   // Queues `body` to run with the context on the communication thread, then finish `work`.
   void run(const WorkPtr& work, std::chrono::milliseconds timeout,
            std::function<void(const std::shared_ptr<gloo::Context>&)> body) {
-    work->set_wait_hook([self = weak_from_this()](const Work& w) {
+    work_set_wait_hook(*work, [self = weak_from_this()](const Work& w) {
       if (auto impl = self.lock()) impl->help(w);
     });
     post([this, work, timeout, body = std::move(body)] {
       if (!context_) {
-        work->finish(std::make_exception_ptr(
-            Error(lockstep::detail::str_cat(who_, ": ", work->description(),
-                                            " was not run: this group failed earlier (", broken_,
-                                            "); build a new group to continue"),
-                  __FILE__, __LINE__)));
+        work_finish(*work, std::make_exception_ptr(Error(
+                               lockstep::detail::str_cat(
+                                   who_, ": ", work->description(),
+                                   " was not run: this group failed earlier (", broken_,
+                                   "); build a new group to continue"),
+                               __FILE__, __LINE__)));
         return;
       }
       try {
@@ -227,12 +220,13 @@ class ProcessGroupGloo::Impl : public std::enable_shared_from_this<ProcessGroupG
         // Closing every connection makes the peers' collectives fail now rather than at their
         // own timeouts, and no later collective can run on a stream in an unknown state.
         context_.reset();
-        work->finish(std::make_exception_ptr(
-            Error(lockstep::detail::str_cat(who_, ": ", work->description(), " failed: ", reason),
-                  __FILE__, __LINE__)));
+        work_finish(*work, std::make_exception_ptr(Error(
+                               lockstep::detail::str_cat(who_, ": ", work->description(),
+                                                         " failed: ", reason),
+                               __FILE__, __LINE__)));
         return;
       }
-      work->finish();
+      work_finish(*work);
     });
   }
 
@@ -346,6 +340,12 @@ class ProcessGroupGloo::Impl : public std::enable_shared_from_this<ProcessGroupG
   bool caller_running_ = false;  // a waiting caller runs the queue (Note [Caller runs])
   std::thread thread_;           // last: starts once everything above exists
 };
+
+void register_gloo_backend() {
+  register_backend("gloo", [](const BackendConfig& config) -> ProcessGroupPtr {
+    return std::make_shared<ProcessGroupGloo>(config);
+  });
+}
 
 ProcessGroupGloo::ProcessGroupGloo(const BackendConfig& config)
     : ProcessGroup(config.rank, config.size, config.timeout) {

@@ -45,7 +45,7 @@ void TCPStoreClient::connect(std::chrono::milliseconds timeout) {
   if (r->status == Status::kRejected) {
     fd_.reset();
     LS_THROW("store rejected the connection: bad or missing token (the store at ", where(),
-             " wants the token it was started with, from ", kStoreTokenEnv,
+             " wants the token it was started with, from ", env::kStoreToken,
              " or TCPStoreOptions::token)");
   }
   if (r->status != Status::kOk) {
@@ -103,8 +103,8 @@ FrameWriter request(Op op) { return FrameWriter(static_cast<uint8_t>(op)); }
 
 std::string resolve_token(const TCPStoreOptions& opts) {
   if (opts.token) return *opts.token;
-  const char* env = std::getenv(kStoreTokenEnv);
-  return env ? std::string(env) : std::string();
+  const char* token = std::getenv(env::kStoreToken);
+  return token ? std::string(token) : std::string();
 }
 
 int64_t field_i64(const detail::TCPStoreClient::Reply& r, size_t i, const std::string& where) {

@@ -13,9 +13,10 @@ namespace lockstep::dist {
 //
 // Collectives run one at a time, in the order they were issued, on the group's communication
 // thread; the calling thread only queues them. The transport binds to config.bind_address, else
-// to the address of config.bind_interface, else to the local address that routes to the TCP
-// store's host (loopback for an in-process store), so that a machine's hostname resolving to the
-// wrong address cannot break a run.
+// to the address of config.bind_interface, else to loopback. connect_world() always passes the
+// address it chose once for the job (the local one that routes to MASTER_ADDR, or
+// LOCKSTEP_SOCKET_IFNAME), so that a machine's hostname resolving to the wrong address cannot
+// break a run.
 //
 // After a collective fails (a timeout, a peer that died) the group closes its connections, so
 // that the other ranks fail promptly too instead of waiting out their own timeouts, and every

@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 
+#include "lockstep/base/worker_env.h"
 #include "lockstep/distributed/store/store.h"
 
 namespace lockstep::dist {
@@ -18,7 +19,7 @@ class TCPStoreClient;
 
 inline constexpr uint16_t kDefaultStorePort = 29500;
 // The environment variable a shared token is read from when TCPStoreOptions::token is unset.
-inline constexpr const char* kStoreTokenEnv = "LOCKSTEP_STORE_TOKEN";
+inline constexpr const char* kStoreTokenEnv = env::kStoreToken;
 
 struct TCPStoreOptions {
   // Where clients connect. The server listens on every interface regardless.

@@ -1,16 +1,20 @@
-// Which local address reaches a host, and which network interfaces exist.
+// Choosing what the transport binds to: which local address reaches a host, which network
+// interfaces exist.
+#include "distributed/bind_address.h"
+
 #include <arpa/inet.h>
 #include <ifaddrs.h>
 #include <net/if.h>
 #include <netdb.h>
 #include <sys/socket.h>
 
+#include <memory>
 #include <set>
+#include <vector>
 
-#include "distributed/net.h"
-#include "distributed/store/socket.h"
 #include "lockstep/base/error.h"
-#include "lockstep/distributed/init.h"
+#include "lockstep/base/syscall.h"
+#include "lockstep/base/worker_env.h"
 
 namespace lockstep::dist {
 
@@ -27,7 +31,7 @@ std::string local_address_toward(const std::string& host, uint16_t port) {
   std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> owner(found, &::freeaddrinfo);
   std::string last_error;
   for (addrinfo* ai = found; ai != nullptr; ai = ai->ai_next) {
-    Fd fd(::socket(ai->ai_family, SOCK_DGRAM, 0));
+    Fd fd(::socket(ai->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0));
     if (!fd.valid() || ::connect(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0) {
       last_error = errno_text(errno);
       continue;
@@ -45,32 +49,48 @@ std::string local_address_toward(const std::string& host, uint16_t port) {
             : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr);
     if (::inet_ntop(local.ss_family, addr, text, sizeof(text)) != nullptr) return text;
   }
-  LS_THROW("no local address routes to ", host, ":", port, " (", last_error,
-           "); set LOCKSTEP_SOCKET_IFNAME to an interface or address that reaches it");
+  LS_THROW("no local address routes to ", host, ":", port, " (", last_error, "); set ",
+           env::kSocketIfname, " to an interface or address that reaches it");
 }
 
 namespace detail {
 
+namespace {
+
+// "10.0.0.5" or "fe80::1" (not a host name).
 bool is_ip_address(const std::string& s) {
   in6_addr buf{};
   return ::inet_pton(AF_INET, s.c_str(), &buf) == 1 || ::inet_pton(AF_INET6, s.c_str(), &buf) == 1;
 }
 
+// For an error message only: empty when the list cannot be read.
 std::vector<std::string> interface_names() {
   ifaddrs* list = nullptr;
   if (::getifaddrs(&list) != 0) return {};
+  std::unique_ptr<ifaddrs, decltype(&::freeifaddrs)> owner(list, &::freeifaddrs);
   std::set<std::string> names;
   for (ifaddrs* i = list; i != nullptr; i = i->ifa_next) names.insert(i->ifa_name);
-  ::freeifaddrs(list);
   return {names.begin(), names.end()};
 }
 
+// Throws, listing the machine's interfaces, when `name` is not one of them.
 void check_interface(const std::string& name) {
   if (::if_nametoindex(name.c_str()) != 0) return;
   std::string known;
   for (const auto& n : interface_names()) known += (known.empty() ? "" : ", ") + n;
-  LS_THROW(kSocketIfnameEnv, "=", name,
+  LS_THROW(env::kSocketIfname, "=", name,
            ": no such network interface on this machine; it has: ", known);
+}
+
+}  // namespace
+
+BindChoice choose_bind(const DistEnv& env) {
+  if (env.socket_ifname.empty()) {
+    return {local_address_toward(env.master_addr, env.master_port), ""};
+  }
+  if (is_ip_address(env.socket_ifname)) return {env.socket_ifname, ""};
+  check_interface(env.socket_ifname);
+  return {"", env.socket_ifname};
 }
 
 }  // namespace detail
