@@ -207,3 +207,13 @@ void queue_callback(std::function<void()> callback) {
 bool in_backward() { return tl_state != nullptr; }
 
 }  // namespace lockstep::autograd
+
+namespace lockstep {
+
+// Declared with the Tensor (include/lockstep/tensor/tensor.h); defined here, above the ops that
+// the backward runs.
+void Tensor::backward(const Tensor& gradient, bool retain_graph) const {
+  autograd::backward({*this}, {gradient}, retain_graph);
+}
+
+}  // namespace lockstep

@@ -2,7 +2,6 @@
 #include "lockstep/autograd/node.h"
 
 #include "lockstep/autograd/grad_mode.h"
-#include "lockstep/ops/reduce.h"
 
 namespace lockstep::autograd {
 
@@ -93,18 +92,6 @@ void record(const char* name, std::initializer_list<Tensor> inputs, Tensor& outp
   if (!any) return;
   auto node = std::make_shared<FunctionNode>(name, std::move(fn));
   set_history(node, std::vector<Tensor>(inputs), {&output});
-}
-
-Tensor sum_to(const Tensor& grad, const Dims& shape) {
-  if (!grad.defined() || grad.shape() == shape) return grad;
-  const int64_t lead = grad.dim() - shape.size();
-  LS_CHECK(lead >= 0, "sum_to: cannot reduce ", grad.shape().str(), " to ", shape.str());
-  Dims dims;
-  for (int64_t d = 0; d < grad.dim(); ++d) {
-    if (d < lead || (shape[d - lead] == 1 && grad.shape()[d] != 1)) dims.push_back(d);
-  }
-  Tensor r = dims.empty() ? grad : sum(grad, dims, /*keepdim=*/true);
-  return r.reshape(shape);
 }
 
 }  // namespace lockstep::autograd

@@ -19,7 +19,14 @@ inline void check_defined(const Tensor& t, const char* op, const char* what = "i
   LS_CHECK(t.defined(), op, ": ", what, " is an undefined tensor");
 }
 
-// Kernels below exist for the CPU only; a CUDA build adds its own branch at each dispatch point.
+// Options for a new tensor of `dtype` on `like`'s device: fronts allocate where their inputs
+// live, so that the kernel of that device (Note [Kernel tables]) can fill it.
+inline TensorOptions options_on(const Tensor& like, DType dtype) {
+  return TensorOptions(dtype).with_device(like.device());
+}
+
+// Superseded by the kernel table (Note [Kernel tables] in src/ops/kernels.h), whose lookup fails
+// for a device without the kernel; kept until no front calls it.
 inline void check_cpu(const Tensor& t, const char* op) {
   check_defined(t, op);
   LS_CHECK(t.device().is_cpu(), op, ": tensor on ", t.device().str(),

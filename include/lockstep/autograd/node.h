@@ -91,7 +91,4 @@ void set_history(const std::shared_ptr<Node>& node, const std::vector<Tensor>& i
 void record(const char* name, std::initializer_list<Tensor> inputs, Tensor& output,
             BackwardFn fn);
 
-// Sums `grad` over broadcast dimensions so that it has `shape` (the reverse of expand).
-Tensor sum_to(const Tensor& grad, const Dims& shape);
-
 }  // namespace lockstep::autograd

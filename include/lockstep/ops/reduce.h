@@ -27,4 +27,8 @@ Tensor argmax(const Tensor& a, int64_t dim, bool keepdim = false);
 Tensor argmin(const Tensor& a, int64_t dim, bool keepdim = false);
 Tensor argmax(const Tensor& a);  // flat index
 
+// Sums `grad` over broadcast dimensions so that it has `shape` (the reverse of expand); the
+// gradient of a broadcasting op's input.
+Tensor sum_to(const Tensor& grad, const Dims& shape);
+
 }  // namespace lockstep

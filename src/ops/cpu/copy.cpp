@@ -1,0 +1,59 @@
+// CPU copy (with dtype conversion) and fill kernels.
+#include <cmath>
+#include <cstring>
+
+#include "ops/cpu/kernels.h"
+#include "ops/cpu/loops.h"
+#include "tensor/dispatch.h"
+
+namespace lockstep::cpu {
+
+void copy_kernel(const Tensor& dst, const Tensor& src) {
+  LS_CHECK(dst.device().is_cpu() && src.device().is_cpu(), "copy: the CPU kernel got tensors on ",
+           dst.device().str(), " and ", src.device().str());
+  // f32 <-> f16 between contiguous tensors: the bulk (F16C) conversions, in parallel chunks.
+  const bool f32_f16 = (dst.dtype() == kFloat16 && src.dtype() == kFloat32) ||
+                       (dst.dtype() == kFloat32 && src.dtype() == kFloat16);
+  if (f32_f16 && dst.is_contiguous() && src.is_contiguous() && src.numel() == dst.numel()) {
+    const bool to_half = dst.dtype() == kFloat16;
+    void* d = dst.data_ptr();
+    const void* from = src.data_ptr();
+    parallel_for(0, dst.numel(), kElementwiseGrain, [&](int64_t b, int64_t e) {
+      if (to_half) {
+        float_to_f16_bits_n(static_cast<const float*>(from) + b, static_cast<uint16_t*>(d) + b,
+                            e - b);
+      } else {
+        f16_bits_to_float_n(static_cast<const uint16_t*>(from) + b, static_cast<float*>(d) + b,
+                            e - b);
+      }
+    });
+    return;
+  }
+  dispatch_all(dst.dtype(), "copy_", [&]<typename To>() {
+    dispatch_all(src.dtype(), "copy_", [&]<typename From>() {
+      unary_loop<To, From>(dst, src, [](From v) { return convert<To>(v); });
+    });
+  });
+}
+
+void fill_kernel(const Tensor& dst, double value) {
+  // +0.0 is all zero bits in every dtype.
+  if (value == 0.0 && !std::signbit(value) && dst.is_contiguous()) {
+    std::memset(dst.data_ptr(), 0, static_cast<size_t>(dst.nbytes()));
+    return;
+  }
+  dispatch_all(dst.dtype(), "fill_", [&]<typename T>() {
+    const T v = convert<T>(value);
+    StridedLoop<1> loop(dst.shape(), {&dst});
+    loop.run([&](char** p, const int64_t* s, int64_t n) {
+      if (s[0] == sizeof(T)) {
+        T* o = reinterpret_cast<T*>(p[0]);
+        for (int64_t i = 0; i < n; ++i) o[i] = v;
+      } else {
+        for (int64_t i = 0; i < n; ++i) *reinterpret_cast<T*>(p[0] + i * s[0]) = v;
+      }
+    });
+  });
+}
+
+}  // namespace lockstep::cpu
