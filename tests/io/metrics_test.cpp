@@ -1,5 +1,7 @@
 // MetricsWriter: every line is a JSON object with the agreed keys and types, written at once,
-// appended across writers, non-finite values as null, a clear error for a bad path.
+// appended across writers, non-finite values as null, a clear error for a bad path. The reader
+// (read_metrics): what the writer wrote comes back, restarts keep what the final model went
+// through, unknown keys are skipped, and bad input names the file and line.
 #include "lockstep/io/metrics.h"
 
 #include <unistd.h>
@@ -9,10 +11,12 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -193,6 +197,156 @@ TEST_F(Metrics, AMovedWriterKeepsWritingTheSameFile) {
   b.write(TrainRecord{.step = 2});
   EXPECT_EQ(b.path(), path_);
   EXPECT_EQ(records().size(), 2u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reading
+
+using ::testing::HasSubstr;
+
+// A train record as the writer lays it out (keys in its order, "time" and "elapsed" last).
+std::string train_line(int64_t step, double loss, double lr, double speed) {
+  std::ostringstream os;
+  os.precision(17);
+  os << R"({"kind":"train","step":)" << step << R"(,"epoch":0,"loss":)" << loss << R"(,"lr":)" << lr
+     << R"(,"samples_per_s":)" << speed << R"(,"time":1700000000.5,"elapsed":)" << step * 0.1
+     << "}\n";
+  return os.str();
+}
+
+std::string eval_line(int64_t step, double acc) {
+  std::ostringstream os;
+  os.precision(17);
+  os << R"({"kind":"eval","step":)" << step << R"(,"epoch":0,"test_accuracy":)" << acc
+     << R"(,"time":1700000000.5,"elapsed":1.5})"
+     << "\n";
+  return os.str();
+}
+
+MetricsFile parse(const std::string& text, const std::string& name = "m.jsonl") {
+  std::istringstream in(text);
+  return parse_metrics(in, name);
+}
+
+// The MetricsFileError message parse() throws for `text`, or "" when it throws none.
+std::string parse_error(const std::string& text) {
+  try {
+    parse(text);
+  } catch (const MetricsFileError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST_F(Metrics, WhatTheWriterWroteTheReaderReadsBack) {
+  constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+  {
+    MetricsWriter w(path_);
+    w.write(TrainRecord{.step = 1,
+                        .loss = 2.5,
+                        .lr = 0.01,
+                        .samples_per_s = 100,
+                        .loss_scale = 65536.0,
+                        .grad_norm = 0.75});
+    w.write(TrainRecord{.step = 2, .loss = kNaN, .lr = 0.02, .samples_per_s = 200});
+    w.write(EvalRecord{.step = 2, .test_accuracy = 0.625, .test_loss = 0.5});
+  }
+  const MetricsFile m = read_metrics(path_);
+  EXPECT_EQ(m.path, path_);
+  ASSERT_EQ(m.train.size(), 2u);
+  EXPECT_EQ(m.train[0].step, 1);
+  EXPECT_EQ(m.train[0].loss, 2.5);
+  EXPECT_EQ(m.train[0].lr, 0.01);
+  EXPECT_EQ(m.train[0].samples_per_s, 100);
+  EXPECT_EQ(m.train[0].loss_scale, 65536.0);
+  EXPECT_EQ(m.train[0].grad_norm, 0.75);
+  EXPECT_TRUE(std::isnan(m.train[1].loss));        // written as null
+  EXPECT_TRUE(std::isnan(m.train[1].loss_scale));  // left out
+  EXPECT_EQ(m.train[1].lr, 0.02);
+  ASSERT_EQ(m.eval.size(), 1u);
+  EXPECT_EQ(m.eval[0].step, 2);
+  EXPECT_EQ(m.eval[0].test_accuracy, 0.625);
+  EXPECT_EQ(m.eval[0].test_loss, 0.5);
+  EXPECT_TRUE(m.restarts.empty());
+  EXPECT_TRUE(m.warnings.empty());
+}
+
+TEST_F(Metrics, ARestartKeepsWhatTheFinalModelWentThrough) {
+  std::string text;
+  for (int s = 1; s <= 6; ++s) text += train_line(s, 10.0 + s, 0.1, 100);  // first attempt
+  text += eval_line(3, 0.30) + eval_line(6, 0.60);
+  for (int s = 4; s <= 5; ++s) text += train_line(s, 20.0 + s, 0.1, 100);  // resumed from step 3
+  text += eval_line(3, 0.33);  // the resumed run evaluates step 3 again
+  const MetricsFile m = parse(text);
+  std::vector<int64_t> steps;
+  std::map<int64_t, double> loss;
+  for (const TrainPoint& p : m.train) steps.push_back(p.step), loss[p.step] = p.loss;
+  EXPECT_EQ(steps, (std::vector<int64_t>{1, 2, 3, 4, 5}));  // step 6 belonged to the old attempt
+  EXPECT_EQ(loss[3], 13.0);
+  EXPECT_EQ(loss[4], 24.0);
+  EXPECT_EQ(loss[5], 25.0);
+  ASSERT_EQ(m.eval.size(), 1u);  // step 6's evaluation is gone, step 3's replaced
+  EXPECT_EQ(m.eval[0].step, 3);
+  EXPECT_EQ(m.eval[0].test_accuracy, 0.33);
+  EXPECT_EQ(m.restarts, (std::vector<int64_t>{4}));
+}
+
+TEST_F(Metrics, ReaderIsLenientAboutUnknownAndMissingOptionalKeys) {
+  const MetricsFile m =
+      parse(R"({"kind":"train","step":1,"loss":1.5,"lr":0.1,"samples_per_s":10,"new_key":[1,2]})"
+            "\n\n"
+            R"({"kind":"hparams","batch":64})"
+            "\n"
+            R"({"kind":"train","step":2,"loss":null,"lr":0.1,"samples_per_s":10})"
+            "\r\n"
+            R"({"kind":"eval","step":2,"test_accuracy":0.5})"
+            "\n"
+            R"({"kind":"train","step":3,"lo)");  // being written right now
+  ASSERT_EQ(m.train.size(), 2u);
+  EXPECT_TRUE(std::isnan(m.train[0].loss_scale));
+  EXPECT_TRUE(std::isnan(m.train[1].loss));  // null: a NaN loss
+  ASSERT_EQ(m.eval.size(), 1u);
+  EXPECT_TRUE(std::isnan(m.eval[0].test_loss));
+  ASSERT_EQ(m.warnings.size(), 1u);
+  EXPECT_THAT(m.warnings[0], HasSubstr("m.jsonl:6: skipped the last line"));
+}
+
+TEST_F(Metrics, BadInputNamesTheFileAndLine) {
+  const std::string ok = train_line(1, 1.0, 0.1, 10);
+  EXPECT_THAT(parse_error(ok + "not json\n"), HasSubstr("m.jsonl:2: not a JSON object: not json"));
+  EXPECT_THAT(parse_error(ok + "[1, 2]\n"), HasSubstr("m.jsonl:2: not a JSON object"));
+  EXPECT_THAT(parse_error(ok + "{\"kind\":\"train\",\"loss\":1.0}\n" + ok),
+              HasSubstr("m.jsonl:2: record without \"step\""));
+  EXPECT_THAT(parse_error("{\"kind\":\"eval\",\"step\":\"3\"}\n"),
+              HasSubstr("m.jsonl:1: \"step\" must be an integer, got \"3\""));
+  EXPECT_THAT(parse_error("{\"kind\":\"train\",\"step\":1.5}\n"),
+              HasSubstr("\"step\" must be an integer"));
+  EXPECT_THAT(parse_error("{\"step\":1}\n"), HasSubstr("m.jsonl:1: record without \"kind\""));
+  EXPECT_THAT(parse_error("{\"kind\":7,\"step\":1}\n"),
+              HasSubstr("m.jsonl:1: \"kind\" must be a string, got 7"));
+  EXPECT_THAT(parse_error(ok + "{\"kind\":\"train\",\"step\":2,\"loss\":\"high\"}\n"),
+              HasSubstr("m.jsonl:2: \"loss\" must be a number, got \"high\""));
+  EXPECT_THAT(parse_error(""), HasSubstr("m.jsonl: the file is empty"));
+  EXPECT_THAT(parse_error("\n  \n"), HasSubstr("m.jsonl: the file is empty"));
+  EXPECT_THAT(parse_error("{\"kind\":\"hparams\"}\n"),
+              HasSubstr("m.jsonl: no \"train\" or \"eval\" records"));
+  EXPECT_EQ(parse_error(ok), "");
+  // A garbled line that ends with a newline is not a line being written: an error.
+  EXPECT_THAT(parse_error(ok + "{\"kind\":\"tr\n"), HasSubstr("m.jsonl:2: not a JSON object"));
+
+  // A file that cannot be read: its path and errno's text.
+  try {
+    read_metrics((dir_ / "missing.jsonl").string());
+    ADD_FAILURE() << "expected MetricsFileError";
+  } catch (const MetricsFileError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("missing.jsonl: cannot open: No such file or directory"));
+  }
+  try {
+    read_metrics(dir_.string());
+    ADD_FAILURE() << "expected MetricsFileError";
+  } catch (const MetricsFileError& e) {
+    EXPECT_THAT(e.what(), HasSubstr(": is a directory"));
+  }
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
-// `lockstep plot` (tools/lockstep/plot.h): reading metrics files (restarts, bad input), the PNG
-// and SVG it writes, and the tool's exit codes.
+// `lockstep plot` (tools/lockstep/plot.h): the PNG and SVG it writes from metrics files (read by
+// io/metrics.h, whose reading is tested in tests/io/metrics_test.cpp), and the tool's exit codes.
 #include <sys/wait.h>
 
 #include <cstdio>
@@ -7,7 +7,6 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
-#include <map>
 #include <regex>
 #include <sstream>
 #include <string>
@@ -61,19 +60,9 @@ std::string train_curved(int64_t step, double shift = 0) {
                1000 + 37 * k * k + shift);
 }
 
-Metrics parse(const std::string& text, const std::string& name = "m.jsonl") {
+MetricsFile parse(const std::string& text, const std::string& name = "m.jsonl") {
   std::istringstream in(text);
-  return parse_metrics(in, name);
-}
-
-// The InputError message parse() throws for `text`, or "" when it throws none.
-std::string parse_error(const std::string& text) {
-  try {
-    parse(text);
-  } catch (const InputError& e) {
-    return e.what();
-  }
-  return "";
+  return io::parse_metrics(in, name);
 }
 
 // Enough of XML to catch a truncated or mis-nested document: every tag closes in order,
@@ -239,7 +228,7 @@ class PlotTest : public ::testing::Test {
 };
 
 TEST_F(PlotTest, PngHasTheSignatureAndTheRequestedSize) {
-  const Metrics m = read_metrics(write_run("run.jsonl", 40, 10));
+  const MetricsFile m = io::read_metrics(write_run("run.jsonl", 40, 10));
   PlotOptions opts;
   opts.output = dir_ / "curves.png";
   opts.width = 640;
@@ -256,8 +245,8 @@ TEST_F(PlotTest, PngHasTheSignatureAndTheRequestedSize) {
   opts.height = 0;
   const PlotSummary four = plot({m}, opts);
   EXPECT_EQ(png_size(read_text(opts.output)).height, static_cast<uint32_t>(four.height));
-  const Metrics amp =
-      read_metrics(write_run("amp.jsonl", 40, 10, R"(,"loss_scale":65536.0,"grad_norm":1.5)"));
+  const MetricsFile amp =
+      io::read_metrics(write_run("amp.jsonl", 40, 10, R"(,"loss_scale":65536.0,"grad_norm":1.5)"));
   const PlotSummary six = plot({amp}, opts);
   EXPECT_EQ(png_size(read_text(opts.output)).width, 1000u);
   EXPECT_EQ(six.panels.size(), 6u);
@@ -265,7 +254,7 @@ TEST_F(PlotTest, PngHasTheSignatureAndTheRequestedSize) {
 }
 
 TEST_F(PlotTest, SvgIsWellFormedAndNamesItsPanels) {
-  const Metrics m = read_metrics(write_run("run.jsonl", 30, 10));
+  const MetricsFile m = io::read_metrics(write_run("run.jsonl", 30, 10));
   PlotOptions opts;
   opts.output = dir_ / "curves.svg";
   plot({m}, opts);
@@ -301,7 +290,7 @@ TEST_F(PlotTest, SvgCurvesHaveOnePointPerDistinctStep) {
   PlotOptions opts;
   opts.output = dir_ / "curves.svg";
   const PlotSummary s =
-      plot({read_metrics(dir_ / "a.jsonl"), read_metrics(dir_ / "b.jsonl")}, opts);
+      plot({io::read_metrics(dir_ / "a.jsonl"), io::read_metrics(dir_ / "b.jsonl")}, opts);
   const std::vector<int> counts = stroked_path_points(read_text(opts.output));
   auto paths_with = [&](int points) { return std::count(counts.begin(), counts.end(), points); };
   // Raw and smoothed loss, throughput and learning rate: 4 curves per file.
@@ -312,77 +301,8 @@ TEST_F(PlotTest, SvgCurvesHaveOnePointPerDistinctStep) {
   EXPECT_EQ(s.panels.size(), 4u);
 }
 
-TEST_F(PlotTest, RestartKeepsWhatTheFinalModelWentThrough) {
-  std::string text;
-  for (int s = 1; s <= 6; ++s) text += train(s, 10.0 + s, 0.1, 100);  // first attempt
-  text += eval(3, 0.30) + eval(6, 0.60);
-  for (int s = 4; s <= 5; ++s) text += train(s, 20.0 + s, 0.1, 100);  // resumed from step 3
-  text += eval(3, 0.33);  // the resumed run evaluates step 3 again
-  const Metrics m = parse(text);
-  std::vector<int64_t> steps;
-  std::map<int64_t, double> loss;
-  for (const TrainPoint& p : m.train) steps.push_back(p.step), loss[p.step] = p.loss;
-  EXPECT_EQ(steps, (std::vector<int64_t>{1, 2, 3, 4, 5}));  // step 6 belonged to the old attempt
-  EXPECT_EQ(loss[3], 13.0);
-  EXPECT_EQ(loss[4], 24.0);
-  EXPECT_EQ(loss[5], 25.0);
-  ASSERT_EQ(m.eval.size(), 1u);  // step 6's evaluation is gone, step 3's replaced
-  EXPECT_EQ(m.eval[0].step, 3);
-  EXPECT_EQ(m.eval[0].test_accuracy, 0.33);
-  EXPECT_EQ(m.restarts, (std::vector<int64_t>{4}));
-}
-
-TEST_F(PlotTest, LenientAboutUnknownAndMissingOptionalKeys) {
-  const Metrics m =
-      parse(R"({"kind":"train","step":1,"loss":1.5,"lr":0.1,"samples_per_s":10,"new_key":[1,2]})"
-            "\n\n"
-            R"({"kind":"hparams","batch":64})"
-            "\n"
-            R"({"kind":"train","step":2,"loss":null,"lr":0.1,"samples_per_s":10})"
-            "\r\n"
-            R"({"kind":"eval","step":2,"test_accuracy":0.5})"
-            "\n"
-            R"({"kind":"train","step":3,"lo)");  // being written right now
-  ASSERT_EQ(m.train.size(), 2u);
-  EXPECT_TRUE(std::isnan(m.train[0].loss_scale));
-  EXPECT_TRUE(std::isnan(m.train[1].loss));  // null: a NaN loss
-  ASSERT_EQ(m.eval.size(), 1u);
-  EXPECT_TRUE(std::isnan(m.eval[0].test_loss));
-  ASSERT_EQ(m.warnings.size(), 1u);
-  EXPECT_THAT(m.warnings[0], HasSubstr("m.jsonl:6: skipped the last line"));
-}
-
-TEST_F(PlotTest, BadInputNamesTheFileAndLine) {
-  const std::string ok = train(1, 1.0, 0.1, 10);
-  EXPECT_THAT(parse_error(ok + "not json\n"), HasSubstr("m.jsonl:2: not a JSON object: not json"));
-  EXPECT_THAT(parse_error(ok + "[1, 2]\n"), HasSubstr("m.jsonl:2: not a JSON object"));
-  EXPECT_THAT(parse_error(ok + "{\"kind\":\"train\",\"loss\":1.0}\n" + ok),
-              HasSubstr("m.jsonl:2: record without \"step\""));
-  EXPECT_THAT(parse_error("{\"kind\":\"eval\",\"step\":\"3\"}\n"),
-              HasSubstr("m.jsonl:1: \"step\" must be an integer, got \"3\""));
-  EXPECT_THAT(parse_error("{\"kind\":\"train\",\"step\":1.5}\n"),
-              HasSubstr("\"step\" must be an integer"));
-  EXPECT_THAT(parse_error("{\"step\":1}\n"), HasSubstr("m.jsonl:1: record without \"kind\""));
-  EXPECT_THAT(parse_error(ok + "{\"kind\":\"train\",\"step\":2,\"loss\":\"high\"}\n"),
-              HasSubstr("m.jsonl:2: \"loss\" must be a number, got \"high\""));
-  EXPECT_THAT(parse_error(""), HasSubstr("m.jsonl: the file is empty"));
-  EXPECT_THAT(parse_error("\n  \n"), HasSubstr("m.jsonl: the file is empty"));
-  EXPECT_THAT(parse_error("{\"kind\":\"hparams\"}\n"),
-              HasSubstr("m.jsonl: no \"train\" or \"eval\" records"));
-  EXPECT_EQ(parse_error(ok), "");
-  // A garbled line that ends with a newline is not a line being written: an error.
-  EXPECT_THAT(parse_error(ok + "{\"kind\":\"tr\n"), HasSubstr("m.jsonl:2: not a JSON object"));
-
-  try {
-    read_metrics(dir_ / "missing.jsonl");
-    ADD_FAILURE() << "expected InputError";
-  } catch (const InputError& e) {
-    EXPECT_THAT(e.what(), HasSubstr("missing.jsonl: cannot open"));
-  }
-}
-
 TEST_F(PlotTest, BadOptionsAreInputErrors) {
-  const Metrics m = parse(train(1, 1.0, 0.1, 10) + train(2, 0.5, 0.1, 10));
+  const MetricsFile m = parse(train(1, 1.0, 0.1, 10) + train(2, 0.5, 0.1, 10));
   auto error = [&](const PlotOptions& o) -> std::string {
     try {
       plot({m}, o);
@@ -410,7 +330,7 @@ TEST_F(PlotTest, BadOptionsAreInputErrors) {
 }
 
 TEST_F(PlotTest, WritesAtomicallyAndCleansUpOnFailure) {
-  const Metrics m = read_metrics(write_run("run.jsonl", 20, 5));
+  const MetricsFile m = io::read_metrics(write_run("run.jsonl", 20, 5));
   PlotOptions opts;
   opts.output = dir_ / "curves.png";
   write_text(opts.output, "old");
@@ -431,10 +351,10 @@ TEST_F(PlotTest, WritesAtomicallyAndCleansUpOnFailure) {
 
 TEST_F(PlotTest, LogAxisAndGapsDoNotBreakTheDrawing) {
   // Zero and negative losses cannot be drawn on a log axis; null is a gap; one lone point.
-  const Metrics m = parse(train(1, 0.0, 0.1, 10) + train(2, -1.0, 0.1, 10) +
-                          R"({"kind":"train","step":3,"loss":null,"lr":0.1,"samples_per_s":10})"
-                          "\n" +
-                          train(4, 0.5, 0.1, 10));
+  const MetricsFile m = parse(train(1, 0.0, 0.1, 10) + train(2, -1.0, 0.1, 10) +
+                              R"({"kind":"train","step":3,"loss":null,"lr":0.1,"samples_per_s":10})"
+                              "\n" +
+                              train(4, 0.5, 0.1, 10));
   PlotOptions opts;
   opts.log_y = true;
   for (const char* name : {"log.png", "log.svg"}) {
@@ -472,6 +392,12 @@ TEST_F(PlotTest, ToolExitCodes) {
   r = run_tool("'" + (dir_ / "bad.jsonl").string() + "' -o '" + (dir_ / "c.png").string() + "'");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_THAT(r.output, HasSubstr("bad.jsonl:2: not a JSON object"));
+
+  // A metrics file that cannot be read is bad input too: its path and the reason.
+  r = run_tool("'" + (dir_ / "missing.jsonl").string() + "' -o '" + (dir_ / "c.png").string() +
+               "'");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("missing.jsonl: cannot open: No such file or directory"));
 
   r = run_tool("'" + run.string() + "'");  // no -o
   EXPECT_EQ(r.code, 2) << r.output;

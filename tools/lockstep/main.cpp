@@ -21,6 +21,7 @@
 
 #include "agent.h"
 #include "lockstep/base/error.h"
+#include "lockstep/io/metrics.h"
 #include "plot.h"
 
 using namespace lockstep::launch;
@@ -128,8 +129,8 @@ RunOptions validate(const Raw& raw, std::vector<std::string> command) {
   o.standalone = raw.standalone;
   o.max_restarts = raw.max_restarts;
   o.monitor_interval_s = raw.monitor_interval;
-  o.log_dir = raw.log_dir;
-  o.tee = raw.tee;
+  o.output.log_dir = raw.log_dir;
+  o.output.tee = raw.tee;
   o.rdzv_timeout_s = raw.rdzv_timeout;
   if (!raw.local_ranks_filter.empty()) {
     std::stringstream ss(raw.local_ranks_filter);
@@ -140,7 +141,7 @@ RunOptions validate(const Raw& raw, std::vector<std::string> command) {
                     std::to_string(o.nproc_per_node) + ") separated by commas, got '" +
                     raw.local_ranks_filter + "'");
       }
-      o.local_ranks_filter.push_back(static_cast<int>(*r));
+      o.output.local_ranks_filter.push_back(static_cast<int>(*r));
     }
   }
   // torchrun: "none" unless given; --standalone gets a fresh id of its own.
@@ -161,10 +162,10 @@ struct PlotArgs {
 
 int run_plot(const PlotArgs& args) {
   try {
-    std::vector<lockstep::plot::Metrics> runs;
+    std::vector<lockstep::io::MetricsFile> runs;
     lockstep::plot::format_for(args.opts.output);  // a bad extension before reading anything
     for (const std::string& f : args.files) {
-      runs.push_back(lockstep::plot::read_metrics(f));
+      runs.push_back(lockstep::io::read_metrics(f));
       for (const std::string& w : runs.back().warnings) {
         std::fprintf(stderr, "lockstep plot: %s\n", w.c_str());
       }
@@ -173,6 +174,9 @@ int run_plot(const PlotArgs& args) {
     std::fprintf(stderr, "lockstep plot: wrote %s (%dx%d, %zu panels)\n", args.opts.output.c_str(),
                  summary.width, summary.height, summary.panels.size());
     return kExitOk;
+  } catch (const lockstep::io::MetricsFileError& e) {  // "FILE:LINE: what is wrong"
+    std::fprintf(stderr, "lockstep plot: %s\n", e.what());
+    return kExitUsage;
   } catch (const lockstep::plot::InputError& e) {
     std::fprintf(stderr, "lockstep plot: %s\n", e.what());
     return kExitUsage;

@@ -1,5 +1,5 @@
-// `lockstep plot`: metrics JSON Lines in, training curves out (PNG or SVG through one cairo drawing
-// path: the image surface for PNG, the SVG surface for SVG).
+// `lockstep plot`: metrics (read by io/metrics.h) in, training curves out (PNG or SVG through one
+// cairo drawing path: the image surface for PNG, the SVG surface for SVG).
 #include "plot.h"
 
 #include <cairo-svg.h>
@@ -11,19 +11,14 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <iterator>
 #include <limits>
-#include <map>
 #include <memory>
 #include <set>
-#include <string_view>
-
-#include <nlohmann/json.hpp>
 
 #include "lockstep/base/error.h"
+#include "lockstep/base/syscall.h"
 
 // Every cairo status goes through here: cairo errors are sticky, so a check after drawing catches
 // any call that failed during it.
@@ -39,119 +34,7 @@ namespace {
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
-// ---------------------------------------------------------------------------------------------
-// Reading
-
-std::string excerpt(std::string_view s) {
-  constexpr size_t kMax = 40;
-  return s.size() <= kMax ? std::string(s) : std::string(s.substr(0, kMax)) + "...";
-}
-
-// A number, or NaN where the key is absent or null (a writer spells a NaN loss as null).
-double number(const nlohmann::json& j, const char* key, const std::string& where) {
-  const auto it = j.find(key);
-  if (it == j.end() || it->is_null()) return kNaN;
-  if (!it->is_number()) {
-    throw InputError(where + "\"" + key + "\" must be a number, got " + excerpt(it->dump()));
-  }
-  return it->get<double>();
-}
-
-int64_t integer_step(const nlohmann::json& j, const std::string& where) {
-  const auto it = j.find("step");
-  if (it == j.end()) throw InputError(where + "record without \"step\"");
-  if (it->is_number_integer()) return it->get<int64_t>();
-  if (it->is_number_float()) {
-    const double v = it->get<double>();
-    if (std::isfinite(v) && v == std::floor(v) && std::abs(v) < 9e15)
-      return static_cast<int64_t>(v);
-  }
-  throw InputError(where + "\"step\" must be an integer, got " + excerpt(it->dump()));
-}
-
 }  // namespace
-
-// Note [Restarts]
-// A resumed run appends to the file it was writing, starting again from its checkpoint's step.
-// The curves should show what the final model went through, so a train record whose step is not
-// after the previous train record's starts a new trajectory at that step: the train and eval
-// records from that step on are dropped (replaced by what follows, or gone where the resumed run
-// has not got as far yet). An eval record replaces an earlier one for the same step. Only train
-// records mark restarts: an eval logged a little late must not erase training history.
-Metrics parse_metrics(std::istream& in, const std::string& name) {
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (in.bad()) throw InputError(name + ": read error");
-  Metrics m;
-  m.path = name;
-  std::map<int64_t, EvalPoint> evals;
-  size_t pos = 0;
-  int64_t line_no = 0;
-  bool any_line = false;
-  while (pos < text.size()) {
-    const size_t nl = text.find('\n', pos);
-    const bool complete = nl != std::string::npos;
-    std::string_view line(text.data() + pos, (complete ? nl : text.size()) - pos);
-    pos = complete ? nl + 1 : text.size();
-    ++line_no;
-    while (!line.empty() && std::isspace(static_cast<unsigned char>(line.back()))) {
-      line.remove_suffix(1);
-    }
-    while (!line.empty() && std::isspace(static_cast<unsigned char>(line.front()))) {
-      line.remove_prefix(1);
-    }
-    if (line.empty()) continue;
-    any_line = true;
-    const std::string where = name + ":" + std::to_string(line_no) + ": ";
-    const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (j.is_discarded() && !complete) {
-      // The writer is in the middle of this line (plotting a run that is still training).
-      m.warnings.push_back(where + "skipped the last line, which is not complete yet");
-      continue;
-    }
-    if (j.is_discarded() || !j.is_object()) {
-      throw InputError(where + "not a JSON object: " + excerpt(line));
-    }
-    const auto kind_it = j.find("kind");
-    if (kind_it == j.end()) throw InputError(where + "record without \"kind\"");
-    if (!kind_it->is_string()) {
-      throw InputError(where + "\"kind\" must be a string, got " + excerpt(kind_it->dump()));
-    }
-    const std::string& kind = kind_it->get_ref<const std::string&>();
-    if (kind != "train" && kind != "eval") continue;  // a kind of record this tool does not draw
-    const int64_t step = integer_step(j, where);
-    if (kind == "train") {
-      TrainPoint p{step,
-                   number(j, "loss", where),
-                   number(j, "lr", where),
-                   number(j, "samples_per_s", where),
-                   number(j, "loss_scale", where),
-                   number(j, "grad_norm", where)};
-      if (!m.train.empty() && step <= m.train.back().step) {  // Note [Restarts]
-        m.restarts.push_back(step);
-        while (!m.train.empty() && m.train.back().step >= step) m.train.pop_back();
-        evals.erase(evals.lower_bound(step), evals.end());
-      }
-      m.train.push_back(p);
-    } else {
-      evals[step] =
-          EvalPoint{step, number(j, "test_accuracy", where), number(j, "test_loss", where)};
-    }
-  }
-  for (const auto& [step, e] : evals) m.eval.push_back(e);
-  if (!any_line) throw InputError(name + ": the file is empty (no records yet?)");
-  if (m.train.empty() && m.eval.empty()) {
-    throw InputError(name + ": no \"train\" or \"eval\" records");
-  }
-  return m;
-}
-
-Metrics read_metrics(const std::string& path) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) throw InputError(path + ": is a directory");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw InputError(path + ": cannot open: " + std::strerror(errno));
-  return parse_metrics(in, path);
-}
 
 Format format_for(const std::string& output) {
   std::string ext = std::filesystem::path(output).extension().string();
@@ -219,7 +102,7 @@ Series series_of(const std::vector<Point>& points, Get get) {
   return s;
 }
 
-std::vector<Panel> build_panels(const std::vector<Metrics>& runs, const PlotOptions& opts) {
+std::vector<Panel> build_panels(const std::vector<MetricsFile>& runs, const PlotOptions& opts) {
   Panel loss{"Training loss", opts.log_y ? Scale::kLog10 : Scale::kLinear, {}};
   Panel acc{"Test accuracy", Scale::kLinear, {}};
   Panel speed{"Throughput (samples/s)", Scale::kLinear, {}};
@@ -228,7 +111,7 @@ std::vector<Panel> build_panels(const std::vector<Metrics>& runs, const PlotOpti
   Panel grad{"Gradient norm", Scale::kLinear, {}};
   bool test_loss = false;
   for (size_t r = 0; r < runs.size(); ++r) {
-    const Metrics& m = runs[r];
+    const MetricsFile& m = runs[r];
     auto add = [&](Panel& p, Series s) {
       if (any_finite(s.y)) p.series.emplace_back(r, std::move(s));
     };
@@ -439,15 +322,16 @@ struct Legend {
 
 // One label per file (its name; the path as given where two files share a name), laid out in
 // rows that fit the width.
-Legend layout_legend(cairo_t* cr, const std::vector<Metrics>& runs, const Style& st, double width) {
+Legend layout_legend(cairo_t* cr, const std::vector<MetricsFile>& runs, const Style& st,
+                     double width) {
   Legend lg;
   if (runs.size() < 2) return lg;
   std::multiset<std::string> names;
-  for (const Metrics& m : runs) names.insert(std::filesystem::path(m.path).filename().string());
+  for (const MetricsFile& m : runs) names.insert(std::filesystem::path(m.path).filename().string());
   set_font(cr, st.tick_size(), false);
   const double row_h = st.tick_size() * 1.6, swatch = 22 * st.f, gap = 18 * st.f;
   double x = st.pad(), y = 0;
-  for (const Metrics& m : runs) {
+  for (const MetricsFile& m : runs) {
     const std::string base = std::filesystem::path(m.path).filename().string();
     lg.labels.push_back(names.count(base) > 1 ? m.path : base);
     const double w = swatch + 6 * st.f + text_width(cr, lg.labels.back());
@@ -562,7 +446,7 @@ struct Page {
 };
 
 void draw_page(cairo_t* cr, const Page& page, const std::vector<Panel>& panels,
-               const std::vector<Metrics>& runs) {
+               const std::vector<MetricsFile>& runs) {
   const Style& st = page.style;
   cairo_font_options_t* fo = cairo_font_options_create();
   cairo_font_options_set_hint_metrics(fo, CAIRO_HINT_METRICS_OFF);  // same layout in PNG and SVG
@@ -590,7 +474,7 @@ void draw_page(cairo_t* cr, const Page& page, const std::vector<Panel>& panels,
   }
 
   double xmin = std::numeric_limits<double>::infinity(), xmax = -xmin;
-  for (const Metrics& m : runs) {
+  for (const MetricsFile& m : runs) {
     for (const TrainPoint& p : m.train)
       xmin = std::min(xmin, double(p.step)), xmax = std::max(xmax, double(p.step));
     for (const EvalPoint& p : m.eval)
@@ -635,7 +519,7 @@ std::string xml_escape(const std::string& s) {
 }
 
 std::string render(Format format, const Page& page, const std::vector<Panel>& panels,
-                   const std::vector<Metrics>& runs) {
+                   const std::vector<MetricsFile>& runs) {
   std::string bytes;
   Surface surface(
       format == Format::kPng
@@ -682,39 +566,41 @@ void write_atomically(const std::string& path, const std::string& bytes) {
   const fs::path target(path);
   const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
   fs::path tmp;
-  int fd = -1;
-  for (int attempt = 0; fd < 0; ++attempt) {
+  Fd fd;
+  for (int attempt = 0; !fd; ++attempt) {
     std::string name = ".";  // hidden, so that a watcher globbing *.png does not pick it up
     name += target.filename().string();
     name += ".tmp-" + std::to_string(::getpid()) + "-" + std::to_string(attempt);
     tmp = dir / name;
-    fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-    if (fd < 0 && (errno != EEXIST || attempt > 100)) {
-      LS_THROW("cannot write '", path, "': ", std::strerror(errno));
+    const int opened = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (opened < 0 && (errno != EEXIST || attempt > 100)) {
+      LS_THROW("cannot write '", path, "': ", errno_text(errno));
     }
+    fd = Fd(opened);
   }
-  const auto fail = [&](const char* what) {
-    const int err = errno;
-    if (fd >= 0) ::close(fd);
-    ::unlink(tmp.c_str());
-    LS_THROW("cannot write '", path, "' (", what, "): ", std::strerror(err));
-  };
+  // The temporary file is removed on every failure below; only the rename keeps it.
+  struct RemoveUnlessKept {
+    const fs::path& file;
+    bool keep = false;
+    ~RemoveUnlessKept() {
+      if (!keep) ::unlink(file.c_str());
+    }
+  } remove_tmp{tmp};
   for (size_t done = 0; done < bytes.size();) {
-    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    const ssize_t n = ::write(fd.get(), bytes.data() + done, bytes.size() - done);
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) fail("write");
+    LS_CHECK(n >= 0, "cannot write '", path, "' (write): ", errno_text(errno));
     done += static_cast<size_t>(n);
   }
-  if (::fsync(fd) != 0) fail("fsync");
-  const int rc = ::close(fd);
-  fd = -1;
-  if (rc != 0) fail("close");
-  if (::rename(tmp.c_str(), path.c_str()) != 0) fail("rename");
+  LS_SYSCHECK_MSG(::fsync(fd.get()), "cannot write '", path, "' (fsync)");
+  LS_SYSCHECK_MSG(fd.close(), "cannot write '", path, "' (close)");
+  LS_SYSCHECK_MSG(::rename(tmp.c_str(), path.c_str()), "cannot write '", path, "' (rename)");
+  remove_tmp.keep = true;
 }
 
 }  // namespace
 
-PlotSummary plot(const std::vector<Metrics>& runs, const PlotOptions& opts) {
+PlotSummary plot(const std::vector<MetricsFile>& runs, const PlotOptions& opts) {
   const Format format = format_for(opts.output);
   auto check_size = [](const char* name, int v) {
     if (v < kMinSize || v > kMaxSize) {

@@ -1,49 +1,27 @@
-// `lockstep plot`: reads the training example's metrics (JSON Lines) and draws training curves to
-// PNG or SVG with cairo, one drawing code path for both formats. docs/PLOT.md has the details.
+// `lockstep plot`: draws the training example's metrics (JSON Lines, read by io/metrics.h) as
+// training curves to PNG or SVG with cairo, one drawing code path for both formats. docs/PLOT.md
+// has the details.
 #pragma once
 
-#include <cstdint>
-#include <istream>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "lockstep/io/metrics.h"
+
 namespace lockstep::plot {
 
-// Bad input (a malformed metrics file, a bad option): exit code 2. Any other failure (cannot
-// write the output) is a lockstep::Error: exit code 1.
+// Bad input (a bad option, nothing to draw): exit code 2, as for a malformed metrics file. Any
+// other failure (cannot write the output) is a lockstep::Error: exit code 1.
 struct InputError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// One "kind":"train" record. NaN marks a value the record did not have (or had as null, which is
-// how a JSON writer spells a NaN loss).
-struct TrainPoint {
-  int64_t step = 0;
-  double loss, lr, samples_per_s, loss_scale, grad_norm;
-};
-
-// One "kind":"eval" record; NaN as above.
-struct EvalPoint {
-  int64_t step = 0;
-  double test_accuracy, test_loss;
-};
-
-// One metrics file as the final model went through it: steps strictly increasing, the records a
-// resumed run replaced are gone (Note [Restarts] in plot.cpp).
-struct Metrics {
-  std::string path;
-  std::vector<TrainPoint> train;
-  std::vector<EvalPoint> eval;
-  std::vector<int64_t> restarts;      // the step each resumed run restarted at
-  std::vector<std::string> warnings;  // e.g. a half-written last line that was skipped
-};
-
-// Parses a metrics file's text; `name` prefixes error messages ("NAME:LINE: ..."). Throws
-// InputError for a line that is not a JSON object, a record without an integer "step" or a string
-// "kind", a value of the wrong type, or a file without train or eval records.
-Metrics parse_metrics(std::istream& in, const std::string& name);
-Metrics read_metrics(const std::string& path);
+// The metrics a plot draws: read by lockstep::io::read_metrics (include/lockstep/io/metrics.h),
+// which throws io::MetricsFileError for a malformed file (exit code 2, as InputError).
+using io::EvalPoint;
+using io::MetricsFile;
+using io::TrainPoint;
 
 enum class Format { kPng, kSvg };
 
@@ -72,6 +50,6 @@ struct PlotSummary {
 };
 
 // Draws `runs` (one colour each, a legend when there are several) into opts.output.
-PlotSummary plot(const std::vector<Metrics>& runs, const PlotOptions& opts);
+PlotSummary plot(const std::vector<MetricsFile>& runs, const PlotOptions& opts);
 
 }  // namespace lockstep::plot

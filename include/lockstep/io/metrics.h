@@ -1,4 +1,5 @@
-// Training metrics as JSON Lines (one JSON object per line), the file `lockstep plot` reads.
+// Training metrics as JSON Lines (one JSON object per line): MetricsWriter writes them, and
+// read_metrics reads them back (for `lockstep plot`).
 //
 // Records (keys in this order; optional ones left out when unset):
 //   {"kind":"train","step":int,"epoch":int,"loss":float,"lr":float,"samples_per_s":float,
@@ -12,8 +13,13 @@
 
 #include <chrono>
 #include <cstdint>
+#include <istream>
 #include <optional>
+#include <stdexcept>
 #include <string>
+#include <vector>
+
+#include "lockstep/base/syscall.h"
 
 namespace lockstep::io {
 
@@ -43,9 +49,8 @@ class MetricsWriter {
   // Opens `path` for appending (creating it), or truncates it when `append` is false. Throws
   // lockstep::Error naming the path and the reason when it cannot be opened.
   explicit MetricsWriter(const std::string& path, bool append = true);
-  ~MetricsWriter();
-  MetricsWriter(MetricsWriter&& other) noexcept;
-  MetricsWriter& operator=(MetricsWriter&& other) noexcept;
+  MetricsWriter(MetricsWriter&& other) noexcept = default;
+  MetricsWriter& operator=(MetricsWriter&& other) noexcept = default;
   MetricsWriter(const MetricsWriter&) = delete;
   MetricsWriter& operator=(const MetricsWriter&) = delete;
 
@@ -59,8 +64,48 @@ class MetricsWriter {
   void write_line(const std::string& line);
 
   std::string path_;
-  int fd_ = -1;
+  Fd fd_;
   std::chrono::steady_clock::time_point start_;
 };
+
+// ---------------------------------------------------------------------------------------------
+// Reading
+
+// A metrics file that cannot be read or is malformed. what() is meant for the user as it stands
+// ("NAME:LINE: what is wrong"), without a source location: `lockstep plot` exits 2 on it.
+struct MetricsFileError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// One "kind":"train" record as read back. NaN marks a value the record did not have (or had as
+// null, which is how the writer spells a NaN loss).
+struct TrainPoint {
+  int64_t step = 0;
+  double loss, lr, samples_per_s, loss_scale, grad_norm;
+};
+
+// One "kind":"eval" record as read back; NaN as above.
+struct EvalPoint {
+  int64_t step = 0;
+  double test_accuracy, test_loss;
+};
+
+// One metrics file as the final model went through it: steps strictly increasing, the records a
+// resumed run replaced are gone (Note [Restarts] in src/io/metrics.cpp).
+struct MetricsFile {
+  std::string path;
+  std::vector<TrainPoint> train;
+  std::vector<EvalPoint> eval;
+  std::vector<int64_t> restarts;      // the step each resumed run restarted at
+  std::vector<std::string> warnings;  // e.g. a half-written last line that was skipped
+};
+
+// Parses a metrics file's text; `name` prefixes error messages ("NAME:LINE: ..."). Throws
+// MetricsFileError for a line that is not a JSON object, a record without an integer "step" or a
+// string "kind", a value of the wrong type, or a file without train or eval records. Records of
+// other kinds are skipped, and so are keys it does not know.
+MetricsFile parse_metrics(std::istream& in, const std::string& name);
+// Reads the file at `path` (MetricsFileError also when it cannot be opened).
+MetricsFile read_metrics(const std::string& path);
 
 }  // namespace lockstep::io
