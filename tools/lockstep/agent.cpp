@@ -1,4 +1,5 @@
-// The node agent of `lockstep run`.
+// The node agent of `lockstep run`: rendezvous, the workers of each generation, failure and
+// restart; their output goes through the multiplexer in output.h.
 //
 // Note [Agent protocol]
 // Every agent talks to node 0's TCP store under lockstep/<run-id>/agent/:
@@ -15,7 +16,6 @@
 // restarted generation never sees the previous one's keys.
 #include "agent.h"
 
-#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/signalfd.h>
@@ -23,15 +23,11 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <ctime>
-#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <memory>
-#include <optional>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -39,8 +35,11 @@
 #include <nlohmann/json.hpp>
 
 #include "lockstep/base/error.h"
+#include "lockstep/base/syscall.h"
+#include "lockstep/base/worker_env.h"
 #include "lockstep/distributed/error_file.h"
 #include "lockstep/distributed/store/tcp_store.h"
+#include "output.h"
 #include "worker_process.h"
 
 extern char** environ;
@@ -54,8 +53,6 @@ using json = nlohmann::json;
 
 // SIGTERM first; what is still alive after this gets SIGKILL.
 constexpr auto kStopGrace = std::chrono::seconds(3);
-// Lines of each worker's output kept for the failure summary.
-constexpr size_t kTailLines = 20;
 // How long node 0 keeps the store up for the other agents to read the outcome (at least; also
 // three monitor intervals, since that is how long an agent may take to look).
 constexpr auto kExitSyncTimeout = std::chrono::seconds(10);
@@ -83,49 +80,6 @@ struct Interrupted : std::runtime_error {
       : std::runtime_error("interrupted by " + signal_name(sig)), signal(sig) {}
   int signal;
 };
-
-void write_all(int fd, const std::string& s) {
-  size_t done = 0;
-  while (done < s.size()) {
-    const ssize_t n = ::write(fd, s.data() + done, s.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;  // a closed terminal must not stop the job
-    done += static_cast<size_t>(n);
-  }
-}
-
-// Note [Redrawn lines]
-// A worker's progress bar arrives as segments ended by '\r' (Note [Carriage returns] in
-// worker_process.h). Where the launcher's stdout or stderr is a terminal, each segment is shown
-// at once as "\r[rankN]: segment" plus an erase to the end of the line, and the line stays open
-// (no '\n'). The next whole line of the same worker and stream replaces it (the bar's final
-// state, or a line the worker printed over its bar, as its own terminal would show); any other
-// line first ends the open one with '\n', so the bar's last state stays visible above it and
-// its next redraw starts on a fresh line. Log files and output that is not a terminal never see
-// the segments, only the lines.
-constexpr const char* kEraseToEol = "\x1b[K";
-
-bool is_tty(int fd) {
-  static const bool tty[3] = {false, ::isatty(1) == 1, ::isatty(2) == 1};
-  return fd >= 1 && fd <= 2 && tty[fd];
-}
-
-// The redrawn line on the terminal without its '\n', if any.
-struct OpenLine {
-  int rank = -1;
-  int fd = -1;
-};
-std::optional<OpenLine> g_open_line;
-
-void end_open_line() {
-  if (g_open_line) write_all(g_open_line->fd, "\n");
-  g_open_line.reset();
-}
-
-void say(const std::string& msg) {
-  if (is_tty(2)) end_open_line();
-  write_all(2, "lockstep run: " + msg + "\n");
-}
 
 std::string utc_now() {
   const std::time_t t = std::time(nullptr);
@@ -169,14 +123,8 @@ struct Worker {
   int local_rank = 0;
   int rank = 0;
   std::string error_file;
+  std::unique_ptr<WorkerOutput> output;  // where its lines go (output.h)
   std::unique_ptr<WorkerProcess> proc;
-  std::unique_ptr<LineSplitter> out, err;
-  std::deque<std::string> tail;
-  int out_log = -1, err_log = -1;
-  ~Worker() {
-    if (out_log >= 0) ::close(out_log);
-    if (err_log >= 0) ::close(err_log);
-  }
 };
 
 enum class Outcome { kSucceeded, kFailed, kInterrupted, kStoreLost };
@@ -190,10 +138,9 @@ struct GenResult {
 
 class Agent {
  public:
-  explicit Agent(const RunOptions& o) : o_(o) {}
+  Agent(const RunOptions& o, Terminal& terminal) : o_(o), terminal_(terminal) {}
   ~Agent() {
     workers_.clear();
-    if (sigfd_ >= 0) ::close(sigfd_);
     if (!tmp_dir_.empty()) {
       std::error_code ec;
       std::filesystem::remove_all(tmp_dir_, ec);
@@ -208,6 +155,7 @@ class Agent {
     return key("gen" + std::to_string(g) + "/" + k);
   }
   int world_size() const { return o_.nnodes * o_.nproc_per_node; }
+  void say(const std::string& msg) const { terminal_.say(msg); }
 
   void setup_signals();
   // A SIGINT/SIGTERM/SIGHUP received so far (the first one), or 0. Reads everything queued on
@@ -219,10 +167,6 @@ class Agent {
   void rendezvous();
   void start_workers(int g);
   GenResult run_generation(int g);
-  void on_line(Worker& w, bool is_err, const std::string& line);
-  void on_redraw(Worker& w, bool is_err, const std::string& segment);
-  // Whether this worker's output reaches the launcher's stdout and stderr.
-  bool to_terminal(const Worker& w) const;
   // Drains every readable stream for up to `timeout` (0: what is there now).
   void pump_output(std::chrono::milliseconds timeout);
   bool all_exited();
@@ -239,7 +183,8 @@ class Agent {
   void exit_sync(std::chrono::milliseconds timeout);
 
   RunOptions o_;
-  int sigfd_ = -1;
+  Terminal& terminal_;
+  Fd sigfd_;
   int pending_signal_ = 0;
   std::string tmp_dir_;
   std::string token_;
@@ -254,15 +199,14 @@ void Agent::setup_signals() {
   sigset_t set;
   sigemptyset(&set);
   for (int s : {SIGINT, SIGTERM, SIGHUP, SIGCHLD}) sigaddset(&set, s);
-  LS_CHECK(::sigprocmask(SIG_BLOCK, &set, nullptr) == 0, "sigprocmask: ", std::strerror(errno));
-  sigfd_ = ::signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC);
-  LS_CHECK(sigfd_ >= 0, "signalfd: ", std::strerror(errno));
+  LS_SYSCHECK(::sigprocmask(SIG_BLOCK, &set, nullptr));
+  sigfd_ = Fd(LS_SYSCHECK(::signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC)));
   ::signal(SIGPIPE, SIG_IGN);  // a closed terminal or log pipe is an error return, not death
 }
 
 int Agent::take_signal() {
   signalfd_siginfo si{};
-  while (::read(sigfd_, &si, sizeof si) == static_cast<ssize_t>(sizeof si)) {
+  while (::read(sigfd_.get(), &si, sizeof si) == static_cast<ssize_t>(sizeof si)) {
     if (si.ssi_signo != SIGCHLD && pending_signal_ == 0) {
       pending_signal_ = static_cast<int>(si.ssi_signo);
     }
@@ -271,7 +215,7 @@ int Agent::take_signal() {
 }
 
 void Agent::connect_store() {
-  const char* env_token = std::getenv(dist::kStoreTokenEnv);
+  const char* env_token = std::getenv(env::kStoreToken);
   if (env_token != nullptr && *env_token != '\0') {
     token_ = env_token;
   } else if (o_.nnodes == 1) {
@@ -381,31 +325,20 @@ void Agent::rendezvous() {
 
 void Agent::start_workers(int g) {
   workers_.clear();
-  // The worker environment: ours, less what the launcher sets.
-  const std::vector<std::string> ours = {"RANK",
-                                         "LOCAL_RANK",
-                                         "WORLD_SIZE",
-                                         "LOCAL_WORLD_SIZE",
-                                         "GROUP_RANK",
-                                         "MASTER_ADDR",
-                                         "MASTER_PORT",
-                                         "LOCKSTEP_RESTART_COUNT",
-                                         "LOCKSTEP_MAX_RESTARTS",
-                                         "LOCKSTEP_RUN_ID",
-                                         "LOCKSTEP_USE_AGENT_STORE",
-                                         "LOCKSTEP_STORE_TOKEN",
-                                         "LOCKSTEP_ERROR_FILE",
-                                         "LOCKSTEP_STDOUT_IS_TTY"};
+  // The worker environment: ours, less what the launcher sets (base/worker_env.h).
   std::vector<std::string> base;
   bool user_omp = false;
   for (char** e = environ; *e; ++e) {
     const std::string entry = *e;
     const std::string name = entry.substr(0, entry.find('='));
-    if (name == "OMP_NUM_THREADS") user_omp = true;
-    if (std::find(ours.begin(), ours.end(), name) == ours.end()) base.push_back(entry);
+    if (name == env::kOmpNumThreads) user_omp = true;
+    if (std::find(env::kLauncherSet.begin(), env::kLauncherSet.end(), name) ==
+        env::kLauncherSet.end()) {
+      base.push_back(entry);
+    }
   }
   if (!user_omp) {
-    base.push_back("OMP_NUM_THREADS=" +
+    base.push_back(std::string(env::kOmpNumThreads) + "=" +
                    std::to_string(std::max(1, online_cpus() / o_.nproc_per_node)));
   }
   const std::string attempt = "attempt_" + std::to_string(g);
@@ -416,81 +349,37 @@ void Agent::start_workers(int g) {
     const auto dir = std::filesystem::path(tmp_dir_) / attempt / std::to_string(w->rank);
     std::filesystem::create_directories(dir);
     w->error_file = (dir / "error.json").string();
+    const bool to_terminal = o_.output.to_terminal(l);
     WorkerSpec spec;
     spec.program = o_.program;
     spec.args = o_.args;
     spec.env = base;
-    auto set = [&](const std::string& n, const std::string& v) { spec.env.push_back(n + "=" + v); };
-    set("RANK", std::to_string(w->rank));
-    set("LOCAL_RANK", std::to_string(l));
-    set("WORLD_SIZE", std::to_string(world_size()));
-    set("LOCAL_WORLD_SIZE", std::to_string(o_.nproc_per_node));
-    set("GROUP_RANK", std::to_string(o_.node_rank));
-    set("MASTER_ADDR", o_.master_addr);
-    set("MASTER_PORT", std::to_string(store_port_));
-    set("LOCKSTEP_RESTART_COUNT", std::to_string(g));
-    set("LOCKSTEP_MAX_RESTARTS", std::to_string(o_.max_restarts));
-    set("LOCKSTEP_RUN_ID", o_.run_id);
-    set("LOCKSTEP_USE_AGENT_STORE", "1");
-    set(dist::kStoreTokenEnv, token_);
-    set(dist::kErrorFileEnv, w->error_file);
+    auto set = [&](const char* n, const std::string& v) { spec.env.push_back(n + ("=" + v)); };
+    set(env::kRank, std::to_string(w->rank));
+    set(env::kLocalRank, std::to_string(l));
+    set(env::kWorldSize, std::to_string(world_size()));
+    set(env::kLocalWorldSize, std::to_string(o_.nproc_per_node));
+    set(env::kGroupRank, std::to_string(o_.node_rank));
+    set(env::kMasterAddr, o_.master_addr);
+    set(env::kMasterPort, std::to_string(store_port_));
+    set(env::kRestartCount, std::to_string(g));
+    set(env::kMaxRestarts, std::to_string(o_.max_restarts));
+    set(env::kRunId, o_.run_id);
+    set(env::kUseAgentStore, "1");
+    set(env::kStoreToken, token_);
+    set(env::kErrorFile, w->error_file);
     // Only where the worker's stdout really ends on the terminal: with --log-dir and no --tee,
     // or filtered out, a progress bar would reach only the log file (where plain lines belong).
-    if (is_tty(1) && to_terminal(*w)) set("LOCKSTEP_STDOUT_IS_TTY", "1");
-    if (!o_.log_dir.empty()) {
-      const auto logs =
-          std::filesystem::path(o_.log_dir) / o_.run_id / attempt / std::to_string(w->rank);
-      std::filesystem::create_directories(logs);
-      const int flags = O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC;
-      w->out_log = ::open((logs / "stdout.log").c_str(), flags, 0644);
-      w->err_log = ::open((logs / "stderr.log").c_str(), flags, 0644);
-      LS_CHECK(w->out_log >= 0 && w->err_log >= 0, "cannot create log files in ", logs.string(),
-               ": ", std::strerror(errno));
-    }
-    Worker* raw = w.get();
-    w->out = std::make_unique<LineSplitter>(
-        [this, raw](const std::string& line) { on_line(*raw, false, line); },
-        [this, raw](const std::string& segment) { on_redraw(*raw, false, segment); });
-    w->err = std::make_unique<LineSplitter>(
-        [this, raw](const std::string& line) { on_line(*raw, true, line); },
-        [this, raw](const std::string& segment) { on_redraw(*raw, true, segment); });
+    if (terminal_.is_tty(1) && to_terminal) set(env::kStdoutIsTty, "1");
+    const std::string logs = o_.output.log_dir.empty()
+                                 ? std::string()
+                                 : (std::filesystem::path(o_.output.log_dir) / o_.run_id / attempt /
+                                    std::to_string(w->rank))
+                                       .string();
+    w->output = std::make_unique<WorkerOutput>(terminal_, w->rank, to_terminal, logs);
     w->proc = std::make_unique<WorkerProcess>(spec);
     workers_.push_back(std::move(w));
   }
-}
-
-bool Agent::to_terminal(const Worker& w) const {
-  const auto& f = o_.local_ranks_filter;
-  return (o_.log_dir.empty() || o_.tee) &&
-         (f.empty() || std::find(f.begin(), f.end(), w.local_rank) != f.end());
-}
-
-void Agent::on_line(Worker& w, bool is_err, const std::string& line) {
-  w.tail.push_back(line);
-  if (w.tail.size() > kTailLines) w.tail.pop_front();
-  const int log = is_err ? w.err_log : w.out_log;
-  if (log >= 0) write_all(log, line + "\n");
-  if (!to_terminal(w)) return;
-  const int fd = is_err ? 2 : 1;
-  const std::string prefixed = "[rank" + std::to_string(w.rank) + "]: " + line;
-  if (is_tty(fd) && g_open_line) {
-    if (g_open_line->rank == w.rank && g_open_line->fd == fd) {  // Note [Redrawn lines]
-      g_open_line.reset();
-      write_all(fd, "\r" + prefixed + kEraseToEol + "\n");
-      return;
-    }
-    end_open_line();
-  }
-  // One write per line: lines of different workers never mix.
-  write_all(fd, prefixed + "\n");
-}
-
-void Agent::on_redraw(Worker& w, bool is_err, const std::string& segment) {
-  const int fd = is_err ? 2 : 1;
-  if (!to_terminal(w) || !is_tty(fd)) return;  // Note [Redrawn lines]
-  if (g_open_line && (g_open_line->rank != w.rank || g_open_line->fd != fd)) end_open_line();
-  write_all(fd, "\r[rank" + std::to_string(w.rank) + "]: " + segment + kEraseToEol);
-  g_open_line = OpenLine{w.rank, fd};
 }
 
 void Agent::pump_output(std::chrono::milliseconds timeout) {
@@ -506,13 +395,13 @@ void Agent::pump_output(std::chrono::milliseconds timeout) {
       who.emplace_back(w.get(), true);
     }
   }
-  fds.push_back({sigfd_, POLLIN, 0});  // SIGCHLD or a stop request wakes us up
+  fds.push_back({sigfd_.get(), POLLIN, 0});  // SIGCHLD or a stop request wakes us up
   const int n = ::poll(fds.data(), fds.size(), static_cast<int>(timeout.count()));
   if (n <= 0) return;
   for (size_t i = 0; i + 1 < fds.size(); ++i) {
     if (fds[i].revents == 0) continue;
     Worker& w = *who[i].first;
-    w.proc->drain(fds[i].fd, who[i].second ? *w.err : *w.out);
+    w.proc->drain(fds[i].fd, who[i].second ? w.output->stderr_lines() : w.output->stdout_lines());
   }
 }
 
@@ -542,7 +431,9 @@ void Agent::drain_worker(Worker& w) {
     if (w.proc->stderr_fd() >= 0) fds.push_back({w.proc->stderr_fd(), POLLIN, 0});
     if (::poll(fds.data(), fds.size(), 20) <= 0) continue;
     for (const auto& p : fds) {
-      if (p.revents != 0) w.proc->drain(p.fd, p.fd == w.proc->stdout_fd() ? *w.out : *w.err);
+      if (p.revents == 0) continue;
+      w.proc->drain(
+          p.fd, p.fd == w.proc->stdout_fd() ? w.output->stdout_lines() : w.output->stderr_lines());
     }
   }
 }
@@ -582,13 +473,9 @@ void Agent::stop_workers(int sig) {
 
 json Agent::describe_failure(const Worker& w) const {
   const ExitStatus& s = *w.proc->exit_status();
-  json f = {{"rank", w.rank},
-            {"local_rank", w.local_rank},
-            {"node", o_.node_rank},
-            {"host", hostname()},
-            {"status", s.str()},
-            {"time", utc_now()},
-            {"tail", std::vector<std::string>(w.tail.begin(), w.tail.end())}};
+  json f = {{"rank", w.rank},          {"local_rank", w.local_rank}, {"node", o_.node_rank},
+            {"host", hostname()},      {"status", s.str()},          {"time", utc_now()},
+            {"tail", w.output->tail()}};
   std::ifstream in(w.error_file);
   if (in) {
     try {
@@ -748,7 +635,7 @@ int Agent::run() {
   buf.push_back('\0');
   char* made = ::mkdtemp(buf.data());
   if (made == nullptr) made = ::mkdtemp(tmpl);
-  LS_CHECK(made != nullptr, "cannot create a temporary directory: ", std::strerror(errno));
+  LS_CHECK(made != nullptr, "cannot create a temporary directory: ", errno_text(errno));
   tmp_dir_ = made;
 
   try {
@@ -834,9 +721,13 @@ int Agent::run() {
 }  // namespace
 
 int run_agent(const RunOptions& opts) {
-  Agent agent(opts);
-  const int code = agent.run();
-  end_open_line();  // a shell prompt must not land on a worker's last progress bar
+  Terminal terminal;
+  int code;
+  {
+    Agent agent(opts, terminal);
+    code = agent.run();
+  }
+  terminal.end_open_line();  // a shell prompt must not land on a worker's last progress bar
   return code;
 }
 

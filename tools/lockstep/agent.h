@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "output.h"
+
 namespace lockstep::launch {
 
 // Exit codes of `lockstep run`.
@@ -23,9 +25,7 @@ struct RunOptions {
   bool standalone = false;  // one machine; the store takes a free port
   int max_restarts = 0;
   double monitor_interval_s = 0.1;
-  std::string log_dir;                  // empty: no files
-  bool tee = false;                     // with log_dir: to the terminal as well
-  std::vector<int> local_ranks_filter;  // empty: every local rank reaches the terminal
+  OutputOptions output;  // where the workers' lines go: terminal, log files (output.h)
   std::string run_id = "none";
   double rdzv_timeout_s = 900;
   std::string program;  // resolved, absolute

@@ -10,6 +10,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <utility>
 
 #include "lockstep/base/error.h"
 
@@ -129,13 +130,11 @@ void child_fail(const char* what, const char* path) {
 }  // namespace
 
 WorkerProcess::WorkerProcess(const WorkerSpec& spec) {
-  int out[2], err[2];
-  LS_CHECK(::pipe2(out, O_CLOEXEC) == 0, "pipe2: ", std::strerror(errno));
-  if (::pipe2(err, O_CLOEXEC) != 0) {
-    ::close(out[0]);
-    ::close(out[1]);
-    LS_THROW("pipe2: ", std::strerror(errno));
-  }
+  int fds[2];
+  LS_SYSCHECK(::pipe2(fds, O_CLOEXEC));
+  Fd out_read(fds[0]), out_write(fds[1]);
+  LS_SYSCHECK(::pipe2(fds, O_CLOEXEC));
+  Fd err_read(fds[0]), err_write(fds[1]);
   // Everything the child needs is built before fork(): after it, only async-signal-safe calls.
   std::vector<char*> argv, envp;
   std::string program = spec.program;
@@ -153,7 +152,8 @@ WorkerProcess::WorkerProcess(const WorkerSpec& spec) {
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (::getppid() != parent) _exit(127);  // the launcher died before prctl took effect
     const int devnull = ::open("/dev/null", O_RDONLY);
-    if (devnull < 0 || ::dup2(devnull, 0) < 0 || ::dup2(out[1], 1) < 0 || ::dup2(err[1], 2) < 0) {
+    if (devnull < 0 || ::dup2(devnull, 0) < 0 || ::dup2(out_write.get(), 1) < 0 ||
+        ::dup2(err_write.get(), 2) < 0) {
       child_fail("set up the output of", argv[0]);
     }
     ::syscall(SYS_close_range, 3u, ~0u, 0u);  // the store's sockets, other workers' pipes
@@ -167,25 +167,22 @@ WorkerProcess::WorkerProcess(const WorkerSpec& spec) {
     ::execve(argv[0], argv.data(), envp.data());
     child_fail("run", argv[0]);
   }
-  const int fork_errno = errno;
-  ::close(out[1]);
-  ::close(err[1]);
-  if (pid < 0) {
-    ::close(out[0]);
-    ::close(err[0]);
-    LS_THROW("fork for ", spec.program, ": ", std::strerror(fork_errno));
-  }
+  LS_CHECK(pid >= 0, "fork for ", spec.program, ": ", errno_text(errno));
+  // The write ends are the child's now (the Fds close the rest on the error path above).
+  out_write.reset();
+  err_write.reset();
   ::setpgid(pid, pid);  // also from here, so that signal_group() works before the child runs
   pid_ = pid;
-  out_fd_ = out[0];
-  err_fd_ = err[0];
-  ::fcntl(out_fd_, F_SETFL, ::fcntl(out_fd_, F_GETFL) | O_NONBLOCK);
-  ::fcntl(err_fd_, F_SETFL, ::fcntl(err_fd_, F_GETFL) | O_NONBLOCK);
+  out_ = std::move(out_read);
+  err_ = std::move(err_read);
+  for (const Fd* fd : {&out_, &err_}) {
+    ::fcntl(fd->get(), F_SETFL, ::fcntl(fd->get(), F_GETFL) | O_NONBLOCK);
+  }
 }
 
 WorkerProcess::~WorkerProcess() {
-  if (out_fd_ >= 0) ::close(out_fd_);
-  if (err_fd_ >= 0) ::close(err_fd_);
+  out_.reset();
+  err_.reset();
   if (!status_ && pid_ > 0) {
     // Not reaped yet: the agent's shutdown path kills before it destroys, so this is a safety
     // net for error paths. Never leave a process behind.
@@ -209,9 +206,8 @@ bool WorkerProcess::drain(int fd, LineSplitter& splitter) {
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
     // End of file (or an error that ends the stream).
     splitter.finish();
-    ::close(fd);
-    if (fd == out_fd_) out_fd_ = -1;
-    if (fd == err_fd_) err_fd_ = -1;
+    if (fd == out_.get()) out_.reset();
+    if (fd == err_.get()) err_.reset();
     return false;
   }
   return true;

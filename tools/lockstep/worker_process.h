@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "lockstep/base/syscall.h"
+
 namespace lockstep::launch {
 
 // How a worker ended, as waitpid() reported it.
@@ -69,12 +71,12 @@ class WorkerProcess {
   WorkerProcess& operator=(const WorkerProcess&) = delete;
 
   pid_t pid() const { return pid_; }
-  int stdout_fd() const { return out_fd_; }
-  int stderr_fd() const { return err_fd_; }
+  int stdout_fd() const { return out_.get(); }
+  int stderr_fd() const { return err_.get(); }
   // Reads what is available on `fd` (one of the two above) into `splitter`; closes the fd at end
   // of file. Returns false once the stream is closed.
   bool drain(int fd, LineSplitter& splitter);
-  bool streams_open() const { return out_fd_ >= 0 || err_fd_ >= 0; }
+  bool streams_open() const { return out_.valid() || err_.valid(); }
 
   // Non-blocking: the exit status once the process has exited (and been reaped).
   std::optional<ExitStatus> poll_exit();
@@ -84,7 +86,7 @@ class WorkerProcess {
 
  private:
   pid_t pid_ = -1;
-  int out_fd_ = -1, err_fd_ = -1;
+  Fd out_, err_;  // the read ends of the worker's stdout and stderr pipes
   std::optional<ExitStatus> status_;
 };
 
