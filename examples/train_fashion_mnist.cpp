@@ -4,6 +4,11 @@
 //
 // Each epoch prints the mean training loss, throughput and test accuracy; the last line is
 // machine-readable: "final test_accuracy=... train_loss=... steps=... samples_per_s=...".
+//
+// It reads top to bottom: run() sets everything up once (the world, the data, the model with
+// DataParallel, DDP or neither, the optimizer, its schedule, the loss scaler, a resumed position),
+// then each epoch is train_epoch() (train_step after train_step, each followed by its metrics, a
+// checkpoint when one is due and the log line), the mean loss, evaluate(), and one line.
 #include <CLI/CLI.hpp>
 
 #include <signal.h>
@@ -14,12 +19,15 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "fashion_mnist_models.h"
 #include "lockstep/base/log.h"
+#include "lockstep/base/worker_env.h"
 #include "lockstep/data/data.h"
 #include "lockstep/distributed/checkpoint.h"
 #include "lockstep/io/checkpoint.h"
@@ -37,6 +45,8 @@ namespace {
 constexpr int kUsageError = 2;
 constexpr int64_t kEvalBatch = 1000;
 
+using Clock = std::chrono::steady_clock;
+
 struct Config {
   std::string data = data::kDefaultFashionMnistDir;
   std::string model = "mlp";
@@ -51,12 +61,11 @@ struct Config {
   int64_t log_every = 100;
   bool eval = true;
   int64_t workers = 1;
-  std::string save;           // checkpoint path (rank 0 writes)
-  int64_t save_every = 0;     // optimizer steps between periodic checkpoints (0: only at the end)
-  int64_t keep = 0;           // periodic checkpoints kept (0: all)
-  std::string resume;         // a checkpoint file, or "auto": the latest beside --save
-  int64_t crash_at_step = 0;  // testing: the last rank kills itself after this step (attempt 0)
-  std::string metrics;        // JSON Lines of per-step metrics (rank 0)
+  std::string save;        // checkpoint path (rank 0 writes)
+  int64_t save_every = 0;  // optimizer steps between periodic checkpoints (0: only at the end)
+  int64_t keep = 0;        // periodic checkpoints kept (0: all)
+  std::string resume;      // a checkpoint file, or "auto": the latest beside --save
+  std::string metrics;     // JSON Lines of per-step metrics (rank 0)
   double bucket_mb = 25.0;
   std::string comm_hook = "none";
   bool ddp_stats = false;
@@ -68,7 +77,11 @@ struct Config {
   int64_t warmup_steps = 0;
   std::string schedule = "constant";  // constant | cosine
   double clip_grad_norm = 0.0;        // 0: no clipping
+  int64_t test_crash_at_step = 0;     // testing only: Note [Testing hooks]
 };
+
+// ---------------------------------------------------------------------------------------------
+// Choices made once, before training
 
 // The learning rate for an effective batch: the article's rule, more devices -> larger batch ->
 // larger rate (linear, or sqrt for adaptive optimizers), relative to the batch `lr` was tuned at.
@@ -79,9 +92,147 @@ double scaled_lr(const Config& cfg, int64_t effective_batch) {
   return cfg.lr;
 }
 
+// Optimizer steps in the whole run: --epochs of them, or fewer with --max-steps.
+int64_t total_steps_of(const Config& cfg, int64_t steps_per_epoch) {
+  const int64_t all = steps_per_epoch * cfg.epochs;
+  return cfg.max_steps > 0 ? std::min(all, cfg.max_steps) : all;
+}
+
+optim::Schedule schedule_of(const Config& cfg, int64_t total_steps) {
+  if (cfg.schedule == "cosine") {
+    LS_CHECK(total_steps > cfg.warmup_steps, "--warmup-steps ", cfg.warmup_steps,
+             " leaves nothing of the ", total_steps, " optimizer steps for the cosine decay");
+    return cfg.warmup_steps > 0 ? optim::warmup_cosine(cfg.warmup_steps, total_steps)
+                                : optim::cosine_decay(total_steps);
+  }
+  if (cfg.warmup_steps > 0) return optim::linear_warmup(cfg.warmup_steps);
+  return optim::constant_schedule();
+}
+
+dist::CommHook comm_hook_named(const std::string& name) {
+  if (name == "bf16") return dist::bf16_compress_hook();
+  if (name == "fp16") return dist::fp16_compress_hook();
+  return dist::allreduce_hook();
+}
+
+// What a checkpoint of this program holds besides model and optimizer: the configuration a
+// resumed run is compared with (a different one is a warning; another model is an error).
+io::Metadata run_metadata(const Config& cfg) {
+  return {{"model", cfg.model}, {"amp", cfg.amp}, {"seed", std::to_string(cfg.seed)}};
+}
+
+// The first attempt of a run (not a restart by `lockstep run --max-restarts`).
+bool first_attempt() {
+  const char* restart = std::getenv(env::kRestartCount);
+  return restart == nullptr || std::string(restart) == "0";
+}
+
+// Whether rank 0's stdout ends on a terminal, where a progress bar replaces the loss lines: as
+// the launcher says when there is one, else as isatty says.
+bool stdout_is_terminal() {
+  const char* launcher_tty = std::getenv(env::kStdoutIsTty);
+  return launcher_tty ? std::string(launcher_tty) == "1" : ::isatty(1) == 1;
+}
+
+// The model as this process trains it: under --dp K, DataParallel's K replicas on threads; in a
+// world of several processes, DDP around this process's copy; else the model alone. The choice
+// is made here, once: the training step calls forward_backward and never asks which.
+struct Model {
+  std::shared_ptr<nn::Module> params;  // what the optimizer steps and a checkpoint holds
+  std::unique_ptr<dist::DataParallel> dp;
+  std::shared_ptr<dist::DistributedDataParallel> ddp;
+  // One micro-batch's forward and backward: the loss times `weight` is added into the gradients;
+  // returns it. `sync` false: more micro-batches of this step follow, so DDP accumulates locally
+  // (no_sync) instead of all-reducing.
+  std::function<double(const data::Batch& batch, double weight, bool sync)> forward_backward;
+};
+
+Model build_model(const Config& cfg, const std::shared_ptr<dist::ProcessGroup>& pg, Generator& gen,
+                  amp::GradScaler& scaler) {
+  Model m;
+  m.params = examples::build_fashion_mnist_model(cfg.model, gen);
+  if (cfg.dp > 1) {
+    // --dp K: DataParallel, K replicas on threads in this one process (the baseline).
+    LS_CHECK(pg->size() == 1,
+             "--dp runs in one process; it cannot be combined with WORLD_SIZE=", pg->size());
+    m.dp = std::make_unique<dist::DataParallel>(
+        [&cfg] {
+          Generator g(cfg.seed);
+          return examples::build_fashion_mnist_model(cfg.model, g);
+        },
+        static_cast<int>(cfg.dp));
+    m.params = m.dp->module();
+    m.forward_backward = [dp = m.dp.get()](const data::Batch& batch, double weight, bool) {
+      return dp->forward_backward(batch.input, batch.target,
+                                  [weight](const Tensor& out, const Tensor& t) {
+                                    return mul(cross_entropy(out, t), weight);
+                                  });
+    };
+    return m;
+  }
+  // In this thread, under autocast with --amp; the loss scaler scales what backward starts from.
+  const DType amp_dtype = cfg.amp == "fp16" ? kFloat16 : kBFloat16;
+  const bool amp_on = cfg.amp != "none";
+  auto local = [amp_dtype, amp_on, &scaler](nn::Module& net, const data::Batch& batch,
+                                            double weight) {
+    Tensor loss;
+    {
+      amp::autocast ac(amp_dtype, amp_on);
+      Tensor logits = net.forward(batch.input);    // (B,10), bf16/f16 under autocast
+      loss = cross_entropy(logits, batch.target);  // () in f32 always
+    }
+    scaler.scale(mul(loss, weight)).backward();
+    return loss.item() * weight;
+  };
+  if (pg->size() == 1) {
+    m.forward_backward = [local, net = m.params](const data::Batch& batch, double weight, bool) {
+      return local(*net, batch, weight);
+    };
+    return m;
+  }
+  dist::DDPOptions dopts;
+  dopts.bucket_bytes = static_cast<int64_t>(cfg.bucket_mb * (1 << 20));
+  dopts.comm_hook = comm_hook_named(cfg.comm_hook);
+  m.ddp = std::make_shared<dist::DistributedDataParallel>(m.params, pg, dopts);
+  m.forward_backward = [local, ddp = m.ddp](const data::Batch& batch, double weight, bool sync) {
+    if (sync) return local(*ddp, batch, weight);  // the step's last: all-reduce during backward
+    dist::DistributedDataParallel::NoSync no_sync(*ddp);
+    return local(*ddp, batch, weight);
+  };
+  return m;
+}
+
+// Note [Testing hooks]
+// --test-crash-at-step N is for the tests alone (tests/examples/train_fashion_mnist_test.sh:
+// resume, resume_ddp, metrics): the last rank kills itself with SIGKILL right after optimizer
+// step N and that step's periodic checkpoint, as a machine failure would, so that the tests can
+// check that --resume and `lockstep run --max-restarts` recover the very same state. Only on the
+// first attempt of a run: a group that `lockstep run` restarted goes on past step N. It is armed
+// once at setup and called at one moment, after each optimizer step; nothing else in the
+// training loop knows of it.
+class TestCrash {
+ public:
+  TestCrash(const Config& cfg, const dist::ProcessGroup& pg)
+      : at_step_(cfg.test_crash_at_step > 0 && pg.rank() == pg.size() - 1 && first_attempt()
+                     ? cfg.test_crash_at_step
+                     : 0),
+        rank_(pg.rank()) {}
+
+  void after_step(int64_t step) const {
+    if (at_step_ == 0 || step != at_step_) return;
+    std::fprintf(stderr, "--test-crash-at-step %lld: rank %d kills itself\n",
+                 static_cast<long long>(step), rank_);
+    ::kill(::getpid(), SIGKILL);
+  }
+
+ private:
+  int64_t at_step_;  // 0: disarmed
+  int rank_;
+};
+
 // Each rank evaluates its share of the test set (the non-padding sampler: every sample once over
 // all ranks); the counts are summed across ranks.
-double evaluate(nn::Module& model, const data::MnistDataset& test, dist::ProcessGroup& pg) {
+double test_accuracy(nn::Module& model, const data::MnistDataset& test, dist::ProcessGroup& pg) {
   NoGradGuard no_grad;
   model.eval();
   data::DistributedSampler shard(
@@ -104,319 +255,398 @@ double evaluate(nn::Module& model, const data::MnistDataset& test, dist::Process
   return counts.at({0}) / counts.at({1});
 }
 
-dist::CommHook comm_hook_named(const std::string& name) {
-  if (name == "bf16") return dist::bf16_compress_hook();
-  if (name == "fp16") return dist::fp16_compress_hook();
-  return dist::allreduce_hook();
-}
+// ---------------------------------------------------------------------------------------------
+// The run
 
-// What a checkpoint of this program holds besides model and optimizer: the configuration a
-// resumed run is compared with (a different one is a warning; another model is an error).
-io::Metadata run_metadata(const Config& cfg) {
-  return {{"model", cfg.model}, {"amp", cfg.amp}, {"seed", std::to_string(cfg.seed)}};
-}
+// Where training stands: optimizer steps taken in all, and within `epoch` the samples all ranks
+// together consumed. A checkpoint stores exactly this.
+struct Position {
+  int64_t step = 0;
+  int64_t epoch = 0;
+  int64_t epoch_consumed = 0;
+};
 
-// The first attempt of a run (not a restart by `lockstep run --max-restarts`).
-bool first_attempt() {
-  const char* restart = std::getenv("LOCKSTEP_RESTART_COUNT");
-  return restart == nullptr || std::string(restart) == "0";
-}
+// What one optimizer step ran with.
+struct StepResult {
+  double loss = 0;        // the mean over its micro-batches
+  double lr = 0;          // before the scheduler moved on
+  double loss_scale = 0;  // before the scaler's update
+  std::optional<double> grad_norm;
+};
 
-int run(const Config& cfg) {
-  if (cfg.threads > 0) set_num_threads(cfg.threads);
-  data::MnistOptions mopts;
-  mopts.normalize = true;
-  auto train = data::load_mnist(cfg.data, data::Split::kTrain, mopts);
-  auto test = cfg.eval ? data::load_mnist(cfg.data, data::Split::kTest, mopts) : nullptr;
+// What one epoch (or the part of it this run trained) did.
+struct EpochResult {
+  int64_t steps = 0;    // optimizer steps
+  double loss_sum = 0;  // of their losses
+  int64_t samples = 0;  // all ranks together
+  double seconds = 0;
+  bool finished = false;  // its last batch was trained (not stopped early by --max-steps)
+};
 
-  // A world of one without launcher variables; under `lockstep run` (or torchrun's variables)
-  // one rank of a DDP job, each on its own shard of the data.
-  auto pg = dist::init_process_group();
-  const int world = pg->size();
-  const bool main_rank = pg->rank() == 0;  // only rank 0 prints and saves
+// The whole run's, for the final line.
+struct Totals {
+  int64_t samples = 0;
+  double seconds = 0;
+  double loss = 0;       // the last epoch's mean over all ranks
+  double accuracy = -1;  // the last evaluation's; -1 without --eval
+};
 
-  Generator gen(cfg.seed);
-  auto model = examples::build_fashion_mnist_model(cfg.model, gen);
-  // --dp K: DataParallel, K replicas on threads in this one process (the baseline).
-  std::unique_ptr<dist::DataParallel> dp;
-  if (cfg.dp > 1) {
-    LS_CHECK(world == 1, "--dp runs in one process; it cannot be combined with WORLD_SIZE=", world);
-    dp = std::make_unique<dist::DataParallel>(
-        [&] {
-          Generator g(cfg.seed);
-          return examples::build_fashion_mnist_model(cfg.model, g);
-        },
-        static_cast<int>(cfg.dp));
-    model = dp->module();
+class Trainer {
+ public:
+  // Setup, in the order the members are declared: the data, the world, the model, the
+  // optimizer, the data loader, the schedule. Only rank 0 prints and saves.
+  explicit Trainer(const Config& cfg)
+      : cfg_(cfg),
+        train_data_(data::load_mnist(cfg.data, data::Split::kTrain, {.normalize = true})),
+        test_data_(cfg.eval ? data::load_mnist(cfg.data, data::Split::kTest, {.normalize = true})
+                            : nullptr),
+        // A world of one without launcher variables; under `lockstep run` (or torchrun's
+        // variables) one rank of a DDP job, each on its own shard of the data.
+        pg_(dist::init_process_group()),
+        world_(pg_->size()),
+        main_rank_(pg_->rank() == 0),
+        gen_(cfg.seed),
+        // f16 needs loss scaling (its range ends at 65504); bf16 has f32's range and does without.
+        scaler_({.enabled = cfg.amp == "fp16"}),
+        model_(build_model(cfg, pg_, gen_, scaler_)),
+        effective_batch_(cfg.batch_size * cfg.accum_steps * world_),
+        lr_(scaled_lr(cfg, effective_batch_)),
+        opt_(model_.params->parameters(),
+             {.lr = lr_, .momentum = cfg.momentum, .weight_decay = cfg.weight_decay}),
+        sampler_(std::make_shared<data::DistributedSampler>(train_data_->size(), world_,
+                                                            pg_->rank(), true, cfg.seed)),
+        loader_(train_data_, sampler_,
+                {.batch_size = cfg.batch_size, .num_workers = cfg.workers, .prefetch = 4}),
+        // The schedule counts optimizer steps (a step is accum_steps micro-batches).
+        full_epoch_batches_(loader_.num_batches()),
+        steps_per_epoch_((full_epoch_batches_ + cfg.accum_steps - 1) / cfg.accum_steps),
+        total_steps_(total_steps_of(cfg, steps_per_epoch_)),
+        scheduler_(opt_, schedule_of(cfg, total_steps_)),
+        // On a terminal, rank 0 draws a progress bar in place of the periodic loss lines.
+        progress_({.terminal = true, .enabled = main_rank_ && stdout_is_terminal()}),
+        test_crash_(cfg, *pg_) {
+    for (const auto& [name, p] : model_.params->named_parameters()) param_names_.push_back(name);
   }
-  std::shared_ptr<dist::DistributedDataParallel> ddp;
-  if (world > 1) {
-    dist::DDPOptions dopts;
-    dopts.bucket_bytes = static_cast<int64_t>(cfg.bucket_mb * (1 << 20));
-    dopts.comm_hook = comm_hook_named(cfg.comm_hook);
-    ddp = std::make_shared<dist::DistributedDataParallel>(model, pg, dopts);
-  }
-  nn::Module& net = ddp ? static_cast<nn::Module&>(*ddp) : *model;
-  const int64_t effective_batch = cfg.batch_size * cfg.accum_steps * world;
-  const double lr = scaled_lr(cfg, effective_batch);
-  optim::SGD opt(model->parameters(),
-                 {.lr = lr, .momentum = cfg.momentum, .weight_decay = cfg.weight_decay});
-  auto sampler =
-      std::make_shared<data::DistributedSampler>(train->size(), world, pg->rank(), true, cfg.seed);
-  data::DataLoader loader(
-      train, sampler, {.batch_size = cfg.batch_size, .num_workers = cfg.workers, .prefetch = 4});
-  // The schedule counts optimizer steps (a step is accum_steps micro-batches).
-  const int64_t full_epoch_batches = loader.num_batches();
-  const int64_t steps_per_epoch = (full_epoch_batches + cfg.accum_steps - 1) / cfg.accum_steps;
-  int64_t total_steps = steps_per_epoch * cfg.epochs;
-  if (cfg.max_steps > 0) total_steps = std::min(total_steps, cfg.max_steps);
-  optim::Schedule schedule = optim::constant_schedule();
-  if (cfg.schedule == "cosine") {
-    LS_CHECK(total_steps > cfg.warmup_steps, "--warmup-steps ", cfg.warmup_steps,
-             " leaves nothing of the ", total_steps, " optimizer steps for the cosine decay");
-    schedule = cfg.warmup_steps > 0 ? optim::warmup_cosine(cfg.warmup_steps, total_steps)
-                                    : optim::cosine_decay(total_steps);
-  } else if (cfg.warmup_steps > 0) {
-    schedule = optim::linear_warmup(cfg.warmup_steps);
-  }
-  optim::LRScheduler scheduler(opt, schedule);
-  // f16 needs loss scaling (its range ends at 65504); bf16 has f32's range and does without.
-  amp::GradScaler scaler({.enabled = cfg.amp == "fp16"});
 
-  // Where training stands: optimizer steps taken in all, and within `epoch` the samples all
-  // ranks together consumed. A checkpoint stores exactly this.
-  int64_t steps = 0, epoch = 0, epoch_consumed = 0;
-  std::vector<std::string> param_names;
-  for (const auto& [name, p] : model->named_parameters()) param_names.push_back(name);
-  auto checkpoint = [&] {
-    io::TrainingCheckpoint ckpt;
-    ckpt.model = model->state_dict();
-    ckpt.optimizer = opt.state_dict();
-    ckpt.optimizer_param_names = param_names;
-    if (scaler.is_enabled()) ckpt.scaler = scaler.state_dict();
-    ckpt.step = steps;
-    ckpt.epoch = epoch;
-    ckpt.epoch_samples = epoch_consumed;
-    ckpt.world_size = world;
-    ckpt.rng["init"] = {gen.seed(), gen.offset()};
-    ckpt.user = run_metadata(cfg);
-    return ckpt;
-  };
-  if (!cfg.resume.empty()) {
-    const std::string path = dist::resolve_resume(*pg, cfg.resume, cfg.save);
+  // --resume: continue from a checkpoint file, or with "auto" from the newest beside --save.
+  void resume();
+  // The two header lines; then the per-step record (--metrics) opens.
+  void start();
+  bool done() const { return pos_.epoch >= cfg_.epochs || reached_max_steps(); }
+
+  // The training loop's pieces, in the order run() calls them.
+  EpochResult train_epoch();
+  double mean_loss(const EpochResult& e);
+  bool evaluates() const { return test_data_ != nullptr; }
+  double evaluate();
+  void report_epoch(const EpochResult& e, double loss, double accuracy) const;
+  void next_epoch(const EpochResult& e);
+  void save_final();
+  void report_final(const Totals& totals) const;
+
+ private:
+  std::optional<StepResult> train_step(const data::Batch& batch, bool epoch_end);
+  void record_step(const StepResult& s, double samples_per_s);
+  void save_if_due(bool epoch_end);
+  void print_step(const StepResult& s) const;
+  io::TrainingCheckpoint checkpoint();
+  void load(const std::string& path);
+  void warn_about_later_checkpoints() const;
+  bool reached_max_steps() const { return cfg_.max_steps > 0 && pos_.step >= cfg_.max_steps; }
+
+  const Config& cfg_;
+  std::shared_ptr<data::MnistDataset> train_data_, test_data_;
+  std::shared_ptr<dist::ProcessGroup> pg_;
+  const int world_;
+  const bool main_rank_;
+  Generator gen_;
+  amp::GradScaler scaler_;
+  Model model_;
+  const int64_t effective_batch_;
+  const double lr_;
+  optim::SGD opt_;
+  std::shared_ptr<data::DistributedSampler> sampler_;
+  data::DataLoader loader_;
+  const int64_t full_epoch_batches_, steps_per_epoch_, total_steps_;
+  optim::LRScheduler scheduler_;
+  io::Progress progress_;
+  const TestCrash test_crash_;
+  std::vector<std::string> param_names_;
+  std::optional<io::MetricsWriter> metrics_;
+  Position pos_;
+  // Gradient accumulation within the current optimizer step.
+  int64_t micro_ = 0;
+  double step_loss_ = 0;
+};
+
+// ---- Setup: where the run starts
+
+void Trainer::resume() {
+  if (!cfg_.resume.empty()) {
+    const std::string path = dist::resolve_resume(*pg_, cfg_.resume, cfg_.save);
     if (path.empty()) {
-      log_rank0(LogLevel::kInfo, "resume: no checkpoint beside ", cfg.save,
+      log_rank0(LogLevel::kInfo, "resume: no checkpoint beside ", cfg_.save,
                 " yet, starting from step 0");
     } else {
-      io::TrainingCheckpoint ckpt = dist::load_checkpoint(*pg, path);
-      try {
-        model->load_state_dict(ckpt.model);
-      } catch (const Error& e) {
-        LS_THROW("--resume ", path, " holds another model than --model ", cfg.model, ": ",
-                 e.message());
-      }
-      for (const auto& [key, value] : run_metadata(cfg)) {
-        auto it = ckpt.user.find(key);
-        if (main_rank && (it == ckpt.user.end() || it->second != value))
-          log_warning("--resume ", path, " was written with --", key, " ",
-                      it == ckpt.user.end() ? "(unset)" : it->second, ", this run has --", key, " ",
-                      value);
-      }
-      opt.load_state_dict(ckpt.optimizer);
-      if (scaler.is_enabled()) scaler.load_state_dict(ckpt.scaler);
-      if (auto it = ckpt.rng.find("init"); it != ckpt.rng.end()) {
-        gen.manual_seed(it->second.seed);
-        gen.set_offset(it->second.offset);
-      }
-      steps = ckpt.step;
-      epoch = ckpt.epoch;
-      epoch_consumed = ckpt.epoch_samples;
-      scheduler.set_step(steps);
-      log_rank0(LogLevel::kInfo, "resumed ", path, ": step ", steps, ", epoch ", epoch, " after ",
-                epoch_consumed, " of its samples (written by ", ckpt.world_size, " ranks, now ",
-                world, ")");
+      load(path);
     }
   }
-  if (main_rank && !cfg.save.empty() && cfg.save_every > 0) {
-    // Periodic checkpoints of later steps (another run's, or an older checkpoint resumed on
-    // purpose) would win over this run's in a later --resume auto.
-    for (const auto& [step, path] : io::list_checkpoints(cfg.save))
-      if (step > steps)
-        log_warning(path, " is of step ", step, ", later than this run's step ", steps,
-                    ": --resume auto would pick it over this run's checkpoints until this run "
-                    "passes that step; remove it if it belongs to another run");
+  warn_about_later_checkpoints();
+}
+
+void Trainer::load(const std::string& path) {
+  io::TrainingCheckpoint ckpt = dist::load_checkpoint(*pg_, path);
+  try {
+    model_.params->load_state_dict(ckpt.model);
+  } catch (const Error& e) {
+    LS_THROW("--resume ", path, " holds another model than --model ", cfg_.model, ": ",
+             e.message());
   }
-  if (main_rank) {
+  for (const auto& [key, value] : run_metadata(cfg_)) {
+    auto it = ckpt.user.find(key);
+    if (main_rank_ && (it == ckpt.user.end() || it->second != value))
+      log_warning("--resume ", path, " was written with --", key, " ",
+                  it == ckpt.user.end() ? "(unset)" : it->second, ", this run has --", key, " ",
+                  value);
+  }
+  opt_.load_state_dict(ckpt.optimizer);
+  if (scaler_.is_enabled()) scaler_.load_state_dict(ckpt.scaler);
+  if (auto it = ckpt.rng.find("init"); it != ckpt.rng.end()) {
+    gen_.manual_seed(it->second.seed);
+    gen_.set_offset(it->second.offset);
+  }
+  pos_ = {.step = ckpt.step, .epoch = ckpt.epoch, .epoch_consumed = ckpt.epoch_samples};
+  scheduler_.set_step(pos_.step);
+  log_rank0(LogLevel::kInfo, "resumed ", path, ": step ", pos_.step, ", epoch ", pos_.epoch,
+            " after ", pos_.epoch_consumed, " of its samples (written by ", ckpt.world_size,
+            " ranks, now ", world_, ")");
+}
+
+// Periodic checkpoints of later steps (another run's, or an older checkpoint resumed on purpose)
+// would win over this run's in a later --resume auto.
+void Trainer::warn_about_later_checkpoints() const {
+  if (!main_rank_ || cfg_.save.empty() || cfg_.save_every <= 0) return;
+  for (const auto& [step, path] : io::list_checkpoints(cfg_.save))
+    if (step > pos_.step)
+      log_warning(path, " is of step ", step, ", later than this run's step ", pos_.step,
+                  ": --resume auto would pick it over this run's checkpoints until this run "
+                  "passes that step; remove it if it belongs to another run");
+}
+
+void Trainer::start() {
+  if (main_rank_) {
     std::printf(
         "model=%s params=%lld threads=%d train=%lld test=%lld batch=%lld world_size=%d "
         "global_batch=%lld\n",
-        cfg.model.c_str(), static_cast<long long>(model->num_parameters()), get_num_threads(),
-        static_cast<long long>(train->size()), static_cast<long long>(test ? test->size() : 0),
-        static_cast<long long>(cfg.batch_size), world,
-        static_cast<long long>(cfg.batch_size * world));
+        cfg_.model.c_str(), static_cast<long long>(model_.params->num_parameters()),
+        get_num_threads(), static_cast<long long>(train_data_->size()),
+        static_cast<long long>(test_data_ ? test_data_->size() : 0),
+        static_cast<long long>(cfg_.batch_size), world_,
+        static_cast<long long>(cfg_.batch_size * world_));
     std::printf(
         "amp=%s accum_steps=%lld effective_batch=%lld lr=%g (scaling %s from base batch %lld) "
         "schedule=%s warmup_steps=%lld optimizer_steps=%lld\n",
-        cfg.amp.c_str(), static_cast<long long>(cfg.accum_steps),
-        static_cast<long long>(effective_batch), lr, cfg.lr_scaling.c_str(),
-        static_cast<long long>(cfg.base_batch), cfg.schedule.c_str(),
-        static_cast<long long>(cfg.warmup_steps), static_cast<long long>(total_steps));
+        cfg_.amp.c_str(), static_cast<long long>(cfg_.accum_steps),
+        static_cast<long long>(effective_batch_), lr_, cfg_.lr_scaling.c_str(),
+        static_cast<long long>(cfg_.base_batch), cfg_.schedule.c_str(),
+        static_cast<long long>(cfg_.warmup_steps), static_cast<long long>(total_steps_));
   }
-
-  // Rank 0 records every optimizer step (--metrics) and, on a terminal, draws a progress bar in
-  // place of the periodic loss lines.
-  std::optional<io::MetricsWriter> metrics;
-  if (main_rank && !cfg.metrics.empty()) {
-    const auto dir = std::filesystem::path(cfg.metrics).parent_path();
+  // Rank 0 records every optimizer step and evaluation.
+  if (main_rank_ && !cfg_.metrics.empty()) {
+    const auto dir = std::filesystem::path(cfg_.metrics).parent_path();
     std::error_code ec;
     if (!dir.empty()) std::filesystem::create_directories(dir, ec);  // else open says why
-    metrics.emplace(cfg.metrics);
+    metrics_.emplace(cfg_.metrics);
   }
-  const char* launcher_tty = std::getenv("LOCKSTEP_STDOUT_IS_TTY");
-  const bool terminal = launcher_tty ? std::string(launcher_tty) == "1" : ::isatty(1) == 1;
-  io::Progress progress({.terminal = true, .enabled = main_rank && terminal});
+}
 
-  using Clock = std::chrono::steady_clock;
-  int64_t samples = 0;
-  double train_seconds = 0, last_loss = 0, accuracy = -1;
-  bool done = cfg.max_steps > 0 && steps >= cfg.max_steps;
-  while (epoch < cfg.epochs && !done) {
-    loader.set_epoch(epoch);
-    sampler->set_start_index(epoch_consumed);  // 0 but in the epoch a checkpoint resumes
-    const int64_t micro_per_epoch = loader.num_batches();
-    double loss_sum = 0;
-    int64_t epoch_steps = 0, epoch_samples = 0;
-    const auto t0 = Clock::now();
-    int64_t micro = 0;  // micro-batches since the last optimizer step
-    double step_loss = 0;
-    bool epoch_finished = micro_per_epoch == 0;
-    // This epoch's optimizer steps, those taken before a resume included.
-    const int64_t done_before = (full_epoch_batches - micro_per_epoch) / cfg.accum_steps;
-    progress.start_epoch(epoch, steps_per_epoch);
-    auto last_step_end = t0;
-    int64_t step_samples = 0;
-    for (data::Batch& batch : loader) {
-      // The last micro-batch of a step (or of the epoch) communicates and steps; the others
-      // accumulate locally inside no_sync().
-      const bool last = micro + 1 == cfg.accum_steps || batch.index + 1 == micro_per_epoch;
-      const double weight = 1.0 / static_cast<double>(cfg.accum_steps);
-      std::optional<dist::DistributedDataParallel::NoSync> no_sync;
-      if (ddp && !last) no_sync.emplace(*ddp);
-      if (dp) {
-        step_loss += dp->forward_backward(
-            batch.input, batch.target,
-            [&](const Tensor& out, const Tensor& t) { return mul(cross_entropy(out, t), weight); });
-      } else {
-        Tensor loss;
-        {
-          amp::autocast ac(cfg.amp == "fp16" ? kFloat16 : kBFloat16, cfg.amp != "none");
-          Tensor logits = net.forward(batch.input);    // (B,10), bf16/f16 under autocast
-          loss = cross_entropy(logits, batch.target);  // () in f32 always
-        }
-        scaler.scale(mul(loss, weight)).backward();
-        step_loss += loss.item() * weight;
-      }
-      no_sync.reset();
-      epoch_samples += batch.input.size(0);
-      epoch_consumed += batch.input.size(0) * world;  // every rank read a batch as large
-      step_samples += batch.input.size(0) * world;
-      if (!last) {
-        ++micro;
-        continue;
-      }
-      micro = 0;
-      std::optional<double> grad_norm;
-      if (cfg.clip_grad_norm > 0) {
-        scaler.unscale_(opt);
-        grad_norm = optim::clip_grad_norm(model->parameters(), cfg.clip_grad_norm);
-      }
-      // What this step ran with, before update() and the scheduler move on to the next.
-      const double loss_scale = scaler.get_scale();
-      const double step_lr = scheduler.last_lr();
-      scaler.step(opt);
-      scaler.update();
-      scheduler.step();
-      opt.zero_grad();
-      const double l = step_loss;
-      step_loss = 0;
-      loss_sum += l;
-      ++epoch_steps;
-      ++steps;
-      const bool epoch_end = batch.index + 1 == micro_per_epoch;
-      epoch_finished = epoch_end;
-      const auto now = Clock::now();
-      const double step_rate =
-          step_samples / std::chrono::duration<double>(now - last_step_end).count();
-      if (metrics) {
-        metrics->write(io::TrainRecord{
-            .step = steps,
-            .epoch = epoch,
-            .loss = l,
-            .lr = step_lr,
-            .samples_per_s = step_rate,
-            .loss_scale = scaler.is_enabled() ? std::optional<double>(loss_scale) : std::nullopt,
-            .grad_norm = grad_norm});
-      }
-      progress.update(done_before + epoch_steps, l, step_samples);
-      last_step_end = now;
-      step_samples = 0;
-      if (cfg.save_every > 0 && steps % cfg.save_every == 0) {
-        io::TrainingCheckpoint ckpt = checkpoint();
-        if (epoch_end) ckpt.epoch = epoch + 1, ckpt.epoch_samples = 0;  // resume at the next one
-        const std::string path = io::checkpoint_path_for_step(cfg.save, steps);
-        dist::save_checkpoint(*pg, path, ckpt, cfg.keep);
-        log_rank0(LogLevel::kInfo, "saved ", path);
-      }
-      if (cfg.crash_at_step > 0 && steps == cfg.crash_at_step && pg->rank() == world - 1 &&
-          first_attempt()) {
-        std::fprintf(stderr, "--crash-at-step %lld: rank %d kills itself\n",
-                     static_cast<long long>(steps), pg->rank());
-        ::kill(::getpid(), SIGKILL);
-      }
-      if (main_rank && !progress.enabled() && cfg.log_every > 0 && steps % cfg.log_every == 0)
-        std::printf("epoch %lld step %lld loss %.4f lr %.5g%s\n", static_cast<long long>(epoch),
-                    static_cast<long long>(steps), l, step_lr,
-                    scaler.is_enabled()
-                        ? (" loss_scale " + std::to_string(scaler.get_scale())).c_str()
-                        : "");
-      if (cfg.max_steps > 0 && steps >= cfg.max_steps) {
-        done = true;
-        break;
-      }
-    }
-    progress.finish();
-    const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
-    train_seconds += secs;
-    epoch_samples *= world;  // every rank processed as many
-    samples += epoch_samples;
-    // The mean training loss over all ranks.
-    Tensor mean_loss =
-        full({1}, epoch_steps ? loss_sum / static_cast<double>(epoch_steps) : 0.0, kFloat64);
-    pg->all_reduce(mean_loss, {.op = dist::ReduceOp::avg})->wait();
-    last_loss = mean_loss.item();
-    if (test) accuracy = evaluate(*model, *test, *pg);
-    if (metrics && test)
-      metrics->write(io::EvalRecord{.step = steps, .epoch = epoch, .test_accuracy = accuracy});
-    if (main_rank) {
-      std::printf("epoch %lld train_loss %.4f samples/s %.1f test_accuracy %.4f data_wait %.1f%%\n",
-                  static_cast<long long>(epoch), last_loss, epoch_samples / secs, accuracy,
-                  100.0 * loader.wait_seconds() / secs);
-    }
-    loader.reset_wait_seconds();
-    if (epoch_finished) ++epoch, epoch_consumed = 0;  // the next one starts at its first sample
+// ---- The training loop
+
+EpochResult Trainer::train_epoch() {
+  loader_.set_epoch(pos_.epoch);
+  sampler_->set_start_index(pos_.epoch_consumed);  // 0 but in the epoch a checkpoint resumes
+  const int64_t micro_batches = loader_.num_batches();
+  // This epoch's optimizer steps taken before a resume.
+  const int64_t steps_before = (full_epoch_batches_ - micro_batches) / cfg_.accum_steps;
+  EpochResult e;
+  e.finished = micro_batches == 0;
+  micro_ = 0;
+  step_loss_ = 0;
+  progress_.start_epoch(pos_.epoch, steps_per_epoch_);
+  const auto start = Clock::now();
+  auto last_step_end = start;
+  int64_t step_samples = 0;
+  for (data::Batch& batch : loader_) {
+    const bool epoch_end = batch.index + 1 == micro_batches;
+    const std::optional<StepResult> step = train_step(batch, epoch_end);
+    const int64_t samples = batch.input.size(0) * world_;  // every rank read a batch as large
+    e.samples += samples;
+    pos_.epoch_consumed += samples;
+    step_samples += samples;
+    if (!step) continue;  // a micro-batch of gradient accumulation: no optimizer step yet
+
+    ++e.steps;
+    e.loss_sum += step->loss;
+    e.finished = epoch_end;
+    const auto now = Clock::now();
+    record_step(*step, step_samples / std::chrono::duration<double>(now - last_step_end).count());
+    progress_.update(steps_before + e.steps, step->loss, step_samples);
+    last_step_end = now;
+    step_samples = 0;
+    save_if_due(epoch_end);
+    test_crash_.after_step(pos_.step);  // testing only: Note [Testing hooks]
+    print_step(*step);
+    if (reached_max_steps()) break;
   }
-  if (!cfg.save.empty()) {
-    dist::save_checkpoint(*pg, cfg.save, checkpoint());  // rank 0 writes, the others wait
-    log_rank0(LogLevel::kInfo, "saved ", cfg.save);
+  progress_.finish();
+  e.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return e;
+}
+
+// One micro-batch: forward and backward, its gradients added into .grad. The last micro-batch of
+// a step (--accum-steps of them, or fewer at the end of an epoch) reduces the gradients across
+// ranks and takes the optimizer step, whose result it returns.
+std::optional<StepResult> Trainer::train_step(const data::Batch& batch, bool epoch_end) {
+  const bool last = ++micro_ == cfg_.accum_steps || epoch_end;
+  const double weight = 1.0 / static_cast<double>(cfg_.accum_steps);
+  step_loss_ += model_.forward_backward(batch, weight, /*sync=*/last);
+  if (!last) return std::nullopt;
+  micro_ = 0;
+
+  StepResult s;
+  s.loss = std::exchange(step_loss_, 0.0);
+  if (cfg_.clip_grad_norm > 0) {
+    scaler_.unscale_(opt_);
+    s.grad_norm = optim::clip_grad_norm(model_.params->parameters(), cfg_.clip_grad_norm);
   }
-  if (ddp && cfg.ddp_stats && main_rank) std::printf("ddp: %s\n", ddp->stats().str().c_str());
-  if (main_rank) {
-    if (samples == 0)
-      log_info("nothing left to train: step ", steps, " reached --max-steps / --epochs");
-    std::printf("final test_accuracy=%.4f train_loss=%.4f steps=%lld samples_per_s=%.1f\n",
-                accuracy, last_loss, static_cast<long long>(steps),
-                train_seconds > 0 ? samples / train_seconds : 0.0);
+  // What this step ran with, before update() and the scheduler move on to the next.
+  s.loss_scale = scaler_.get_scale();
+  s.lr = scheduler_.last_lr();
+  scaler_.step(opt_);
+  scaler_.update();
+  scheduler_.step();
+  opt_.zero_grad();
+  ++pos_.step;
+  return s;
+}
+
+void Trainer::record_step(const StepResult& s, double samples_per_s) {
+  if (!metrics_) return;
+  metrics_->write(io::TrainRecord{
+      .step = pos_.step,
+      .epoch = pos_.epoch,
+      .loss = s.loss,
+      .lr = s.lr,
+      .samples_per_s = samples_per_s,
+      .loss_scale = scaler_.is_enabled() ? std::optional<double>(s.loss_scale) : std::nullopt,
+      .grad_norm = s.grad_norm});
+}
+
+// --save-every N: a checkpoint after every N-th optimizer step, beside --save.
+void Trainer::save_if_due(bool epoch_end) {
+  if (cfg_.save_every <= 0 || pos_.step % cfg_.save_every != 0) return;
+  io::TrainingCheckpoint ckpt = checkpoint();
+  if (epoch_end) ckpt.epoch = pos_.epoch + 1, ckpt.epoch_samples = 0;  // resume at the next one
+  const std::string path = io::checkpoint_path_for_step(cfg_.save, pos_.step);
+  dist::save_checkpoint(*pg_, path, ckpt, cfg_.keep);
+  log_rank0(LogLevel::kInfo, "saved ", path);
+}
+
+// --log-every N: the loss every N optimizer steps, where no progress bar shows it.
+void Trainer::print_step(const StepResult& s) const {
+  if (!main_rank_ || progress_.enabled() || cfg_.log_every <= 0 || pos_.step % cfg_.log_every != 0)
+    return;
+  std::printf(
+      "epoch %lld step %lld loss %.4f lr %.5g%s\n", static_cast<long long>(pos_.epoch),
+      static_cast<long long>(pos_.step), s.loss, s.lr,
+      scaler_.is_enabled() ? (" loss_scale " + std::to_string(scaler_.get_scale())).c_str() : "");
+}
+
+// The model, the optimizer, the scaler and the position, as --resume reads them back.
+io::TrainingCheckpoint Trainer::checkpoint() {
+  io::TrainingCheckpoint ckpt;
+  ckpt.model = model_.params->state_dict();
+  ckpt.optimizer = opt_.state_dict();
+  ckpt.optimizer_param_names = param_names_;
+  if (scaler_.is_enabled()) ckpt.scaler = scaler_.state_dict();
+  ckpt.step = pos_.step;
+  ckpt.epoch = pos_.epoch;
+  ckpt.epoch_samples = pos_.epoch_consumed;
+  ckpt.world_size = world_;
+  ckpt.rng["init"] = {gen_.seed(), gen_.offset()};
+  ckpt.user = run_metadata(cfg_);
+  return ckpt;
+}
+
+// The epoch's mean training loss, averaged over all ranks.
+double Trainer::mean_loss(const EpochResult& e) {
+  Tensor mean = full({1}, e.steps ? e.loss_sum / static_cast<double>(e.steps) : 0.0, kFloat64);
+  pg_->all_reduce(mean, {.op = dist::ReduceOp::avg})->wait();
+  return mean.item();
+}
+
+// Test accuracy over all ranks' shares of the test set, recorded with --metrics.
+double Trainer::evaluate() {
+  const double accuracy = test_accuracy(*model_.params, *test_data_, *pg_);
+  if (metrics_)
+    metrics_->write(
+        io::EvalRecord{.step = pos_.step, .epoch = pos_.epoch, .test_accuracy = accuracy});
+  return accuracy;
+}
+
+void Trainer::report_epoch(const EpochResult& e, double loss, double accuracy) const {
+  if (!main_rank_) return;
+  std::printf("epoch %lld train_loss %.4f samples/s %.1f test_accuracy %.4f data_wait %.1f%%\n",
+              static_cast<long long>(pos_.epoch), loss, e.samples / e.seconds, accuracy,
+              100.0 * loader_.wait_seconds() / e.seconds);
+}
+
+void Trainer::next_epoch(const EpochResult& e) {
+  loader_.reset_wait_seconds();                              // data_wait is per epoch
+  if (e.finished) pos_.epoch += 1, pos_.epoch_consumed = 0;  // the next starts at its first sample
+}
+
+// --save: the end-of-run checkpoint (rank 0 writes, the others wait).
+void Trainer::save_final() {
+  if (cfg_.save.empty()) return;
+  dist::save_checkpoint(*pg_, cfg_.save, checkpoint());
+  log_rank0(LogLevel::kInfo, "saved ", cfg_.save);
+}
+
+void Trainer::report_final(const Totals& totals) const {
+  if (model_.ddp && cfg_.ddp_stats && main_rank_)
+    std::printf("ddp: %s\n", model_.ddp->stats().str().c_str());
+  if (!main_rank_) return;
+  if (totals.samples == 0)
+    log_info("nothing left to train: step ", pos_.step, " reached --max-steps / --epochs");
+  std::printf("final test_accuracy=%.4f train_loss=%.4f steps=%lld samples_per_s=%.1f\n",
+              totals.accuracy, totals.loss, static_cast<long long>(pos_.step),
+              totals.seconds > 0 ? totals.samples / totals.seconds : 0.0);
+}
+
+int run(const Config& cfg) {
+  // Setup: threads, then the data, the world, the model, the optimizer and the schedule; then
+  // where a resumed run stands.
+  if (cfg.threads > 0) set_num_threads(cfg.threads);
+  Trainer trainer(cfg);
+  trainer.resume();
+  trainer.start();
+
+  // Each epoch: its optimizer steps (metrics, checkpoints and log lines as they fall due), the
+  // mean training loss over all ranks, an evaluation on the test set, one line.
+  Totals totals;
+  while (!trainer.done()) {
+    const EpochResult epoch = trainer.train_epoch();
+    totals.samples += epoch.samples;
+    totals.seconds += epoch.seconds;
+    totals.loss = trainer.mean_loss(epoch);
+    if (trainer.evaluates()) totals.accuracy = trainer.evaluate();
+    trainer.report_epoch(epoch, totals.loss, totals.accuracy);
+    trainer.next_epoch(epoch);
   }
+
+  trainer.save_final();
+  trainer.report_final(totals);
   dist::destroy_process_group();
   return 0;
 }
@@ -477,9 +707,10 @@ int main(int argc, char** argv) {
                  "Continue from a checkpoint file, or 'auto': the newest beside --save if any");
   app.add_option("--metrics", cfg.metrics,
                  "Append per-step metrics as JSON Lines here (rank 0; `lockstep plot` draws them)");
-  app.add_option("--crash-at-step", cfg.crash_at_step,
-                 "Testing: the last rank kills itself (SIGKILL) after this optimizer step, on the "
-                 "first attempt of a `lockstep run` only")
+  app.add_option("--test-crash-at-step", cfg.test_crash_at_step,
+                 "Testing only (the crash-recovery tests): the last rank kills itself (SIGKILL) "
+                 "after this optimizer step and its checkpoint, on the first attempt of a "
+                 "`lockstep run` only")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--bucket-mb", cfg.bucket_mb, "DDP gradient bucket size in MiB")
       ->check(CLI::PositiveNumber)

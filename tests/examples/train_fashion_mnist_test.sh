@@ -44,6 +44,8 @@ case "$case_name" in
     expect_exit 2 "not a directory" --data "$work/does-not-exist"
     expect_exit 2 "model" --model resnet
     expect_exit 0 "--max-steps" --help
+    expect_exit 0 "--test-crash-at-step" --help
+    expect_exit 0 "Testing only (the crash-recovery tests)" --help
     expect_exit 2 "dp" --dp 0
     expect_exit 2 "comm-hook" --comm-hook gzip
     expect_exit 2 "amp" --amp fp8
@@ -137,9 +139,9 @@ case "$case_name" in
     "$exe" "${args[@]}" --save "$work/a/ck.safetensors" > "$work/a.out" 2>&1 \
       || { cat "$work/a.out"; fail "straight run failed"; }
     "$exe" "${args[@]}" --save "$work/b/ck.safetensors" --save-every 10 --keep 2 \
-      --crash-at-step 20 > "$work/b1.out" 2>&1
+      --test-crash-at-step 20 > "$work/b1.out" 2>&1
     rc=$?
-    [ "$rc" -eq 137 ] || { cat "$work/b1.out"; fail "--crash-at-step 20 exited $rc, expected 137"; }
+    [ "$rc" -eq 137 ] || { cat "$work/b1.out"; fail "--test-crash-at-step 20 exited $rc, expected 137"; }
     [ ! -e "$work/b/ck.safetensors" ] || fail "a killed run wrote its end-of-run checkpoint"
     "$exe" "${args[@]}" --save "$work/b/ck.safetensors" --save-every 10 --keep 2 --resume auto \
       > "$work/b2.out" 2>&1 || { cat "$work/b2.out"; fail "resumed run failed"; }
@@ -174,7 +176,7 @@ case "$case_name" in
     "$tool" run --standalone --nproc-per-node 2 "$exe" "${args[@]}" --save "$work/a/ck.safetensors" \
       > "$work/a.out" 2>&1 || { cat "$work/a.out"; fail "straight run failed"; }
     "$tool" run --standalone --nproc-per-node 2 --max-restarts 1 "$exe" "${args[@]}" \
-      --save "$work/b/ck.safetensors" --save-every 15 --resume auto --crash-at-step 25 \
+      --save "$work/b/ck.safetensors" --save-every 15 --resume auto --test-crash-at-step 25 \
       > "$work/b.out" 2>&1 || { cat "$work/b.out"; fail "restarted run failed"; }
     cat "$work/b.out"
     grep -q "rank 1 on node 0 ended with signal SIGKILL" "$work/b.out" || fail "rank 1 was not killed"
@@ -196,7 +198,7 @@ case "$case_name" in
     [ -x "$tool" ] || fail "no lockstep binary given"
     m="$work/run/metrics.jsonl"
     "$exe" --log-every 0 --max-steps 30 --metrics "$m" --save "$work/run/ck.safetensors" \
-      --save-every 20 --crash-at-step 25 > "$work/out1" 2>&1
+      --save-every 20 --test-crash-at-step 25 > "$work/out1" 2>&1
     [ "$(grep -c '"kind":"train"' "$m")" -eq 25 ] || { cat "$m"; fail "expected 25 train records"; }
     "$exe" --log-every 0 --max-steps 30 --metrics "$m" --save "$work/run/ck.safetensors" \
       --resume auto > "$work/out2" 2>&1 || { cat "$work/out2"; fail "resumed run failed"; }
