@@ -7,7 +7,6 @@
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/ops/elementwise.h"
 #include "lockstep/ops/linalg.h"
-#include "lockstep/ops/reduce.h"
 
 namespace lockstep::nn {
 

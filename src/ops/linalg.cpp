@@ -9,7 +9,6 @@
 #include "lockstep/ops/autocast.h"
 #include "lockstep/ops/reduce.h"
 #include "ops/common.h"
-#include "ops/cpu/bf16_gemm.h"
 #include "ops/kernels.h"
 
 namespace lockstep {
@@ -146,11 +145,6 @@ Tensor linear_nograd(const Tensor& x, const Tensor& w, const Tensor& bias) {
 }
 
 }  // namespace
-
-std::string bf16_matmul_backend() {
-  if (cpu::bf16_gemm_available()) return std::string("oneDNN ") + cpu::bf16_gemm_impl();
-  return "convert to f32 + sgemm";
-}
 
 Tensor matmul(const Tensor& a, const Tensor& b) {
   LS_AUTOCAST("matmul", matmul, a, b);

@@ -13,7 +13,7 @@ bool bf16_gemm_available();
 const char* bf16_gemm_impl();
 
 // A row-major (rows x cols) bf16 matrix at `data`, element (i, j) at i * rs + j * cs (one of the
-// two strides is 1; see Note [BLAS operands] in src/ops/linalg.cpp).
+// two strides is 1; see Note [BLAS operands] in src/ops/cpu/gemm.cpp).
 struct Bf16Matrix {
   const uint16_t* data = nullptr;
   int64_t rs = 0, cs = 1;

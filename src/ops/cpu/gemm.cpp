@@ -5,6 +5,7 @@
 #include <climits>
 #include <cstring>
 
+#include "lockstep/ops/linalg.h"
 #include "lockstep/tensor/parallel.h"
 #include "ops/cpu/gemm.h"
 #include "ops/cpu/kernels.h"
@@ -195,6 +196,14 @@ bool gemm_bf16_operands(const Tensor& c, Tensor a, Tensor b, const Tensor& bias)
   return true;
 }
 
+// A 16-bit operand as f32 in the same layout: a transposed operand (w.t() in linear) converts
+// as its contiguous transpose, so the conversion reads and writes memory in order.
+Tensor to_f32(const Tensor& t) {
+  Matrix m;
+  if (blas_layout(t, &m) && m.trans) return t.transpose(-1, -2).to(kFloat32).transpose(-1, -2);
+  return t.to(kFloat32);
+}
+
 }  // namespace
 
 void gemm_kernel(const Tensor& c, const Tensor& a, const Tensor& b, const Tensor& bias) {
@@ -211,7 +220,7 @@ void gemm_kernel(const Tensor& c, const Tensor& a, const Tensor& b, const Tensor
       [[fallthrough]];
     case DType::f16:
       // No 16-bit kernel here: the rounded inputs convert exactly to f32, multiply there.
-      return gemm_float<float>(c, a.to(kFloat32), b.to(kFloat32), bias);
+      return gemm_float<float>(c, to_f32(a), to_f32(b), bias);
     default:
       LS_THROW(op, ": dtype ", dtype_name(a.dtype()), " is not supported (expected f32, f64, ",
                "bf16 or f16)");
@@ -219,3 +228,13 @@ void gemm_kernel(const Tensor& c, const Tensor& a, const Tensor& b, const Tensor
 }
 
 }  // namespace lockstep::cpu
+
+namespace lockstep {
+
+// Declared with matmul (lockstep/ops/linalg.h); a property of the CPU's gemm kernel.
+std::string bf16_matmul_backend() {
+  if (cpu::bf16_gemm_available()) return std::string("oneDNN ") + cpu::bf16_gemm_impl();
+  return "convert to f32 + sgemm";
+}
+
+}  // namespace lockstep
