@@ -25,14 +25,6 @@ inline TensorOptions options_on(const Tensor& like, DType dtype) {
   return TensorOptions(dtype).with_device(like.device());
 }
 
-// Superseded by the kernel table (Note [Kernel tables] in src/ops/kernels.h), whose lookup fails
-// for a device without the kernel; kept until no front calls it.
-inline void check_cpu(const Tensor& t, const char* op) {
-  check_defined(t, op);
-  LS_CHECK(t.device().is_cpu(), op, ": tensor on ", t.device().str(),
-           " but this build of lockstep has kernels for cpu only");
-}
-
 inline void check_same_device(const Tensor& a, const Tensor& b, const char* op) {
   LS_CHECK(a.device() == b.device(), op, ": tensors on different devices (", a.device().str(),
            " and ", b.device().str(), ")");
