@@ -122,10 +122,12 @@ DistEnv read_dist_env(const EnvLookup& lookup) {
     e.world_size = *size;
     // Without LOCAL_* the job is taken to run on this one machine.
     e.local_world_size = vars.integer(env::kLocalWorldSize, 1, kMaxRanks).value_or(e.world_size);
-    e.local_rank = vars.integer(env::kLocalRank, 0, kMaxRanks).value_or(e.rank % e.local_world_size);
-    e.group_rank = vars.integer(env::kGroupRank, 0, kMaxRanks).value_or(e.rank / e.local_world_size);
-    check_consistent(e, lockstep::detail::str_cat(e.source, "/", env::kLocalRank, "/",
-                                                  env::kLocalWorldSize));
+    e.local_rank =
+        vars.integer(env::kLocalRank, 0, kMaxRanks).value_or(e.rank % e.local_world_size);
+    e.group_rank =
+        vars.integer(env::kGroupRank, 0, kMaxRanks).value_or(e.rank / e.local_world_size);
+    check_consistent(
+        e, lockstep::detail::str_cat(e.source, "/", env::kLocalRank, "/", env::kLocalWorldSize));
   } else if (slurm) {
     e.source = "SLURM";
     e.rank = *vars.integer("SLURM_PROCID", 0, kMaxRanks);
@@ -156,8 +158,8 @@ DistEnv read_dist_env(const EnvLookup& lookup) {
     e.master_addr = first_slurm_host(*vars.str("SLURM_NODELIST"));
   } else {
     LS_CHECK(one_machine, env::kMasterAddr, " is not set, but the job spans several machines (",
-             e.source, ": world size ", e.world_size, ", ", e.local_world_size, " per machine); set ",
-             env::kMasterAddr, " to the host of rank 0");
+             e.source, ": world size ", e.world_size, ", ", e.local_world_size,
+             " per machine); set ", env::kMasterAddr, " to the host of rank 0");
   }
   if (master_port) {
     e.master_port = static_cast<uint16_t>(*master_port);

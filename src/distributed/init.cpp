@@ -71,8 +71,8 @@ void join(Store& store, const DistEnv& env, std::chrono::milliseconds timeout) {
     if (store.check({"error"})) LS_THROW(store.get_string("error"));
     const int64_t joined = store.add("joined", 0);
     if (joined > env.world_size) {
-      fail(lockstep::detail::str_cat(joined, " processes joined a world of ", env::kWorldSize,
-                                     "=", env.world_size));
+      fail(lockstep::detail::str_cat(joined, " processes joined a world of ", env::kWorldSize, "=",
+                                     env.world_size));
     }
     if (joined == env.world_size) break;
     if (Clock::now() >= deadline) {

@@ -87,11 +87,17 @@ concept CallerCanWait = requires(W& w) {
   w.exception();
 };
 template <typename W>
-concept CallerCanFinish = requires(W& w) { w.finish(); };
+concept CallerCanFinish = requires(W& w) {
+  w.finish();
+};
 template <typename W>
-concept CallerCanChain = requires(W& w) { w.then(std::function<void()>()); };
+concept CallerCanChain = requires(W& w) {
+  w.then(std::function<void()>());
+};
 template <typename W>
-concept CallerCanHook = requires(W& w) { w.set_wait_hook(std::function<void(const W&)>()); };
+concept CallerCanHook = requires(W& w) {
+  w.set_wait_hook(std::function<void(const W&)>());
+};
 static_assert(CallerCanWait<Work>);
 static_assert(!CallerCanFinish<Work> && !CallerCanChain<Work> && !CallerCanHook<Work>);
 

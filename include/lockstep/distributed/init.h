@@ -76,6 +76,8 @@ struct World {
   std::shared_ptr<Store> store;  // namespaced for this world; new groups rendezvous through it
   DistEnv env;
   std::string backend;
+  // Where every group of this world binds, chosen once here (BackendConfig): one of the two is
+  // set.
   std::string bind_address;
   std::string bind_interface;
   // How many groups of each rank list this process made (new_group's store namespace).

@@ -197,12 +197,12 @@ class ProcessGroupGloo::Impl : public std::enable_shared_from_this<ProcessGroupG
     });
     post([this, work, timeout, body = std::move(body)] {
       if (!context_) {
-        work_finish(*work, std::make_exception_ptr(Error(
-                               lockstep::detail::str_cat(
-                                   who_, ": ", work->description(),
-                                   " was not run: this group failed earlier (", broken_,
-                                   "); build a new group to continue"),
-                               __FILE__, __LINE__)));
+        work_finish(
+            *work, std::make_exception_ptr(
+                       Error(lockstep::detail::str_cat(who_, ": ", work->description(),
+                                                       " was not run: this group failed earlier (",
+                                                       broken_, "); build a new group to continue"),
+                             __FILE__, __LINE__)));
         return;
       }
       try {
@@ -220,10 +220,11 @@ class ProcessGroupGloo::Impl : public std::enable_shared_from_this<ProcessGroupG
         // Closing every connection makes the peers' collectives fail now rather than at their
         // own timeouts, and no later collective can run on a stream in an unknown state.
         context_.reset();
-        work_finish(*work, std::make_exception_ptr(Error(
-                               lockstep::detail::str_cat(who_, ": ", work->description(),
-                                                         " failed: ", reason),
-                               __FILE__, __LINE__)));
+        work_finish(
+            *work,
+            std::make_exception_ptr(Error(
+                lockstep::detail::str_cat(who_, ": ", work->description(), " failed: ", reason),
+                __FILE__, __LINE__)));
         return;
       }
       work_finish(*work);
