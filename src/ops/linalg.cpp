@@ -144,6 +144,15 @@ Tensor linear_nograd(const Tensor& x, const Tensor& w, const Tensor& bias) {
   return y.view(out_shape);
 }
 
+// Column sums of g2 (M x out) -> (out), for linear's bias gradient; 16-bit floats sum in f32.
+Tensor bias_grad(const Tensor& g2) {
+  const auto sum_rows = detail::kernel(&Kernels::sum_rows, g2.device(), "linear");
+  const DType pt = product_dtype(g2.dtype());
+  Tensor out = empty({g2.size(1)}, detail::options_on(g2, pt));
+  sum_rows(out, g2.to(pt));
+  return pt == g2.dtype() ? out : out.to(g2.dtype());
+}
+
 }  // namespace
 
 Tensor matmul(const Tensor& a, const Tensor& b) {
@@ -191,10 +200,7 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b) {
            // dx = g @ w, dw = g^T @ x (transposes as BLAS flags), db = column sums of g.
            if (rx) grads[0] = matmul_nograd(g2, wd, "linear").reshape(xd.shape());
            if (rw) grads[1] = matmul_nograd(g2.t(), xd.reshape({rows, in}), "linear");
-           if (rb) {
-             amp::detail::AutocastSuspend keep_dtype;  // sum's policy would return f32
-             grads[2] = sum(g2, {0});
-           }
+           if (rb) grads[2] = bias_grad(g2);
            return grads;
          });
   return out;

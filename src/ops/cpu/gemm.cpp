@@ -4,11 +4,13 @@
 #include <algorithm>
 #include <climits>
 #include <cstring>
+#include <vector>
 
 #include "lockstep/ops/linalg.h"
 #include "lockstep/tensor/parallel.h"
 #include "ops/cpu/gemm.h"
 #include "ops/cpu/kernels.h"
+#include "tensor/dispatch.h"
 #include "tensor/parallel.h"
 
 namespace lockstep::cpu {
@@ -225,6 +227,25 @@ void gemm_kernel(const Tensor& c, const Tensor& a, const Tensor& b, const Tensor
       LS_THROW(op, ": dtype ", dtype_name(a.dtype()), " is not supported (expected f32, f64, ",
                "bf16 or f16)");
   }
+}
+
+// Parallel over column blocks, each summing all rows in row order, so the result does not
+// depend on the thread count; rows are read along their contiguous direction.
+void sum_rows_kernel(const Tensor& out, const Tensor& g) {
+  dispatch_float(g.dtype(), "linear backward", [&]<typename T>() {
+    const int64_t rows = g.size(0), cols = g.size(1), rs = g.stride(0), cs = g.stride(1);
+    const T* p = g.data<T>();
+    T* o = out.data<T>();
+    const int64_t grain = std::max<int64_t>(64, kElementwiseGrain / std::max<int64_t>(rows, 1));
+    parallel_for(0, cols, grain, [&](int64_t b, int64_t e) {
+      std::vector<double> acc(static_cast<size_t>(e - b), 0.0);
+      for (int64_t i = 0; i < rows; ++i) {
+        const T* row = p + i * rs;
+        for (int64_t j = b; j < e; ++j) acc[j - b] += static_cast<double>(row[j * cs]);
+      }
+      for (int64_t j = b; j < e; ++j) o[j] = static_cast<T>(acc[j - b]);
+    });
+  });
 }
 
 }  // namespace lockstep::cpu

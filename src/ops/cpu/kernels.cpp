@@ -40,6 +40,7 @@ Kernels make_table() {
   t.masked_scale = masked_scale_kernel;
   // -- linalg --
   t.gemm = gemm_kernel;
+  t.sum_rows = sum_rows_kernel;
   // -- conv and pooling --
   t.conv2d = conv2d_kernel;
   t.conv2d_backward = conv2d_backward_kernel;

@@ -62,6 +62,7 @@ void masked_scale_kernel(const Tensor& out, const Tensor& x, const Tensor& mask,
 
 // -- linalg (src/ops/cpu/gemm.cpp) --
 void gemm_kernel(const Tensor& c, const Tensor& a, const Tensor& b, const Tensor& bias);
+void sum_rows_kernel(const Tensor& out, const Tensor& g);
 
 // -- conv and pooling (src/ops/cpu/conv.cpp, src/ops/cpu/pool.cpp) --
 void conv2d_kernel(const Tensor& out, const Tensor& x, const Tensor& w, const Tensor& bias,
