@@ -105,8 +105,8 @@ Tensor BatchNorm::forward(const Tensor& x) {
            spatial_dims_ == 2 ? "(N, C, H, W)" : "(N, C) or (N, C, L)", " with C=", num_features_,
            ", got ", x.shape().str());
   // The op normalizes (in f32 under autocast: its policy) and updates the running statistics.
-  Tensor y = batch_norm(x, running_mean_, running_var_, weight_, bias_, is_training(), momentum_,
-                        eps_);
+  Tensor y =
+      batch_norm(x, running_mean_, running_var_, weight_, bias_, is_training(), momentum_, eps_);
   if (is_training()) {
     autograd::NoGradGuard no_grad;
     num_batches_tracked_.add_(1.0);

@@ -36,8 +36,7 @@ ConvGeometry check_conv_args(const Tensor& x, const Tensor& w, const Tensor& b,
   LS_CHECK(o.groups >= 1, "conv2d: groups must be positive, got ", o.groups);
   const int64_t in_channels = x.shape()[1], out_channels = w.shape()[0];
   LS_CHECK(in_channels % o.groups == 0, "conv2d: groups ", o.groups,
-           " does not divide the input's ", in_channels, " channels (input ", x.shape().str(),
-           ")");
+           " does not divide the input's ", in_channels, " channels (input ", x.shape().str(), ")");
   LS_CHECK(out_channels % o.groups == 0, "conv2d: groups ", o.groups,
            " does not divide the weight's ", out_channels, " output channels (weight ",
            w.shape().str(), ")");
@@ -98,8 +97,8 @@ Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias,
   const Tensor xc = x.detach().contiguous();
   const Tensor wc = weight.detach().contiguous();
   const Tensor bc = bias.defined() ? bias.detach().contiguous() : Tensor();
-  Tensor out = empty({x.size(0), weight.size(0), geo.out_h, geo.out_w},
-                     detail::options_on(x, x.dtype()));
+  Tensor out =
+      empty({x.size(0), weight.size(0), geo.out_h, geo.out_w}, detail::options_on(x, x.dtype()));
   if (out.numel() > 0) forward(out, xc, wc, bc, geo, groups);
   const bool need_x = x.requires_grad(), need_w = weight.requires_grad();
   const bool need_b = bias.defined() && bias.requires_grad();

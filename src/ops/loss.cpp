@@ -66,8 +66,8 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const CrossEnt
   saved->logits = logits.detach().to(ct);
   saved->targets = targets.to(kInt64).contiguous();
   saved->lse = empty({tshape.numel()}, detail::options_on(logits, ct));
-  Tensor out = empty(opts.reduction == Reduction::none ? tshape : Dims{},
-                     detail::options_on(logits, ct));
+  Tensor out =
+      empty(opts.reduction == Reduction::none ? tshape : Dims{}, detail::options_on(logits, ct));
   detail::TargetCheck check;
   forward(out, saved->lse, saved->logits, saved->targets, opts.reduction, opts.ignore_index,
           opts.label_smoothing, &check);
@@ -105,14 +105,14 @@ Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction) 
   const DType dt = input.dtype();
   const DType ct = is_half(dt) ? kFloat32 : dt;
   const Tensor x = input.detach().to(ct).contiguous(), t = target.detach().to(ct).contiguous();
-  Tensor out = empty(reduction == Reduction::none ? x.shape() : Dims{},
-                     detail::options_on(x, ct));
+  Tensor out = empty(reduction == Reduction::none ? x.shape() : Dims{}, detail::options_on(x, ct));
   forward(out, x, t, reduction);
   out = out.to(dt);
   record("MseLossBackward", {input, target}, out,
          [x, t, reduction, dt, rx = input.requires_grad(),
           rt = target.requires_grad()](const TensorList& g) {
-           const auto backward = detail::kernel(&Kernels::mse_loss_backward, x.device(), "mse_loss");
+           const auto backward =
+               detail::kernel(&Kernels::mse_loss_backward, x.device(), "mse_loss");
            const auto opts = detail::options_on(x, x.dtype());
            const Tensor gc = g[0].to(x.dtype()).contiguous();
            Tensor gx = rx ? empty(x.shape(), opts) : Tensor();

@@ -169,7 +169,8 @@ TEST(BatchNorm, GradientsMatchTheClosedForm) {
   Generator gen(75);
   const int64_t n = 4, c = 2, s = 3;
   Tensor x = randn({n, c, s}, gen, kFloat64).requires_grad_();
-  Tensor w = randn({c}, gen, kFloat64).requires_grad_(), b = randn({c}, gen, kFloat64).requires_grad_();
+  Tensor w = randn({c}, gen, kFloat64).requires_grad_(),
+         b = randn({c}, gen, kFloat64).requires_grad_();
   Tensor g = randn({n, c, s}, gen, kFloat64);
   sum(mul(batch_norm(x, Tensor(), Tensor(), w, b, true, 0.1, 1e-5), g)).backward();
   const std::vector<double> xv = values(x), gv = values(g), wv = values(w);
@@ -228,10 +229,16 @@ TEST(BatchNorm, ErrorsNameTheArgumentAndShapes) {
                {"batch_norm", "running_mean", "undefined"});
   expect_error([&] { batch_norm(x, zeros({3}), Tensor(), Tensor(), Tensor(), true); },
                {"batch_norm", "both"});
-  expect_error([&] { batch_norm(zeros({1, 3}), Tensor(), Tensor(), Tensor(), Tensor(), true); },
-               {"batch_norm", "more than one value per channel", "[1, 3]"});
-  expect_error([&] { batch_norm(zeros({4, 3}, kInt64), Tensor(), Tensor(), Tensor(), Tensor(), true); },
-               {"batch_norm", "floating-point", "i64"});
+  expect_error(
+      [&] {
+        batch_norm(zeros({1, 3}), Tensor(), Tensor(), Tensor(), Tensor(), true);
+      },
+      {"batch_norm", "more than one value per channel", "[1, 3]"});
+  expect_error(
+      [&] {
+        batch_norm(zeros({4, 3}, kInt64), Tensor(), Tensor(), Tensor(), Tensor(), true);
+      },
+      {"batch_norm", "floating-point", "i64"});
 }
 
 TEST(BatchNorm, TensorOnAnotherDeviceFailsNamingOpAndDevice) {

@@ -159,8 +159,7 @@ void gemm_float(const Tensor& c, Tensor a, Tensor b, const Tensor& bias) {
   auto run = [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const auto [oa, ob] = batch_offsets(i, batch, a, b);
-      gemm<T>(ma.trans, mb.trans, m, n, k, pa + oa, ma.ld, pb + ob, mb.ld, beta, pc + i * m * n,
-              n);
+      gemm<T>(ma.trans, mb.trans, m, n, k, pa + oa, ma.ld, pb + ob, mb.ld, beta, pc + i * m * n, n);
     }
   };
   const int64_t flops = m * n * k;

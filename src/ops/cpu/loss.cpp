@@ -158,8 +158,8 @@ void mse_loss_kernel(const Tensor& out, const Tensor& x, const Tensor& t, Reduct
 }
 
 // d/dx = 2 (x - t) g (/ n for mean); d/dt is its negation.
-void mse_loss_backward_kernel(const Tensor& gx, const Tensor& gt, const Tensor& g,
-                              const Tensor& x, const Tensor& t, Reduction reduction) {
+void mse_loss_backward_kernel(const Tensor& gx, const Tensor& gt, const Tensor& g, const Tensor& x,
+                              const Tensor& t, Reduction reduction) {
   dispatch_float(x.dtype(), "mse_loss", [&]<typename T>() {
     const T* px = x.data<T>();
     const T* pt = t.data<T>();

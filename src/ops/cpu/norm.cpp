@@ -131,8 +131,9 @@ void layer_norm_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, c
 struct ChannelRuns {
   int64_t batch, channels, inner;
   explicit ChannelRuns(const Tensor& x)
-      : batch(x.size(0)), channels(x.size(1)), inner(x.numel() / std::max<int64_t>(
-                                                   x.size(0) * x.size(1), 1)) {}
+      : batch(x.size(0)),
+        channels(x.size(1)),
+        inner(x.numel() / std::max<int64_t>(x.size(0) * x.size(1), 1)) {}
   int64_t count() const { return batch * inner; }  // values per channel
 };
 
@@ -159,7 +160,8 @@ template <typename T>
 std::vector<double> inv_std(const Tensor& var, double eps) {
   const T* pv = var.data<T>();
   std::vector<double> out(static_cast<size_t>(var.numel()));
-  for (size_t c = 0; c < out.size(); ++c) out[c] = 1.0 / std::sqrt(static_cast<double>(pv[c]) + eps);
+  for (size_t c = 0; c < out.size(); ++c)
+    out[c] = 1.0 / std::sqrt(static_cast<double>(pv[c]) + eps);
   return out;
 }
 
@@ -278,9 +280,8 @@ void batch_norm_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, c
 
 void layer_norm_kernel(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x,
                        const Tensor& weight, const Tensor& bias, double eps) {
-  dispatch_float(x.dtype(), "layer_norm", [&]<typename T>() {
-    layer_norm_forward<T>(y, mean, rstd, x, weight, bias, eps);
-  });
+  dispatch_float(x.dtype(), "layer_norm",
+                 [&]<typename T>() { layer_norm_forward<T>(y, mean, rstd, x, weight, bias, eps); });
 }
 
 void layer_norm_backward_kernel(const Tensor& dx, const Tensor& dweight, const Tensor& dbias,
@@ -297,9 +298,8 @@ void batch_norm_stats_kernel(const Tensor& mean, const Tensor& var, const Tensor
 
 void batch_norm_kernel(const Tensor& y, const Tensor& x, const Tensor& mean, const Tensor& var,
                        const Tensor& weight, const Tensor& bias, double eps) {
-  dispatch_float(x.dtype(), "batch_norm", [&]<typename T>() {
-    batch_norm_apply<T>(y, x, mean, var, weight, bias, eps);
-  });
+  dispatch_float(x.dtype(), "batch_norm",
+                 [&]<typename T>() { batch_norm_apply<T>(y, x, mean, var, weight, bias, eps); });
 }
 
 void batch_norm_backward_kernel(const Tensor& dx, const Tensor& dweight, const Tensor& dbias,

@@ -108,8 +108,8 @@ void pool2d_kernel(PoolKind kind, const Tensor& out, const Tensor& indices, cons
   });
 }
 
-void pool2d_backward_kernel(PoolKind kind, const Tensor& dx, const Tensor& g,
-                            const Tensor& indices, const ConvGeometry& geo) {
+void pool2d_backward_kernel(PoolKind kind, const Tensor& dx, const Tensor& g, const Tensor& indices,
+                            const ConvGeometry& geo) {
   const int64_t L = geo.out_plane(), in_plane = geo.height * geo.width;
   const int64_t planes = dx.numel() / std::max<int64_t>(in_plane, 1);
   const char* op = kind == PoolKind::max ? "max_pool2d backward" : "avg_pool2d backward";
