@@ -1,14 +1,12 @@
 // Which device types have a kernel table in this build, and the error for a missing kernel.
 #include "ops/kernels.h"
 
-#include "ops/cpu/kernels.h"
-
 namespace lockstep::detail {
 
-const Kernels* kernels_of(DeviceType type) {
+const Kernels* device_kernels(DeviceType type) {
   switch (type) {
     case DeviceType::cpu:
-      return &cpu::kernels();
+      return &kCpuKernels;
     case DeviceType::cuda:
       return nullptr;  // the CUDA build adds its table here (src/ops/cuda/)
   }

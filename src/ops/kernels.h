@@ -213,9 +213,18 @@ struct Kernels {
 #undef LS_KERNEL_ENTRY
 };
 
-// The table of a device type, or nullptr when this build has none (a CPU-only build asked for
-// cuda). Defined in src/ops/kernels.cpp, the one place that knows which device tables exist.
-const Kernels* kernels_of(DeviceType type);
+// The CPU's table, built at compile time (src/ops/cpu/kernels.cpp): looking up a CPU kernel is
+// two loads, no call and no guard, since tiny ops pay for every instruction here.
+extern const Kernels kCpuKernels;
+
+// The table of any other device type, or nullptr when this build has none (a CPU-only build asked
+// for cuda). Defined in src/ops/kernels.cpp, the one place that knows which device tables exist.
+const Kernels* device_kernels(DeviceType type);
+
+inline const Kernels* kernels_of(DeviceType type) {
+  if (type == DeviceType::cpu) [[likely]] return &kCpuKernels;
+  return device_kernels(type);
+}
 
 [[noreturn]] void throw_no_kernel(const char* op, const Device& device, bool device_has_table);
 
@@ -227,6 +236,5 @@ Fn kernel(Fn Kernels::*entry, const Device& device, const char* op) {
   if (table != nullptr && table->*entry != nullptr) [[likely]] return table->*entry;
   throw_no_kernel(op, device, table != nullptr);
 }
-
 
 }  // namespace lockstep::detail

@@ -4,7 +4,7 @@
 namespace lockstep::cpu {
 
 namespace {
-Kernels make_table() {
+constexpr Kernels make_table() {
   Kernels t;
   // One section per area, in the order of Kernels' sections (src/ops/kernels.h).
   // -- tensor methods, creation, copies --
@@ -61,9 +61,9 @@ Kernels make_table() {
 }
 }  // namespace
 
-const Kernels& kernels() {
-  static const Kernels table = make_table();
-  return table;
-}
-
 }  // namespace lockstep::cpu
+
+namespace lockstep::detail {
+// constinit: the table is data in the binary, complete before any static initializer runs.
+constinit const Kernels kCpuKernels = cpu::make_table();
+}  // namespace lockstep::detail

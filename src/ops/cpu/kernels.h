@@ -13,8 +13,7 @@ using detail::ReducePlan;
 using detail::ScalarOp;
 using detail::UnaryOp;
 
-// The CPU table (Note [Kernel tables] in src/ops/kernels.h), built once.
-const Kernels& kernels();
+// The table itself is detail::kCpuKernels (Note [Kernel tables] in src/ops/kernels.h).
 
 // Kernel declarations, one section per area, in the order of Kernels' sections.
 
