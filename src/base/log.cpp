@@ -165,7 +165,8 @@ void log_write(LogLevel level, std::string_view msg) {
     return;
   }
   std::fflush(stdout);  // what the program printf'ed before this line comes before it
-  if (g_progress_line_open.exchange(false)) write_all(1, "\n");  // Note [Open progress line]
+  // Note [Open progress line] in include/lockstep/base/log.h
+  if (g_progress_line_open.exchange(false)) write_all(1, "\n");
   write_all(level >= LogLevel::kWarning ? 2 : 1, text);
 }
 

@@ -49,7 +49,8 @@ std::exception_ptr Work::exception() const {
 
 namespace {
 
-// Yields until `ready` is true or kSpinBeforeSleep passed; Note [Spin before sleeping].
+// Yields until `ready` is true or kSpinBeforeSleep passed; Note [Spin before sleeping] in
+// include/lockstep/distributed/process_group.h.
 void spin_until(const std::atomic<bool>& ready) {
   const auto until = std::chrono::steady_clock::now() + kSpinBeforeSleep;
   while (!ready.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < until) {

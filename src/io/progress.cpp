@@ -213,7 +213,8 @@ void Progress::draw(bool final) {
   if (opts_.fd == 1) std::fflush(stdout);  // the program's own output first
   write_all(opts_.fd, out);
   line_open_ = !final;
-  if (opts_.fd == 1) detail::set_progress_line_open(!final);  // Note [Open progress line]
+  // Note [Open progress line] in include/lockstep/base/log.h
+  if (opts_.fd == 1) detail::set_progress_line_open(!final);
   pending_ = false;
 }
 

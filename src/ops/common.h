@@ -20,7 +20,8 @@ inline void check_defined(const Tensor& t, const char* op, const char* what = "i
 }
 
 // Options for a new tensor of `dtype` on `like`'s device: fronts allocate where their inputs
-// live, so that the kernel of that device (Note [Kernel tables]) can fill it.
+// live, so that the kernel of that device (Note [Kernel tables] in src/ops/kernels.h) can fill
+// it.
 inline TensorOptions options_on(const Tensor& like, DType dtype) {
   return TensorOptions(dtype).with_device(like.device());
 }

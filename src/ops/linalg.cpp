@@ -75,8 +75,8 @@ Dims broadcast_batch(const Tensor& a, const Tensor& b, const char* op) {
 }
 
 // matmul's value without autograd; a and b are checked, detached and of one floating dtype.
-// This is matmul's one kernel call (Note [Kernel tables]); 16-bit floats come back from the
-// kernel in f32 and are rounded once.
+// This is matmul's one kernel call (Note [Kernel tables] in src/ops/kernels.h); 16-bit floats
+// come back from the kernel in f32 and are rounded once.
 Tensor matmul_nograd(const Tensor& a, const Tensor& b, const char* op = "matmul") {
   const auto gemm = detail::kernel(&Kernels::gemm, a.device(), op);
   const Tensor a2 = a.dim() == 1 ? a.unsqueeze(0) : a;  // (1, k)

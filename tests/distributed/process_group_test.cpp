@@ -109,7 +109,8 @@ struct BackendSide : ProcessGroup {
 TEST(Work, ABackendCompletesItAndWaitRethrowsItsError) {
   Work ok("test op #1", 1);
   int hooked = 0;
-  // Runs the "collective" on the waiting thread, as Gloo's hook does (Note [Caller runs]).
+  // Runs the "collective" on the waiting thread, as Gloo's hook does (Note [Caller runs] in
+  // src/distributed/gloo/process_group_gloo.cpp).
   BackendSide::work_set_wait_hook(ok, [&](const Work& w) {
     hooked += &w == &ok;
     BackendSide::work_finish(ok);

@@ -268,7 +268,8 @@ class RedirectStdout {
   int saved_;
 };
 
-// Note [Open progress line]: a log line while the bar is drawn starts on a line of its own.
+// Note [Open progress line] (include/lockstep/base/log.h): a log line while the bar is drawn
+// starts on a line of its own.
 TEST(Progress, ALogLineEndsTheOpenBarLineFirst) {
   const fs::path path = temp_file("progress_and_log");
   set_log_sink(nullptr);

@@ -123,7 +123,8 @@ TEST(BatchNorm, NonContiguousInputAndLargeOffsetStatistics) {
   expect_near_all(batch_norm(x, Tensor(), Tensor(), Tensor(), Tensor(), true),
                   naive_normalize(xv, 5, 3, 8, naive_stats(xv, 5, 3, 8), {}, {}, 1e-5), 3e-5,
                   "non-contiguous");
-  // |mean| >> std: the statistics must not cancel (Note [Batch statistics in one pass]).
+  // |mean| >> std: the statistics must not cancel (Note [Batch statistics in one pass] in
+  // src/ops/cpu/norm.cpp).
   Tensor big = add(mul(randn({64, 2}, gen, kFloat64), 1e-3), 1e6);
   Tensor rm = zeros({2}, kFloat64), rv = zeros({2}, kFloat64);
   (void)batch_norm(big, rm, rv, Tensor(), Tensor(), true, 1.0, 0.0);

@@ -1,6 +1,6 @@
-// bf16 matrix products (oneDNN where the build and the CPU have it, Note [bf16 GEMM]): every
-// operand layout BLAS takes, batches, linear with and without bias, and gradients, against a
-// double-precision product of the same bf16 values.
+// bf16 matrix products (oneDNN where the build and the CPU have it, Note [bf16 GEMM] in
+// src/ops/cpu/bf16_gemm.cpp): every operand layout BLAS takes, batches, linear with and without
+// bias, and gradients, against a double-precision product of the same bf16 values.
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -99,8 +99,8 @@ TEST(Bf16Matmul, EmptyShapes) {
 
 namespace {
 
-// conv2d on bf16 (Note [bf16 conv]): forward and the three gradients against the f64 conv of
-// the same bf16 values, with padding, stride, dilation and groups.
+// conv2d on bf16 (Note [bf16 conv] in src/ops/cpu/conv.cpp): forward and the three gradients
+// against the f64 conv of the same bf16 values, with padding, stride, dilation and groups.
 TEST(Bf16Conv, ForwardAndGradientsMatchTheDoubleConv) {
   struct Case {
     Dims x, w;

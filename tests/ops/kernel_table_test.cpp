@@ -1,5 +1,6 @@
-// The kernel table (Note [Kernel tables]): every front finds its kernel by device, and a device
-// without a kernel is an error naming the op and the device, before any data is touched.
+// The kernel table (Note [Kernel tables] in src/ops/kernels.h): every front finds its kernel by
+// device, and a device without a kernel is an error naming the op and the device, before any
+// data is touched.
 #include <cstring>
 
 #include "../../src/ops/kernels.h"  // the seam is internal to the library; tested from here

@@ -239,7 +239,8 @@ TEST(Matmul, BatchedWithBroadcasting) {
   }
 }
 
-// Enough small products that the batch is split across threads (Note [Batched GEMM threading]).
+// Enough small products that the batch is split across threads (Note [Batched GEMM threading] in
+// src/ops/cpu/gemm.cpp).
 TEST(Matmul, ManySmallBatchedProducts) {
   Generator gen(13);
   const int64_t nb = 600, m = 17, k = 32, n = 31;

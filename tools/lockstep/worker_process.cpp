@@ -77,7 +77,7 @@ void LineSplitter::feed(const char* data, size_t n) {
       last_segment_.clear();
       continue;
     }
-    if (c == '\r') {  // Note [Carriage returns]
+    if (c == '\r') {  // Note [Carriage returns] in worker_process.h
       if (!partial_.empty()) {
         if (redraw_) redraw_(partial_);
         last_segment_.swap(partial_);

@@ -87,8 +87,8 @@ class Work {
   // on the thread that executes the group's collectives).
   void then(std::function<void()> fn);
   // Called by wait() (not by wait(timeout)) before it blocks, with this Work: a backend may run
-  // queued collectives on the waiting thread (Note [Caller runs] in distributed/gloo). Set before
-  // the collective is queued.
+  // queued collectives on the waiting thread (Note [Caller runs] in
+  // src/distributed/gloo/process_group_gloo.cpp). Set before the collective is queued.
   void set_wait_hook(std::function<void(const Work&)> hook) { wait_hook_ = std::move(hook); }
   // Called once by the backend; `error` null on success.
   void finish(std::exception_ptr error = nullptr);
@@ -175,7 +175,8 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   std::string who() const;
 
   // A backend's side of Work (callers only wait): completes `work` (once; `error` null on
-  // success), and installs the hook its wait() runs before blocking (Note [Caller runs]).
+  // success), and installs the hook its wait() runs before blocking (Note [Caller runs] in
+  // src/distributed/gloo/process_group_gloo.cpp).
   static void work_finish(Work& work, std::exception_ptr error = nullptr) { work.finish(error); }
   static void work_set_wait_hook(Work& work, std::function<void(const Work&)> hook) {
     work.set_wait_hook(std::move(hook));

@@ -1,4 +1,4 @@
-// The TCP store's wire format: building and parsing frames (Note [Store frames]).
+// The TCP store's wire format: building and parsing frames (Note [Store frames] in protocol.h).
 #include "distributed/store/protocol.h"
 
 #include <cstring>

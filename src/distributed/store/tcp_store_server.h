@@ -22,9 +22,10 @@ namespace lockstep::dist::detail {
 // that thread: the request parks its connection as a waiter (registered under one missing key)
 // with a deadline, and the set that makes the key exist answers it; the earliest deadline bounds
 // poll(). While a connection has a parked request, its later frames stay buffered, so replies
-// keep request order. A connection that breaks the protocol (Note [Store frames]) or, with a
-// token, does not present it first, is closed; nothing it sent before is undone, and no other
-// connection notices. The destructor wakes poll() through a pipe and joins the thread.
+// keep request order. A connection that breaks the protocol (Note [Store frames] in
+// protocol.h) or, with a token, does not present it first, is closed; nothing it sent before
+// is undone, and no other connection notices. The destructor wakes poll() through a pipe and
+// joins the thread.
 class TCPStoreServer {
  public:
   // Listens on `port` (0: a free one). An empty token admits everyone.
