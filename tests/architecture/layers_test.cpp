@@ -82,7 +82,8 @@ struct Violation {
 
 std::vector<Violation> check_tree(const fs::path& root) {
   std::vector<Violation> found;
-  const std::regex include_re(R"re(^\s*#\s*include\s*"([^"]+)")re");
+  // "..." includes, and <lockstep/...> ones (the angle spelling of a public header).
+  const std::regex include_re(R"re(^\s*#\s*include\s*(?:"([^"]+)"|<(lockstep/[^>]+)>))re");
   for (const char* dir : {"src", "include", "tools", "examples"}) {
     if (!fs::exists(root / dir)) continue;
     for (const auto& entry : fs::recursive_directory_iterator(root / dir)) {
@@ -102,10 +103,16 @@ std::vector<Violation> check_tree(const fs::path& root) {
       for (int n = 1; std::getline(in, line); ++n) {
         std::smatch m;
         if (!std::regex_search(line, m, include_re)) continue;
-        const std::string target = m[1];
-        // A bare name ("agent.h") is a file beside this one: the same layer.
-        if (target.find('/') == std::string::npos) continue;
-        const std::string to = layer_of(target);
+        const std::string target = m[1].matched ? m[1].str() : m[2].str();
+        // A bare name ("agent.h") or a relative path ("../x.h") names a file beside this one:
+        // its layer is that of the file it resolves to (src/autograd/ holds two layers).
+        const bool relative = target.find('/') == std::string::npos ||
+                              target.rfind("../", 0) == 0 || target.rfind("./", 0) == 0;
+        const std::string to =
+            relative
+                ? layer_of(
+                      (fs::path(rel).parent_path() / target).lexically_normal().generic_string())
+                : layer_of(target);
         if (to.empty() || to == from) continue;
         const Layer dst = *find_layer(to);
         if (dst.rank < src.rank) continue;
@@ -150,6 +157,8 @@ TEST(Layers, CheckerFindsUpwardPeerAndUnknown) {
         "#include \"lockstep/distributed/process_group.h\"\n");
   write("src/distributed/ddp.cpp", "#include \"distributed/store/socket.h\"\n");
   write("src/widgets/w.cpp", "\n");
+  write("src/autograd/grad_mode.cpp", "#include \"engine.h\"\n#include \"node.h\"\n");
+  write("src/data/x.cpp", "#include <lockstep/amp/grad_scaler.h>\n#include \"../ops/common.h\"\n");
   write("tools/lockstep/main.cpp", "#include \"lockstep/lockstep.h\"\n#include \"agent.h\"\n");
   const std::vector<Violation> found = check_tree(root);
   fs::remove_all(root);
@@ -157,8 +166,13 @@ TEST(Layers, CheckerFindsUpwardPeerAndUnknown) {
   for (const Violation& v : found) where.push_back(v.where);
   std::sort(where.begin(), where.end());
   const std::vector<std::string> expected = {
-      "src/autograd/node.cpp:1", "src/distributed/store/tcp_store.cpp:1", "src/nn/layers.cpp:1",
-      "src/tensor/tensor.cpp:3", "src/widgets/w.cpp"};
+      "src/autograd/grad_mode.cpp:1",  // "engine.h" beside it is the engine, above ops
+      "src/autograd/node.cpp:1",
+      "src/data/x.cpp:1",  // <lockstep/amp/...>; its "../ops/common.h" points down
+      "src/distributed/store/tcp_store.cpp:1",
+      "src/nn/layers.cpp:1",
+      "src/tensor/tensor.cpp:3",
+      "src/widgets/w.cpp"};
   EXPECT_EQ(where, expected);
 }
 
