@@ -12,8 +12,8 @@
 #include <memory>
 #include <mutex>
 
+#include "lockstep/base/syscall.h"
 #include "lockstep/base/worker_env.h"
-
 
 namespace lockstep {
 
@@ -34,15 +34,6 @@ std::shared_ptr<const LogSink> g_sink;
 std::shared_ptr<const LogSink> current_sink() {
   std::lock_guard<std::mutex> lock(g_sink_mutex);
   return g_sink;
-}
-
-void write_all(int fd, std::string_view s) {
-  while (!s.empty()) {
-    const ssize_t n = ::write(fd, s.data(), s.size());
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;  // a closed stdout must not take the program down with it
-    s.remove_prefix(static_cast<size_t>(n));
-  }
 }
 
 // "2026-12-02T20:41:07.123Z"
@@ -166,8 +157,8 @@ void log_write(LogLevel level, std::string_view msg) {
   }
   std::fflush(stdout);  // what the program printf'ed before this line comes before it
   // Note [Open progress line] in include/lockstep/base/log.h
-  if (g_progress_line_open.exchange(false)) write_all(1, "\n");
-  write_all(level >= LogLevel::kWarning ? 2 : 1, text);
+  if (g_progress_line_open.exchange(false)) write_best_effort(1, "\n");
+  write_best_effort(level >= LogLevel::kWarning ? 2 : 1, text);
 }
 
 }  // namespace detail

@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "lockstep/base/log.h"
+#include "lockstep/base/syscall.h"
 #include "lockstep/base/worker_env.h"
 
 namespace lockstep::io {
@@ -23,16 +24,6 @@ constexpr const char* kEraseToEol = "\x1b[K";
 // Marks kept per rate window: enough for a smooth rate, few enough that a fast loop (thousands
 // of steps a second) does not keep one per step.
 constexpr double kMarksPerWindow = 50;
-
-void write_all(int fd, const std::string& s) {
-  size_t done = 0;
-  while (done < s.size()) {
-    const ssize_t n = ::write(fd, s.data() + done, s.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;  // a closed terminal must not stop the training
-    done += static_cast<size_t>(n);
-  }
-}
 
 std::string printf_str(const char* fmt, double v) {
   char buf[64];
@@ -211,7 +202,7 @@ void Progress::draw(bool final) {
   std::string out = tty_fd_ ? "\r" + text + kEraseToEol : text;
   out += final ? "\n" : (tty_fd_ ? "" : "\r");
   if (opts_.fd == 1) std::fflush(stdout);  // the program's own output first
-  write_all(opts_.fd, out);
+  write_best_effort(opts_.fd, out);
   line_open_ = !final;
   // Note [Open progress line] in include/lockstep/base/log.h
   if (opts_.fd == 1) detail::set_progress_line_open(!final);

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <csignal>
 #include <string>
 
 namespace lockstep {
@@ -73,6 +74,25 @@ TEST(Syscall, RetryOnEintrStopsAtTheFirstOtherResult) {
   EXPECT_EQ(r, -1);
   EXPECT_EQ(errno, EIO);
   EXPECT_EQ(calls, 1);
+}
+
+TEST(Syscall, WriteBestEffortWritesEverythingAndReportsADeadReader) {
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  Fd r(fds[0]), w(fds[1]);
+  EXPECT_TRUE(write_best_effort(w.get(), "hello"));
+  char buf[8] = {};
+  ASSERT_EQ(::read(r.get(), buf, sizeof buf), 5);
+  EXPECT_STREQ(buf, "hello");
+  r.reset();
+  // A reader gone: EPIPE, reported as false (SIGPIPE ignored here, as a launcher does).
+  struct sigaction ignore {}, old {};
+  ignore.sa_handler = SIG_IGN;
+  ASSERT_EQ(::sigaction(SIGPIPE, &ignore, &old), 0);
+  EXPECT_FALSE(write_best_effort(w.get(), "lost"));
+  ::sigaction(SIGPIPE, &old, nullptr);
+  EXPECT_FALSE(write_best_effort(-1, "x"));
+  EXPECT_TRUE(write_best_effort(-1, ""));  // nothing to write: nothing fails
 }
 
 TEST(Fd, ClosesOnDestructionAndMovesOwnership) {

@@ -13,16 +13,6 @@ namespace lockstep::launch {
 
 namespace {
 
-void write_all(int fd, const std::string& s) {
-  size_t done = 0;
-  while (done < s.size()) {
-    const ssize_t n = ::write(fd, s.data() + done, s.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;  // a closed terminal must not stop the job
-    done += static_cast<size_t>(n);
-  }
-}
-
 std::string prefix(int rank) { return "[rank" + std::to_string(rank) + "]: "; }
 
 }  // namespace
@@ -50,13 +40,13 @@ Terminal::Terminal() {
 }
 
 void Terminal::end_open_line() {
-  if (open_line_) write_all(open_line_->fd, "\n");
+  if (open_line_) write_best_effort(open_line_->fd, "\n");
   open_line_.reset();
 }
 
 void Terminal::say(const std::string& msg) {
   if (is_tty(2)) end_open_line();
-  write_all(2, "lockstep run: " + msg + "\n");
+  write_best_effort(2, "lockstep run: " + msg + "\n");
 }
 
 void Terminal::line(int rank, int fd, const std::string& text) {
@@ -64,19 +54,19 @@ void Terminal::line(int rank, int fd, const std::string& text) {
   if (is_tty(fd) && open_line_) {
     if (open_line_->rank == rank && open_line_->fd == fd) {  // Note [Redrawn lines]
       open_line_.reset();
-      write_all(fd, "\r" + prefixed + kEraseToEol + "\n");
+      write_best_effort(fd, "\r" + prefixed + kEraseToEol + "\n");
       return;
     }
     end_open_line();
   }
   // One write per line: lines of different workers never mix.
-  write_all(fd, prefixed + "\n");
+  write_best_effort(fd, prefixed + "\n");
 }
 
 void Terminal::redraw(int rank, int fd, const std::string& segment) {
   if (!is_tty(fd)) return;  // Note [Redrawn lines]
   if (open_line_ && (open_line_->rank != rank || open_line_->fd != fd)) end_open_line();
-  write_all(fd, "\r" + prefix(rank) + segment + kEraseToEol);
+  write_best_effort(fd, "\r" + prefix(rank) + segment + kEraseToEol);
   open_line_ = OpenLine{rank, fd};
 }
 
@@ -110,7 +100,7 @@ void WorkerOutput::on_line(bool is_err, const std::string& line) {
   tail_.push_back(line);
   if (tail_.size() > kTailLines) tail_.pop_front();
   const Fd& log = is_err ? err_log_ : out_log_;
-  if (log) write_all(log.get(), line + "\n");
+  if (log) write_best_effort(log.get(), line + "\n");
   if (to_terminal_) terminal_.line(rank_, is_err ? 2 : 1, line);
 }
 

@@ -5,6 +5,7 @@
 #include <cerrno>
 #include <initializer_list>
 #include <string>
+#include <string_view>
 
 #include "lockstep/base/error.h"
 
@@ -30,6 +31,11 @@ auto retry_on_eintr(const F& f) {
     if (r != -1 || errno != EINTR) return r;
   }
 }
+
+// Writes all of `s` to `fd`, going on after short writes and EINTR. Output to a terminal or a
+// pipe is best effort: a descriptor that fails (a closed terminal, a reader gone) ends the write
+// and returns false, and never throws, so losing the screen never stops a training run.
+bool write_best_effort(int fd, std::string_view s);
 
 // Owns one file descriptor; closes it on destruction (errors from close are ignored there: a
 // destructor never throws). close() reports them for callers that must know (a file written
