@@ -3,7 +3,7 @@
 // data is touched.
 #include <cstring>
 
-#include "../../src/ops/kernels.h"  // the seam is internal to the library; tested from here
+#include "ops/kernels.h"  // internal to the library: test_ops has src/ on its include path
 #include "testing.h"
 
 using namespace lockstep;
