@@ -17,8 +17,7 @@ Allocator* allocator_for(Device d) {
 
 // Validates a shape and returns its size in bytes for `dtype`, refusing overflow.
 size_t checked_nbytes(const Dims& shape, DType dtype, const char* op) {
-  for (int64_t s : shape)
-    LS_CHECK(s >= 0, op, ": negative dimension in shape ", shape.str());
+  for (int64_t s : shape) LS_CHECK(s >= 0, op, ": negative dimension in shape ", shape.str());
   int64_t bytes = 0;
   LS_CHECK(!__builtin_mul_overflow(shape.numel(), dtype_size(dtype), &bytes), op, ": shape ",
            shape.str(), " of ", dtype_name(dtype), " needs more bytes than fit in 64 bits");
@@ -57,8 +56,12 @@ Tensor zeros(const Dims& shape, TensorOptions opts) {
   return t;
 }
 
-Tensor empty_like(const Tensor& t) { return empty(t.shape(), TensorOptions(t.dtype()).with_device(t.device())); }
-Tensor zeros_like(const Tensor& t) { return zeros(t.shape(), TensorOptions(t.dtype()).with_device(t.device())); }
+Tensor empty_like(const Tensor& t) {
+  return empty(t.shape(), TensorOptions(t.dtype()).with_device(t.device()));
+}
+Tensor zeros_like(const Tensor& t) {
+  return zeros(t.shape(), TensorOptions(t.dtype()).with_device(t.device()));
+}
 
 Tensor from_buffer(const void* data, const Dims& shape, DType dtype) {
   Tensor t = empty(shape, dtype);
@@ -70,8 +73,8 @@ Tensor borrow(void* data, const Dims& shape, DType dtype, Device device) {
   const size_t nbytes = checked_nbytes(shape, dtype, "borrow");
   LS_CHECK(data != nullptr || shape.numel() == 0, "borrow: null data for shape ", shape.str());
   auto storage = std::make_shared<StorageImpl>(data, nbytes, device);
-  return Tensor(std::make_shared<TensorImpl>(std::move(storage), shape, contiguous_strides(shape),
-                                             0, dtype));
+  return Tensor(
+      std::make_shared<TensorImpl>(std::move(storage), shape, contiguous_strides(shape), 0, dtype));
 }
 
 }  // namespace lockstep

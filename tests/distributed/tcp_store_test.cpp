@@ -49,7 +49,8 @@ std::unique_ptr<TCPStore> client(uint16_t port, std::optional<std::string> token
 // A port that was free a moment ago (a server picked it, then went away).
 uint16_t free_port() { return server()->port(); }
 
-// The wire format written out independently of src/distributed/store/protocol.h, from its Note [Store frames].
+// The wire format written out independently of src/distributed/store/protocol.h, from its
+// Note [Store frames].
 struct Frame {
   std::vector<uint8_t> bytes;
   explicit Frame(uint8_t op, uint8_t magic = 0x4C, uint8_t version = 1) {

@@ -96,10 +96,11 @@ Tensor autocast_call(CastPolicy policy, const F& f, const Args&... args) {
 // an enabled autocast scope it returns `fn(args...)` with the Tensor arguments cast per the op's
 // policy (Note [Autocast policy] in src/ops/autocast.cpp; the policy is looked up once per call
 // site); outside one it does nothing and the op goes on.
-#define LS_AUTOCAST(name, fn, ...)                                                              \
-  if (::lockstep::amp::is_autocast_enabled()) {                                                 \
-    static const ::lockstep::amp::CastPolicy ls_autocast_policy_ =                              \
-        ::lockstep::amp::cast_policy(name);                                                     \
-    return ::lockstep::amp::detail::autocast_call(                                              \
-        ls_autocast_policy_, [&](const auto&... ls_args_) { return fn(ls_args_...); }, __VA_ARGS__); \
+#define LS_AUTOCAST(name, fn, ...)                                                     \
+  if (::lockstep::amp::is_autocast_enabled()) {                                        \
+    static const ::lockstep::amp::CastPolicy ls_autocast_policy_ =                     \
+        ::lockstep::amp::cast_policy(name);                                            \
+    return ::lockstep::amp::detail::autocast_call(                                     \
+        ls_autocast_policy_, [&](const auto&... ls_args_) { return fn(ls_args_...); }, \
+        __VA_ARGS__);                                                                  \
   }

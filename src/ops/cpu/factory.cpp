@@ -21,12 +21,12 @@ void fill_indexed(const Tensor& t, const F& f) {
 
 void arange_kernel(const Tensor& t, double start, double step) {
   dispatch_all(t.dtype(), "arange", [&]<typename T>() {
-    fill_indexed<T>(t, [&](int64_t i) { return convert<T>(start + static_cast<double>(i) * step); });
+    fill_indexed<T>(t,
+                    [&](int64_t i) { return convert<T>(start + static_cast<double>(i) * step); });
   });
 }
 
-void rand_uniform_kernel(const Tensor& t, uint64_t seed, uint64_t start, double low,
-                         double high) {
+void rand_uniform_kernel(const Tensor& t, uint64_t seed, uint64_t start, double low, double high) {
   const double span = high - low;
   dispatch_all(t.dtype(), "rand", [&]<typename T>() {
     fill_indexed<T>(t, [&](int64_t i) {
