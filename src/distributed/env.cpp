@@ -1,7 +1,9 @@
 // read_dist_env(): this process's place in the job from torchrun's, SLURM's or Open MPI's
 // variables.
+#include <algorithm>
 #include <cctype>
 #include <charconv>
+#include <cmath>
 #include <cstdlib>
 
 #include "lockstep/base/error.h"
@@ -86,6 +88,20 @@ std::optional<int> leading_count(const std::optional<std::string>& s) {
   return x;
 }
 
+// LOCKSTEP_RENDEZVOUS_TIMEOUT: seconds, fractions allowed.
+std::optional<std::chrono::milliseconds> rendezvous_timeout(const Reader& vars) {
+  auto v = vars.str(env::kRendezvousTimeout);
+  if (!v) return std::nullopt;
+  double s = 0;
+  auto [p, ec] = std::from_chars(v->data(), v->data() + v->size(), s);
+  LS_CHECK(ec == std::errc() && p == v->data() + v->size() && std::isfinite(s),
+           env::kRendezvousTimeout, "='", *v, "' is not a number of seconds (expected e.g. 300)");
+  LS_CHECK(s >= kMinRendezvousTimeoutS && s <= kMaxRendezvousTimeoutS, env::kRendezvousTimeout, "=",
+           *v, " is out of range: expected from ", kMinRendezvousTimeoutS, " to ",
+           kMaxRendezvousTimeoutS, " seconds (a week)");
+  return std::chrono::milliseconds(std::max<int64_t>(1, static_cast<int64_t>(s * 1000)));
+}
+
 void check_consistent(const DistEnv& e, const std::string& vars) {
   LS_CHECK(e.world_size >= 1, vars, ": the world size must be >= 1, got ", e.world_size);
   LS_CHECK(e.rank < e.world_size, vars, ": rank ", e.rank, " must be < world size ", e.world_size);
@@ -104,6 +120,7 @@ DistEnv read_dist_env(const EnvLookup& lookup) {
   e.agent_store = vars.str(env::kUseAgentStore).value_or("0") == "1";
   e.restart_count = vars.integer(env::kRestartCount, 0, 1 << 30).value_or(0);
   e.run_id = vars.str(env::kRunId).value_or("");
+  e.rendezvous_timeout = rendezvous_timeout(vars);
   e.socket_ifname = vars.str(env::kSocketIfname).value_or(vars.str(kGlooSocketIfname).value_or(""));
   const auto master_addr = vars.str(env::kMasterAddr);
   const auto master_port = vars.integer(env::kMasterPort, 1, 65535);

@@ -136,6 +136,11 @@ World connect_world(DistEnv env, const InitOptions& opts) {
     return w;
   }
 
+  const auto rendezvous_timeout = opts.rendezvous_timeout.value_or(
+      env.rendezvous_timeout.value_or(std::min(opts.timeout, kDefaultRendezvousTimeout)));
+  LS_CHECK(rendezvous_timeout.count() > 0,
+           "InitOptions: expected a positive rendezvous_timeout, got ", rendezvous_timeout.count(),
+           " ms");
   std::shared_ptr<Store> store = opts.store;
   if (!store) {
     TCPStoreOptions so;
@@ -143,8 +148,18 @@ World connect_world(DistEnv env, const InitOptions& opts) {
     so.port = env.master_port;
     so.is_server = env.rank == 0 && !env.agent_store;
     so.wait_for_workers = false;
-    so.timeout = opts.timeout;
-    store = std::make_shared<TCPStore>(so);
+    so.timeout = rendezvous_timeout;  // connecting (Note [Waiting for the store])
+    try {
+      store = std::make_shared<TCPStore>(so);
+    } catch (const Error& e) {
+      std::string what = " cannot reach rank 0's rendezvous store";
+      if (so.is_server) what = " cannot host the rendezvous store";
+      if (env.agent_store) what = " cannot reach the launcher's rendezvous store";
+      LS_THROW("rank ", env.rank, " of ", env.world_size, what, " at ", env::kMasterAddr, ":",
+               env::kMasterPort, " = ", env.master_addr, ":", env.master_port, ": ", e.message(),
+               " (the rendezvous timeout is set by ", env::kRendezvousTimeout, ", in seconds)");
+    }
+    store->set_timeout(opts.timeout);
   }
   // A launcher's store outlives restarts: each generation joins under its own keys.
   w.store = std::make_shared<PrefixStore>(
@@ -162,7 +177,7 @@ World connect_world(DistEnv env, const InitOptions& opts) {
     w.store->set("error", lockstep::detail::str_cat("rank ", env.rank, ": ", e.message()));
     throw;
   }
-  join(*w.store, env, opts.timeout);
+  join(*w.store, env, rendezvous_timeout);
 
   BackendConfig config;
   config.store = std::make_shared<PrefixStore>("group/world", w.store);

@@ -6,6 +6,7 @@
 #include "lockstep/distributed/gloo/process_group_gloo.h"
 #include "lockstep/distributed/init.h"
 #include "lockstep/distributed/store/hash_store.h"
+#include "lockstep/distributed/store/tcp_store.h"
 #include "testing.h"
 
 using namespace lockstep;
@@ -168,6 +169,62 @@ TEST(ReadDistEnv, SocketInterfaceOverride) {
   EXPECT_EQ(read_dist_env(env_of({{"GLOO_SOCKET_IFNAME", "ib0"}, {"LOCKSTEP_SOCKET_IFNAME", "e"}}))
                 .socket_ifname,
             "e");
+}
+
+TEST(ReadDistEnv, RendezvousTimeoutIsInSecondsAndChecked) {
+  EXPECT_EQ(read_dist_env(env_of({})).rendezvous_timeout, std::nullopt);
+  EXPECT_EQ(read_dist_env(env_of({{"LOCKSTEP_RENDEZVOUS_TIMEOUT", "2.5"}})).rendezvous_timeout,
+            2500ms);
+  EXPECT_EQ(read_dist_env(env_of({{"LOCKSTEP_RENDEZVOUS_TIMEOUT", "300"}})).rendezvous_timeout,
+            300s);
+  for (const char* bad : {"abc", "5s", "nan", "inf", " 5"}) {
+    expect_error(
+        [&] {
+          read_dist_env(env_of({{"LOCKSTEP_RENDEZVOUS_TIMEOUT", bad}}));
+        },
+        {std::string("LOCKSTEP_RENDEZVOUS_TIMEOUT='") + bad + "' is not a number of seconds"});
+  }
+  for (const char* bad : {"0", "-5", "1e9"}) {
+    expect_error(
+        [&] {
+          read_dist_env(env_of({{"LOCKSTEP_RENDEZVOUS_TIMEOUT", bad}}));
+        },
+        {std::string("LOCKSTEP_RENDEZVOUS_TIMEOUT=") + bad + " is out of range", "seconds"});
+  }
+}
+
+// A rank whose rank 0 never comes (nothing listens at MASTER_ADDR:MASTER_PORT), or whose
+// MASTER_ADDR does not resolve, fails at the rendezvous timeout saying so, not at the
+// collectives' 30 minutes.
+TEST(ConnectWorld, ARankThatCannotReachTheStoreFailsAtTheRendezvousTimeoutNamingTheCause) {
+  uint16_t port = 0;
+  {
+    TCPStoreOptions so;
+    so.port = 0;
+    so.is_server = true;
+    so.token = "";
+    port = TCPStore(so).port();  // free a moment ago
+  }
+  DistEnv env;
+  env.rank = 1;
+  env.world_size = 2;
+  env.local_rank = 1;
+  env.local_world_size = 2;
+  env.master_addr = "127.0.0.1";
+  env.master_port = port;
+  env.rendezvous_timeout = 1500ms;  // as LOCKSTEP_RENDEZVOUS_TIMEOUT=1.5 sets it
+  InitOptions o;
+  o.timeout = 60s;
+  const std::string where = "127.0.0.1:" + std::to_string(port);
+  expect_error(
+      [&] { connect_world(env, o); },
+      {"rank 1 of 2 cannot reach rank 0's rendezvous store at MASTER_ADDR:MASTER_PORT = " + where,
+       "within 1500 ms", "last cause: connection refused", "LOCKSTEP_RENDEZVOUS_TIMEOUT"});
+  o.rendezvous_timeout = 700ms;  // the option wins over the environment
+  expect_error([&] { connect_world(env, o); }, {"within 700 ms"});
+  env.master_addr = "garbage..host";
+  expect_error([&] { connect_world(env, o); },
+               {"garbage..host:" + std::to_string(port), "last cause: name", "getaddrinfo"});
 }
 
 // Runs connect_world for several (rank, world_size) claims as threads over one HashStore.

@@ -1,8 +1,12 @@
 // TCPStore alone: ports, connecting before the server exists, tokens, waiting for workers,
-// shutdown, and a fuzz of raw connections that must not disturb well-behaved clients.
+// shutdown, a fuzz of raw connections that must not disturb well-behaved clients, floods of
+// strangers (Note [Store under attack]) and what a client that cannot connect says.
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <spawn.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <sys/wait.h>
@@ -14,9 +18,12 @@ extern char** environ;
 #include <cstdio>
 #include <cstdlib>
 #include <future>
+#include <mutex>
 #include <random>
+#include <set>
 #include <thread>
 
+#include "lockstep/base/log.h"
 #include "lockstep/distributed/store/tcp_store.h"
 #include "testing.h"
 
@@ -89,6 +96,7 @@ class RawConn {
     ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   }
   ~RawConn() { ::close(fd_); }
+  int fd() const { return fd_; }
   void send(const std::vector<uint8_t>& b) {
     // Errors are fine: the server may already have closed us.
     [[maybe_unused]] auto n = ::send(fd_, b.data(), b.size(), MSG_NOSIGNAL);
@@ -400,6 +408,229 @@ TEST(TCPStore, ClientReconnectsAfterItsConnectionBroke) {
   EXPECT_EQ(s->get_string("b"), "2");
 }
 
+// Note [Store under attack]: strangers (connections without a valid hello) are bounded in time,
+// number and size; admitted clients are served throughout.
+constexpr const char* kToken = "t0ken";
+
+std::unique_ptr<TCPStore> guarded_server(TCPStoreServerOptions limits) {
+  TCPStoreOptions o;
+  o.port = 0;
+  o.is_server = true;
+  o.token = kToken;
+  o.server = std::move(limits);
+  return std::make_unique<TCPStore>(o);
+}
+
+std::vector<uint8_t> hello_frame() { return Frame(kHello).field(kToken).i64(0).done(); }
+
+// How many of `conns` the server closes before `deadline` (polling them all at once); it may
+// stop counting once `enough` are.
+size_t count_closed(const std::vector<std::unique_ptr<RawConn>>& conns,
+                    std::chrono::steady_clock::time_point deadline,
+                    size_t enough = SIZE_MAX) {
+  std::set<size_t> closed;
+  while (closed.size() < std::min(enough, conns.size()) &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::vector<pollfd> pfds;
+    std::vector<size_t> which;
+    for (size_t i = 0; i < conns.size(); ++i) {
+      if (closed.count(i)) continue;
+      pfds.push_back({conns[i]->fd(), POLLIN, 0});
+      which.push_back(i);
+    }
+    if (::poll(pfds.data(), pfds.size(), 100) <= 0) continue;
+    for (size_t k = 0; k < pfds.size(); ++k) {
+      if (pfds[k].revents == 0) continue;
+      uint8_t buf[256];
+      ssize_t n = ::recv(pfds[k].fd, buf, sizeof buf, MSG_DONTWAIT);
+      if (n == 0 || (n < 0 && errno == ECONNRESET)) closed.insert(which[k]);
+    }
+  }
+  return closed.size();
+}
+
+TEST(TCPStoreUnderAttack, StrangersAreClosedAtTheHelloDeadlineAdmittedIdleClientsAreNot) {
+  TCPStoreServerOptions limits;
+  limits.hello_timeout = 300ms;
+  auto s = guarded_server(limits);
+  const uint16_t p = s->port();
+  RawConn admitted(p);
+  admitted.send(hello_frame());
+  ASSERT_EQ(admitted.reply().first, kOk);
+  auto c = client(p, kToken);
+
+  const auto hello = hello_frame();
+  RawConn idle(p);
+  RawConn half(p);
+  half.send({hello.begin(), hello.begin() + 5});
+  // A byte every 50 ms never stalls, and never finishes its hello in time either.
+  RawConn trickle(p);
+  auto trickler = std::async(std::launch::async, [&] {
+    for (size_t i = 0; i + 1 < hello.size(); ++i) {
+      trickle.send({hello[i]});
+      std::this_thread::sleep_for(50ms);
+    }
+  });
+  EXPECT_TRUE(idle.closed_by_server());
+  EXPECT_TRUE(half.closed_by_server());
+  EXPECT_TRUE(trickle.closed_by_server());
+  trickler.wait();
+  // Idle far past the hello deadline, the admitted connections are still served.
+  std::this_thread::sleep_for(500ms);
+  admitted.send(Frame(kSet).field("k").field("v").done());
+  EXPECT_EQ(admitted.reply().first, kOk);
+  EXPECT_EQ(c->get_string("k"), "v");
+}
+
+TEST(TCPStoreUnderAttack, AConnectionStalledMidFrameIsClosedASlowOneIsNot) {
+  TCPStoreServerOptions limits;
+  limits.stall_timeout = 300ms;
+  auto s = guarded_server(limits);
+  const uint16_t p = s->port();
+  RawConn idle(p), stalled(p), slow(p);
+  for (RawConn* r : {&idle, &stalled, &slow}) {
+    r->send(hello_frame());
+    ASSERT_EQ(r->reply().first, kOk);
+  }
+  const auto set = Frame(kSet).field("slow").field(std::string(100, 'x')).done();
+  stalled.send({set.begin(), set.begin() + 20});
+  // 10 bytes every 100 ms: over a second for the frame, but never 300 ms without progress.
+  for (size_t at = 0; at < set.size(); at += 10) {
+    slow.send({set.begin() + at, set.begin() + std::min(at + 10, set.size())});
+    std::this_thread::sleep_for(100ms);
+  }
+  EXPECT_EQ(slow.reply().first, kOk);
+  EXPECT_EQ(s->get_string("slow"), std::string(100, 'x'));
+  EXPECT_TRUE(stalled.closed_by_server());
+  idle.send(Frame(kSet).field("idle").field("ok").done());
+  EXPECT_EQ(idle.reply().first, kOk);
+}
+
+TEST(TCPStoreUnderAttack, TheCapOnStrangersClosesTheOldestFirst) {
+  TCPStoreServerOptions limits;
+  limits.max_unauthenticated = 4;
+  limits.hello_timeout = 60s;  // only the cap closes anything here
+  auto s = guarded_server(limits);
+  const uint16_t p = s->port();
+  std::vector<std::unique_ptr<RawConn>> conns;
+  for (int i = 0; i < 6; ++i) conns.push_back(std::make_unique<RawConn>(p));
+  EXPECT_TRUE(conns[0]->closed_by_server());
+  EXPECT_TRUE(conns[1]->closed_by_server());
+  for (int i = 2; i < 6; ++i) {
+    conns[i]->send(hello_frame());
+    EXPECT_EQ(conns[i]->reply().first, kOk) << "connection " << i;
+  }
+  // A stranger's frame is small: a hello-sized header over the limit closes it at once.
+  RawConn big(p);
+  big.send({0x4C, 1, kHello, 0, 0x01, 0x20, 0x00, 0x00});  // 8 KiB + 1
+  EXPECT_TRUE(big.closed_by_server());
+}
+
+TEST(TCPStoreUnderAttack, AFloodOfIdleAndSlowConnectionsDoesNotStarveAdmittedClients) {
+  TCPStoreServerOptions limits;
+  limits.hello_timeout = 1s;
+  limits.stall_timeout = 1s;
+  auto s = guarded_server(limits);
+  const uint16_t p = s->port();
+  auto c = client(p, kToken);
+  constexpr int kFlood = 1000, kSlow = 8;
+  std::vector<std::unique_ptr<RawConn>> flood;
+  auto flooder = std::async(std::launch::async, [&] {
+    const auto hello = hello_frame();
+    for (int i = 0; i < kFlood; ++i) {
+      flood.push_back(std::make_unique<RawConn>(p));
+      if (i % 10 == 0) flood.back()->send({hello.begin(), hello.begin() + 9});  // half a hello
+    }
+  });
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> slow;
+  for (int t = 0; t < kSlow; ++t) {
+    slow.emplace_back([&] {
+      const auto hello = hello_frame();
+      while (!stop.load()) {
+        RawConn r(p);
+        for (size_t i = 0; i + 1 < hello.size() && !stop.load(); ++i) {
+          r.send({hello[i]});
+          std::this_thread::sleep_for(100ms);
+        }
+      }
+    });
+  }
+  // The admitted client keeps working, and a new one gets in during the flood.
+  for (int i = 0; i < 300; ++i) {
+    const std::string k = "flood/" + std::to_string(i);
+    c->set(k, std::to_string(i));
+    c->wait({k}, 10s);
+    EXPECT_EQ(c->get_string(k), std::to_string(i));
+    EXPECT_EQ(c->add("count", 1), i + 1);
+    if (i == 150) EXPECT_EQ(client(p, kToken, 30s)->get_string("flood/0"), "0");
+  }
+  ASSERT_EQ(flooder.wait_for(kHangGuard), std::future_status::ready);
+  flooder.get();
+  // Every flood connection is closed: by the cap, or at the hello deadline.
+  EXPECT_EQ(count_closed(flood, std::chrono::steady_clock::now() + 30s), flood.size());
+  stop.store(true);
+  for (auto& t : slow) t.join();
+  EXPECT_EQ(client(p, kToken)->add("count", 0), 300);
+}
+
+// A client that cannot connect logs why while it retries, and fails naming the cause.
+struct CapturedLog {
+  std::mutex mu;
+  std::string text;
+  CapturedLog() {
+    set_log_sink([this](LogLevel, std::string_view t) {
+      std::lock_guard<std::mutex> lock(mu);
+      text += t;
+    });
+  }
+  ~CapturedLog() { set_log_sink(nullptr); }
+  std::string get() {
+    std::lock_guard<std::mutex> lock(mu);
+    return text;
+  }
+};
+
+TEST(TCPStoreConnect, AClientWithNoServerLogsTheCauseWhileWaitingAndFailsNamingIt) {
+  CapturedLog log;
+  const uint16_t p = free_port();
+  const std::string where = "127.0.0.1:" + std::to_string(p);
+  expect_error([&] { client(p, "", 2500ms); },
+               {"could not connect to the store at " + where, "within 2500 ms",
+                "last cause: connection refused"});
+  EXPECT_THAT(log.get(), ::testing::HasSubstr("waiting for the store at " + where +
+                                              ": connection refused (nothing listens there yet) "
+                                              "(attempt "));
+  EXPECT_THAT(log.get(), ::testing::HasSubstr(" of 2500 ms)"));
+}
+
+TEST(TCPStoreConnect, ANameThatDoesNotResolveIsReportedAsSuch) {
+  CapturedLog log;
+  TCPStoreOptions o;
+  o.host = "garbage..host";
+  o.port = 29500;
+  o.token = "";
+  o.timeout = 1500ms;
+  expect_error([&] { TCPStore c(o); },
+               {"could not connect to the store at garbage..host:29500 within 1500 ms",
+                "last cause: name", "(getaddrinfo: "});
+  EXPECT_THAT(log.get(),
+              ::testing::HasSubstr("waiting for the store at garbage..host:29500: name"));
+}
+
+TEST(TCPStoreConnect, AServerBoundToOneAddressIsReachedThere) {
+  TCPStoreOptions o;
+  o.port = 0;
+  o.is_server = true;
+  o.token = "";
+  o.server.bind_address = "127.0.0.1";
+  TCPStore s(o);
+  s.set("bound", "yes");
+  EXPECT_EQ(client(s.port())->get_string("bound"), "yes");
+  o.server.bind_address = "192.0.2.1";  // TEST-NET-1: never an address of this machine
+  expect_error([&] { TCPStore t(o); }, {"cannot listen on 192.0.2.1", "not an address"});
+}
+
 // Real processes over TCP: the test binary re-runs itself as worker processes, each connecting
 // to the parent's server through the environment. A worker runs from a static initializer and
 // exits before GoogleTest starts, so it is not a test of its own.
@@ -464,6 +695,87 @@ TEST(TCPStoreProcess, ProcessesShareOneServer) {
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "worker " << pid << " failed";
   }
   EXPECT_EQ(s->get_string("total"), std::to_string(kProcesses * kProcessAdds));
+}
+
+// A server in a process with few descriptors (RLIMIT_NOFILE), flooded by strangers: accept()
+// fails with EMFILE, and the server must close strangers to let a client with the token in.
+constexpr const char* kServeNofileEnv = "LOCKSTEP_TEST_STORE_NOFILE";
+
+int serve_with_few_descriptors(const char* nofile) {
+  try {
+    rlimit r{};
+    ::getrlimit(RLIMIT_NOFILE, &r);
+    r.rlim_cur = static_cast<rlim_t>(std::atoi(nofile));
+    LS_CHECK(::setrlimit(RLIMIT_NOFILE, &r) == 0, "setrlimit");
+    TCPStoreOptions o;
+    o.port = 0;
+    o.is_server = true;
+    o.token = kToken;
+    o.server.hello_timeout = 60s;         // neither the deadline
+    o.server.max_unauthenticated = 1000;  // nor the cap closes anything here
+    TCPStore s(o);
+    std::printf("%d\n", s.port());
+    std::fflush(stdout);
+    char b = 0;
+    while (::read(0, &b, 1) > 0) {
+    }  // until the parent closes our stdin
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "store server: %s\n", e.what());
+    return 1;
+  }
+}
+
+[[maybe_unused]] const bool kRanAsServer = [] {
+  const char* nofile = std::getenv(kServeNofileEnv);
+  if (nofile == nullptr) return false;
+  std::exit(serve_with_few_descriptors(nofile));
+}();
+
+TEST(TCPStoreProcess, AServerOutOfDescriptorsClosesStrangersToAdmitAClient) {
+  std::string exe(4096, '\0');
+  ssize_t n = ::readlink("/proc/self/exe", exe.data(), exe.size() - 1);
+  ASSERT_GT(n, 0);
+  exe.resize(static_cast<size_t>(n));
+  int out[2], in[2];
+  ASSERT_EQ(::pipe2(out, O_CLOEXEC), 0);
+  ASSERT_EQ(::pipe2(in, O_CLOEXEC), 0);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, in[0], 0);
+  posix_spawn_file_actions_adddup2(&fa, out[1], 1);
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e; ++e) env_strings.emplace_back(*e);
+  env_strings.push_back(std::string(kServeNofileEnv) + "=48");
+  std::vector<char*> envp;
+  for (auto& e : env_strings) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  std::vector<char*> argv = {exe.data(), nullptr};
+  pid_t pid = 0;
+  ASSERT_EQ(::posix_spawn(&pid, exe.c_str(), &fa, nullptr, argv.data(), envp.data()), 0);
+  posix_spawn_file_actions_destroy(&fa);
+  ::close(in[0]);
+  ::close(out[1]);
+  std::string line;
+  pollfd pf{out[0], POLLIN, 0};
+  char ch = 0;
+  while (::poll(&pf, 1, 30000) > 0 && ::read(out[0], &ch, 1) == 1 && ch != '\n') line += ch;
+  ::close(out[0]);
+  const int port = std::atoi(line.c_str());
+  ASSERT_GT(port, 0) << "the server process printed '" << line << "'";
+  {
+    // Four times what the server can hold: without closing strangers it could accept no more.
+    std::vector<std::unique_ptr<RawConn>> flood;
+    for (int i = 0; i < 200; ++i) flood.push_back(std::make_unique<RawConn>(port));
+    auto c = client(static_cast<uint16_t>(port), kToken, 20s);
+    c->set("got", "in");
+    EXPECT_EQ(c->get_string("got"), "in");
+    EXPECT_GE(count_closed(flood, std::chrono::steady_clock::now() + 10s, 100), size_t{100});
+  }
+  ::close(in[1]);  // the server process exits
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
 }
 
 }  // namespace

@@ -38,5 +38,7 @@ inline constexpr std::array<const char*, 14> kLauncherSet = {
 // Read by the library but set by the user, never by the launcher.
 inline constexpr const char* kOmpNumThreads = "OMP_NUM_THREADS";
 inline constexpr const char* kSocketIfname = "LOCKSTEP_SOCKET_IFNAME";
+// Seconds init_process_group waits to reach the store and for every rank to join.
+inline constexpr const char* kRendezvousTimeout = "LOCKSTEP_RENDEZVOUS_TIMEOUT";
 
 }  // namespace lockstep::env

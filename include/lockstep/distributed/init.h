@@ -26,6 +26,14 @@ inline constexpr const char* kUseAgentStoreEnv = env::kUseAgentStore;
 // GLOO_SOCKET_IFNAME is honoured as well when this is unset, so torchrun habits keep working.
 inline constexpr const char* kSocketIfnameEnv = env::kSocketIfname;
 
+// How long init_process_group waits to reach the store and for every rank to join, unless
+// LOCKSTEP_RENDEZVOUS_TIMEOUT or InitOptions::rendezvous_timeout says otherwise (this default is
+// cut to InitOptions::timeout when that is shorter).
+inline constexpr std::chrono::milliseconds kDefaultRendezvousTimeout{300'000};
+// LOCKSTEP_RENDEZVOUS_TIMEOUT's bounds, in seconds.
+inline constexpr double kMinRendezvousTimeoutS = 0.001;
+inline constexpr double kMaxRendezvousTimeoutS = 7 * 24 * 3600;
+
 // Where this process sits in the job, as the environment describes it.
 struct DistEnv {
   int rank = 0;
@@ -39,6 +47,7 @@ struct DistEnv {
   int restart_count = 0;  // LOCKSTEP_RESTART_COUNT
   std::string run_id;     // LOCKSTEP_RUN_ID
   std::string socket_ifname;
+  std::optional<std::chrono::milliseconds> rendezvous_timeout;  // LOCKSTEP_RENDEZVOUS_TIMEOUT
   // Which variables these came from: "RANK/WORLD_SIZE", "SLURM", "Open MPI" or "none".
   std::string source = "none";
 };
@@ -52,13 +61,19 @@ std::optional<std::string> process_env(const std::string& name);
 // SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE / SLURM_TASKS_PER_NODE, SLURM_NODELIST;
 // OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE. With none of them: a world of one.
 // Values that are not integers, out of range or inconsistent (RANK >= WORLD_SIZE, RANK without
-// WORLD_SIZE, several machines but no MASTER_ADDR) are Errors that name the variables.
+// WORLD_SIZE, several machines but no MASTER_ADDR) are Errors that name the variables; so is a
+// LOCKSTEP_RENDEZVOUS_TIMEOUT that is not a number of seconds in range.
 DistEnv read_dist_env(const EnvLookup& lookup = process_env);
 
 struct InitOptions {
   std::string backend = "gloo";
-  // Default timeout of the group's collectives, and of the rendezvous.
+  // Default timeout of the group's collectives and of its store's requests.
   std::chrono::milliseconds timeout = kDefaultCollectiveTimeout;
+  // How long to wait to reach the store (rank 0's, or the launcher's) and for every rank to
+  // join. Unset: LOCKSTEP_RENDEZVOUS_TIMEOUT (seconds), else the shorter of
+  // kDefaultRendezvousTimeout and `timeout`. The connecting ranks log why they are still waiting
+  // every few seconds, and fail at the end naming MASTER_ADDR:MASTER_PORT and the last cause.
+  std::optional<std::chrono::milliseconds> rendezvous_timeout;
   // Rendezvous through this store instead of a TCPStore at MASTER_ADDR:MASTER_PORT.
   std::shared_ptr<Store> store;
   // Override the environment's values (both or neither).

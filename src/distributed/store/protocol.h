@@ -21,12 +21,18 @@ namespace lockstep::dist::detail {
 //              little-endian fields of 8 bytes
 // The server closes a connection whose frame has a wrong magic, version or reserved byte, an
 // unknown opcode, an oversized length, or fields that do not parse into exactly what the opcode
-// takes; every other connection is unaffected. Replies come in request order.
+// takes; every other connection is unaffected. Replies come in request order. A connection's
+// first frame is a hello (with a token, it must be; without one, any request is taken as the
+// hello) of at most kMaxHelloBytes of payload.
 inline constexpr uint8_t kMagic = 0x4C;
 inline constexpr uint8_t kProtocolVersion = 1;
 inline constexpr size_t kHeaderBytes = 8;
 // Larger frames are refused (the server closes the connection; the client refuses to send).
 inline constexpr size_t kMaxPayloadBytes = size_t{64} << 20;
+// Before a connection is admitted its frames are this small, so that strangers cost the server
+// little memory (Note [Store under attack] in tcp_store_server.h).
+inline constexpr size_t kMaxHelloBytes = 8 << 10;
+inline constexpr size_t kMaxTokenBytes = 4 << 10;  // fits a hello with room to spare
 
 enum class Op : uint8_t {
   kHello = 1,       // [token, count-as-worker i64]            -> Ok [] | Rejected [why]

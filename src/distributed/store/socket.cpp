@@ -14,6 +14,8 @@
 #include <memory>
 #include <thread>
 
+#include "lockstep/base/log.h"
+
 namespace lockstep::dist::detail {
 
 namespace {
@@ -21,6 +23,9 @@ namespace {
 // and never sleep longer than this between attempts.
 constexpr std::chrono::milliseconds kFirstBackoff{10};
 constexpr std::chrono::milliseconds kMaxBackoff{1000};
+// Note [Waiting for the store]: a server that comes up within a second goes unmentioned.
+constexpr std::chrono::milliseconds kFirstWaitLog{1000};
+constexpr std::chrono::milliseconds kWaitLogInterval{5000};
 }  // namespace
 
 void set_nonblocking(int fd) {
@@ -40,44 +45,101 @@ int poll_timeout_ms(Clock::time_point deadline) {
   return static_cast<int>(std::min<int64_t>(ms, 1 << 30));
 }
 
-Listener listen_on(uint16_t port, int backlog) {
-  // Prefer one IPv6 socket that also accepts IPv4; fall back to IPv4 where IPv6 is off.
-  Fd fd(::socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  bool v6 = fd.valid();
-  if (!v6) fd = Fd(LS_SYSCHECK(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)));
-  int one = 1, zero = 0;
+namespace {
+// Binds `fd` to `addr` and listens; `what` names the address for messages.
+Listener bind_and_listen(Fd fd, const sockaddr* addr, socklen_t len, uint16_t port, int backlog,
+                         const std::string& what) {
+  int one = 1;
   // SO_REUSEADDR lets a restarted job rebind a port still in TIME_WAIT; it does not let two
   // listeners share a port.
   LS_SYSCHECK(::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one));
-  int rc = 0;
-  if (v6) {
-    LS_SYSCHECK(::setsockopt(fd.get(), IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero));
-    sockaddr_in6 addr{};
-    addr.sin6_family = AF_INET6;
-    addr.sin6_addr = in6addr_any;
-    addr.sin6_port = htons(port);
-    rc = LS_SYSCHECK(::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr), EADDRINUSE);
-  } else {
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_ANY);
-    addr.sin_port = htons(port);
-    rc = LS_SYSCHECK(::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr), EADDRINUSE);
-  }
+  int rc = LS_SYSCHECK(::bind(fd.get(), addr, len), EADDRINUSE, EADDRNOTAVAIL);
+  LS_CHECK(rc == 0 || errno != EADDRNOTAVAIL, "store server: cannot listen on ", what,
+           ": it is not an address of this machine (expected one of its interfaces' addresses, "
+           "or an empty bind address for every interface)");
   LS_CHECK(rc == 0, "store server: port ", port,
            " is already in use (another job or store is listening there; pick another port or "
            "pass 0 for a free one)");
   rc = LS_SYSCHECK(::listen(fd.get(), backlog), EADDRINUSE);
   LS_CHECK(rc == 0, "store server: port ", port, " is already in use");
   sockaddr_storage bound{};
-  socklen_t len = sizeof bound;
-  LS_SYSCHECK(::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&bound), &len));
+  socklen_t bound_len = sizeof bound;
+  LS_SYSCHECK(::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&bound), &bound_len));
   Listener l;
   l.port = ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
                                              : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
   set_nonblocking(fd.get());
   l.fd = std::move(fd);
   return l;
+}
+}  // namespace
+
+Listener listen_on(uint16_t port, int backlog, const std::string& address) {
+  if (!address.empty()) {
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+    addrinfo* res = nullptr;
+    const int gai = ::getaddrinfo(address.c_str(), std::to_string(port).c_str(), &hints, &res);
+    LS_CHECK(gai == 0, "store server: cannot listen on ", address,
+             ": the name does not resolve (getaddrinfo: ", ::gai_strerror(gai), ")");
+    std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> guard(res, &::freeaddrinfo);
+    Fd fd(LS_SYSCHECK(::socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0)));
+    return bind_and_listen(std::move(fd), res->ai_addr, res->ai_addrlen, port, backlog, address);
+  }
+  // Prefer one IPv6 socket that also accepts IPv4; fall back to IPv4 where IPv6 is off.
+  Fd fd(::socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (fd.valid()) {
+    int zero = 0;
+    LS_SYSCHECK(::setsockopt(fd.get(), IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero));
+    sockaddr_in6 addr{};
+    addr.sin6_family = AF_INET6;
+    addr.sin6_addr = in6addr_any;
+    addr.sin6_port = htons(port);
+    return bind_and_listen(std::move(fd), reinterpret_cast<sockaddr*>(&addr), sizeof addr, port,
+                           backlog, "every interface");
+  }
+  fd = Fd(LS_SYSCHECK(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = htons(port);
+  return bind_and_listen(std::move(fd), reinterpret_cast<sockaddr*>(&addr), sizeof addr, port,
+                         backlog, "every interface");
+}
+
+std::string duration_text(std::chrono::milliseconds d) {
+  if (d < std::chrono::seconds(10) && d.count() % 1000 != 0)
+    return std::to_string(d.count()) + " ms";
+  return std::to_string((d.count() + 500) / 1000) + " s";
+}
+
+ConnectAttempts::ConnectAttempts(std::string where, std::chrono::milliseconds timeout)
+    : where_(std::move(where)),
+      timeout_(timeout),
+      start_(Clock::now()),
+      deadline_(start_ + timeout),
+      next_log_(start_ + kFirstWaitLog) {}
+
+void ConnectAttempts::failed(std::string cause) {
+  ++attempts_;
+  last_cause_ = std::move(cause);
+  const auto now = Clock::now();
+  if (now < next_log_ || now >= deadline_) return;  // at the deadline the error says it
+  next_log_ = now + kWaitLogInterval;
+  const auto elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(now - start_);
+  log_warning("waiting for the store at ", where_, ": ", last_cause_, " (attempt ", attempts_, ", ",
+              timeout_ >= std::chrono::seconds(10)
+                  ? duration_text(std::chrono::round<std::chrono::seconds>(elapsed))
+                  : duration_text(elapsed),
+              " of ", duration_text(timeout_), ")");
+}
+
+void ConnectAttempts::give_up() const {
+  LS_THROW("could not connect to the store at ", where_, " within ", duration_text(timeout_), " (",
+           attempts_, attempts_ == 1 ? " attempt" : " attempts", "; last cause: ", last_cause_,
+           "); is the server running and reachable there?");
 }
 
 namespace {
@@ -113,33 +175,64 @@ Fd try_connect(const addrinfo* ai, Clock::time_point deadline, int& err) {
 }
 }  // namespace
 
-Fd connect_to(const std::string& host, uint16_t port, Clock::time_point deadline,
-              std::chrono::milliseconds timeout) {
+namespace {
+// Why getaddrinfo failed, in words that say whether the name itself is wrong.
+std::string resolve_failure(int gai) {
+  const std::string text = std::string("(getaddrinfo: ") + ::gai_strerror(gai) + ")";
+  switch (gai) {
+    case EAI_NONAME:
+#ifdef EAI_NODATA
+    case EAI_NODATA:
+#endif
+    case EAI_FAIL:
+      return "name does not resolve " + text;
+    case EAI_AGAIN:
+      return "name lookup failed for now (is DNS reachable?) " + text;
+    default:
+      return "name lookup failed " + text;
+  }
+}
+
+std::string connect_failure(int err) {
+  switch (err) {
+    case ECONNREFUSED:
+      return "connection refused (nothing listens there yet)";
+    case ETIMEDOUT:
+      return "the connection attempt timed out";
+    default:
+      return errno_text(err);
+  }
+}
+}  // namespace
+
+Fd connect_to(const std::string& host, uint16_t port, ConnectAttempts& attempts) {
   auto backoff = kFirstBackoff;
-  std::string last_error = "no attempt made";
   for (;;) {
     addrinfo hints{};
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_NUMERICSERV;
     addrinfo* res = nullptr;
+    // Blocking: a resolver that does not answer can hold this past the deadline by its own
+    // timeout (resolv.conf's, seconds); a name that does not resolve yet (DNS of a node still
+    // coming up) is retried like a refused connection.
     int gai = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res);
     if (gai != 0) {
-      // A name that does not resolve yet (DNS of a node still coming up) is retried too.
-      last_error = std::string("getaddrinfo: ") + ::gai_strerror(gai);
+      attempts.failed(resolve_failure(gai));
     } else {
       std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> guard(res, &::freeaddrinfo);
+      std::string cause;
       for (const addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
         int err = 0;
-        Fd fd = try_connect(ai, deadline, err);
+        Fd fd = try_connect(ai, attempts.deadline(), err);
         if (fd.valid()) return fd;
-        last_error = errno_text(err);
+        cause = connect_failure(err);
       }
+      attempts.failed(cause);
     }
     auto now = Clock::now();
-    LS_CHECK(now < deadline, "could not connect to the store at ", host, ":", port, " within ",
-             timeout.count(), " ms (last error: ", last_error,
-             "); is the server running and reachable?");
-    std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - now));
+    if (now >= attempts.deadline()) attempts.give_up();
+    std::this_thread::sleep_for(std::min<Clock::duration>(backoff, attempts.deadline() - now));
     backoff = std::min(backoff * 2, kMaxBackoff);
   }
 }

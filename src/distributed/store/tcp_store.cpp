@@ -2,6 +2,7 @@
 #include "lockstep/distributed/store/tcp_store.h"
 
 #include <cstdlib>
+#include <thread>
 
 #include "distributed/store/kv_table.h"
 #include "distributed/store/tcp_store_client.h"
@@ -15,6 +16,9 @@ namespace {
 // A server answers a timed-out get()/wait() itself at its deadline; the client waits this much
 // longer before it declares the server unresponsive and drops the connection.
 constexpr std::chrono::milliseconds kReplyGrace{5000};
+// Connections closed during the handshake before the client gives up, and the pause between.
+constexpr int kHandshakeAttempts = 5;
+constexpr std::chrono::milliseconds kHandshakeRetryPause{50};
 }  // namespace
 
 TCPStoreClient::TCPStoreClient(std::string host, uint16_t port, std::string token,
@@ -24,35 +28,50 @@ TCPStoreClient::TCPStoreClient(std::string host, uint16_t port, std::string toke
 }
 
 void TCPStoreClient::connect(std::chrono::milliseconds timeout) {
-  const auto deadline = Clock::now() + timeout;
-  fd_ = connect_to(host_, port_, deadline, timeout);
-  auto hello =
-      FrameWriter(static_cast<uint8_t>(Op::kHello)).field(token_).field(int64_t{counted_ ? 0 : 1});
-  std::optional<Reply> r;
-  try {
-    const auto frame = std::move(hello).finish();
-    LS_CHECK(send_all(fd_.get(), frame.data(), frame.size(), deadline),
-             "timed out sending the handshake");
-    r = read_reply(deadline);
-    LS_CHECK(r.has_value(), "no handshake reply within ", timeout.count(), " ms");
-  } catch (const Error& e) {
-    fd_.reset();
-    LS_THROW("the store at ", where(),
-             " closed the connection during the handshake (a server that wants a token, or one "
-             "speaking another protocol version): ",
-             e.message());
+  LS_CHECK(token_.size() <= kMaxTokenBytes, "store token of ", token_.size(),
+           " bytes: expected at most ", kMaxTokenBytes, " bytes (from ", env::kStoreToken,
+           " or TCPStoreOptions::token)");
+  ConnectAttempts attempts(where(), timeout);
+  for (int closed = 0;; ++closed) {
+    fd_ = connect_to(host_, port_, attempts);
+    const auto hello = FrameWriter(static_cast<uint8_t>(Op::kHello))
+                           .field(token_)
+                           .field(int64_t{counted_ ? 0 : 1})
+                           .finish();
+    std::optional<Reply> r;
+    try {
+      LS_CHECK(send_all(fd_.get(), hello.data(), hello.size(), attempts.deadline()),
+               "timed out sending the handshake");
+      r = read_reply(attempts.deadline());
+      LS_CHECK(r.has_value(), "no handshake reply within ", duration_text(timeout));
+    } catch (const Error& e) {
+      fd_.reset();
+      // A server under a flood of connections may drop a new one before it reads its hello
+      // (Note [Store under attack]): try again a few times. A server that speaks another
+      // protocol version closes every attempt, and is reported after those.
+      if (closed + 1 < kHandshakeAttempts && !attempts.expired()) {
+        attempts.failed("the server closed the connection during the handshake: " + e.message());
+        std::this_thread::sleep_for(kHandshakeRetryPause);
+        continue;
+      }
+      LS_THROW("the store at ", where(),
+               " closed the connection during the handshake (a server that wants a token, or one "
+               "speaking another protocol version): ",
+               e.message());
+    }
+    if (r->status == Status::kRejected) {
+      fd_.reset();
+      LS_THROW("store rejected the connection: bad or missing token (the store at ", where(),
+               " wants the token it was started with, from ", env::kStoreToken,
+               " or TCPStoreOptions::token)");
+    }
+    if (r->status != Status::kOk) {
+      fd_.reset();
+      LS_THROW("the store at ", where(), " answered the handshake with an unexpected reply");
+    }
+    counted_ = true;
+    return;
   }
-  if (r->status == Status::kRejected) {
-    fd_.reset();
-    LS_THROW("store rejected the connection: bad or missing token (the store at ", where(),
-             " wants the token it was started with, from ", env::kStoreToken,
-             " or TCPStoreOptions::token)");
-  }
-  if (r->status != Status::kOk) {
-    fd_.reset();
-    LS_THROW("the store at ", where(), " answered the handshake with an unexpected reply");
-  }
-  counted_ = true;
 }
 
 std::optional<TCPStoreClient::Reply> TCPStoreClient::read_reply(Clock::time_point deadline) {
@@ -119,7 +138,7 @@ TCPStore::TCPStore(TCPStoreOptions opts) : Store(opts.timeout), opts_(std::move(
            "TCPStore: expected num_workers >= 1, got ", opts_.num_workers.value_or(0));
   const std::string token = resolve_token(opts_);
   if (opts_.is_server) {
-    server_ = std::make_unique<detail::TCPStoreServer>(opts_.port, token);
+    server_ = std::make_unique<detail::TCPStoreServer>(opts_.port, token, opts_.server);
     port_ = server_->port();
   } else {
     LS_CHECK(opts_.port != 0, "TCPStore client for ", opts_.host,
@@ -127,8 +146,14 @@ TCPStore::TCPStore(TCPStoreOptions opts) : Store(opts.timeout), opts_(std::move(
     port_ = opts_.port;
   }
   // The server's own store talks to it over loopback like every other client.
-  client_ = std::make_unique<detail::TCPStoreClient>(opts_.is_server ? "127.0.0.1" : opts_.host,
-                                                     port_, token, timeout());
+  // A server bound to one address is reached there.
+  std::string connect_host = opts_.host;
+  if (opts_.is_server) {
+    const std::string& bound = opts_.server.bind_address;
+    const bool wildcard = bound.empty() || bound == "0.0.0.0" || bound == "::";
+    connect_host = wildcard ? "127.0.0.1" : bound;
+  }
+  client_ = std::make_unique<detail::TCPStoreClient>(connect_host, port_, token, timeout());
   if (opts_.is_server && opts_.num_workers && opts_.wait_for_workers) {
     const int64_t n =
         server_->wait_for_workers(*opts_.num_workers, detail::Clock::now() + timeout());

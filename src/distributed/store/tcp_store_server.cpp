@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "lockstep/base/log.h"
+
 namespace lockstep::dist::detail {
 
 namespace {
@@ -18,12 +20,13 @@ constexpr size_t kReadChunk = 64 << 10;
 constexpr size_t kMaxReadPerRound = 1 << 20;
 // Unread request bytes buffered per connection: one largest frame.
 constexpr size_t kMaxBuffered = kHeaderBytes + kMaxPayloadBytes;
-// Before the token is presented only a hello is accepted, and a small one.
-constexpr size_t kMaxHelloBytes = 64 << 10;
 // A connection whose replies pile up unread gets no more requests served until it reads them.
 constexpr size_t kOutHighWater = 4 << 20;
 // After accept() fails for lack of descriptors, stop accepting for this long (else poll spins).
 constexpr std::chrono::milliseconds kAcceptPause{100};
+constexpr int kAcceptsPerRound = 64;
+// Note [Store under attack]: how often connections closed for it are reported.
+constexpr std::chrono::seconds kReportInterval{60};
 
 // Token comparison whose time does not depend on where the first difference is.
 bool constant_time_equal(const std::string& a, const std::string& b) {
@@ -38,14 +41,22 @@ std::vector<uint8_t> status_frame(Status s) {
 }
 }  // namespace
 
-TCPStoreServer::TCPStoreServer(uint16_t port, std::string token) : token_(std::move(token)) {
-  Listener l = listen_on(port, kListenBacklog);
+TCPStoreServer::TCPStoreServer(uint16_t port, std::string token, TCPStoreServerOptions opts)
+    : token_(std::move(token)), opts_(std::move(opts)) {
+  LS_CHECK(opts_.hello_timeout.count() > 0 && opts_.stall_timeout.count() > 0,
+           "store server: expected positive hello and stall timeouts, got ",
+           opts_.hello_timeout.count(), " ms and ", opts_.stall_timeout.count(), " ms");
+  LS_CHECK(opts_.max_unauthenticated >= 1,
+           "store server: expected max_unauthenticated of at least 1, got ",
+           opts_.max_unauthenticated);
+  Listener l = listen_on(port, kListenBacklog, opts_.bind_address);
   listener_ = std::move(l.fd);
   port_ = l.port;
   int p[2];
   LS_SYSCHECK(::pipe2(p, O_NONBLOCK | O_CLOEXEC));
   wake_read_ = Fd(p[0]);
   wake_write_ = Fd(p[1]);
+  spare_ = Fd(LS_SYSCHECK(::open("/dev/null", O_RDONLY | O_CLOEXEC)));
   thread_ = std::thread([this] { run(); });
 }
 
@@ -86,13 +97,17 @@ void TCPStoreServer::loop() {
         {listener_.get(), static_cast<short>(now >= accept_paused_until_ ? POLLIN : 0), 0});
     for (auto& [id, c] : conns_) {
       short ev = 0;
-      if (!c.closing && c.in.size() - c.in_off < kMaxBuffered) ev |= POLLIN;
+      if (!c.closing && c.in.size() - c.in_off < max_buffered(c)) ev |= POLLIN;
       if (c.out_off < c.out.size()) ev |= POLLOUT;
       pfds.push_back({c.fd.get(), ev, 0});
       ids.push_back(id);
     }
     int timeout = -1;
     if (auto d = next_deadline()) timeout = poll_timeout_ms(*d);
+    if (closed_hello_ + closed_cap_ + closed_stall_ + closed_no_fd_ > 0) {
+      int t = poll_timeout_ms(next_report_);
+      timeout = timeout < 0 ? t : std::min(timeout, t);
+    }
     if (now < accept_paused_until_) {
       int t = poll_timeout_ms(accept_paused_until_);
       timeout = timeout < 0 ? t : std::min(timeout, t);
@@ -143,37 +158,114 @@ void TCPStoreServer::loop() {
       }
     }
     reap();
+    report_closed();
   }
 }
 
 void TCPStoreServer::accept_all() {
-  for (int i = 0; i < 64; ++i) {
+  for (int i = 0; i < kAcceptsPerRound; ++i) {
     int fd = LS_SYSCHECK(::accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC),
                          EAGAIN, EWOULDBLOCK, EINTR, ECONNABORTED, EPROTO, EPERM, EMFILE, ENFILE,
                          ENOBUFS, ENOMEM);
     if (fd < 0) {
-      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
+      const int err = errno;
+      if (err == EINTR || err == ECONNABORTED || err == EPROTO) continue;
+      if (err == EMFILE || err == ENFILE) {
+        // Out of descriptors: a stranger makes room; else the spare lets the connection in to be
+        // closed at once (it would sit in the backlog, and poll() report it, forever).
+        if (drop_oldest_stranger()) {
+          note_closed(closed_no_fd_);
+          continue;
+        }
+        if (spare_.valid()) {
+          spare_.reset();
+          const int f = ::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC);
+          if (f >= 0) {
+            ::close(f);
+            note_closed(closed_no_fd_);
+          }
+          spare_ = Fd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+          if (f >= 0) continue;
+        }
+      }
+      if (err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM)
         accept_paused_until_ = Clock::now() + kAcceptPause;
-      if (errno == EINTR || errno == ECONNABORTED || errno == EPROTO) continue;
       return;
     }
-    Connection c;
-    c.fd = Fd(fd);
-    c.authed = token_.empty();
+    Fd owned(fd);
     try {
       set_nodelay(fd);
     } catch (const Error&) {
       continue;  // the peer is already gone
     }
-    conns_.emplace(next_id_++, std::move(c));
+    if (strangers_.size() >= static_cast<size_t>(opts_.max_unauthenticated) &&
+        drop_oldest_stranger())
+      note_closed(closed_cap_);
+    const uint64_t id = next_id_++;
+    Connection& c = conns_[id];
+    c.fd = std::move(owned);
+    c.last_byte = Clock::now();
+    c.hello_deadline = c.last_byte + opts_.hello_timeout;
+    strangers_.insert(id);
+    // A client sends its hello right after connecting: reading it now admits the client before
+    // more strangers can push it out of the cap.
+    try {
+      read_from(id, c);
+    } catch (const Error&) {
+      c.dead = true;
+    }
   }
+}
+
+bool TCPStoreServer::drop_oldest_stranger() {
+  if (strangers_.empty()) return false;
+  const uint64_t id = *strangers_.begin();
+  strangers_.erase(strangers_.begin());
+  conns_.erase(id);  // strangers never park a request, so nothing else refers to it
+  return true;
+}
+
+void TCPStoreServer::admit(uint64_t id, Connection& c) {
+  c.authed = true;
+  strangers_.erase(id);
+}
+
+size_t TCPStoreServer::max_buffered(const Connection& c) const {
+  return c.authed ? kMaxBuffered : kHeaderBytes + kMaxHelloBytes;
+}
+
+void TCPStoreServer::note_closed(int& counter) {
+  if (closed_hello_ + closed_cap_ + closed_stall_ + closed_no_fd_ == 0 &&
+      next_report_ < Clock::now())
+    next_report_ = Clock::now();  // the first closing after a quiet minute is reported at once
+  ++counter;
+}
+
+void TCPStoreServer::report_closed() {
+  if (closed_hello_ + closed_cap_ + closed_stall_ + closed_no_fd_ == 0) return;
+  const auto now = Clock::now();
+  if (now < next_report_) return;
+  std::string what;
+  auto part = [&](int n, const std::string& why) {
+    if (n > 0) what += (what.empty() ? "" : ", ") + std::to_string(n) + " " + why;
+  };
+  part(closed_hello_, "without a hello within " + duration_text(opts_.hello_timeout));
+  part(closed_cap_, "pushed out by newer ones over the cap of " +
+                        std::to_string(opts_.max_unauthenticated) + " awaiting their hello");
+  part(closed_stall_, "stalled mid-frame for " + duration_text(opts_.stall_timeout));
+  part(closed_no_fd_, "closed for lack of file descriptors");
+  log_warning("store server on port ", port_, ": closed connections (", what,
+              "); a client without the right token, a port scan or a flood: they cannot starve "
+              "admitted clients, see docs/DISTRIBUTED.md, \"The store under attack\"");
+  closed_hello_ = closed_cap_ = closed_stall_ = closed_no_fd_ = 0;
+  next_report_ = now + kReportInterval;
 }
 
 void TCPStoreServer::read_from(uint64_t id, Connection& c) {
   size_t got = 0;
   uint8_t buf[kReadChunk];
-  while (got < kMaxReadPerRound && c.in.size() - c.in_off < kMaxBuffered) {
-    const size_t want = std::min(sizeof buf, kMaxBuffered - (c.in.size() - c.in_off));
+  while (got < kMaxReadPerRound && c.in.size() - c.in_off < max_buffered(c)) {
+    const size_t want = std::min(sizeof buf, max_buffered(c) - (c.in.size() - c.in_off));
     ssize_t k = LS_SYSCHECK(::recv(c.fd.get(), buf, want, 0), EAGAIN, EWOULDBLOCK, EINTR,
                             ECONNRESET, ETIMEDOUT, EPIPE);
     if (k == 0) {
@@ -188,11 +280,15 @@ void TCPStoreServer::read_from(uint64_t id, Connection& c) {
     }
     c.in.insert(c.in.end(), buf, buf + k);
     got += static_cast<size_t>(k);
+    c.last_byte = Clock::now();
   }
   process_frames(id, c);
 }
 
 void TCPStoreServer::process_frames(uint64_t id, Connection& c) {
+  // Set again below only when the buffer ends in an incomplete frame; while a request is parked
+  // the buffer is not looked at, and the parked request's own deadline bounds the wait.
+  c.mid_frame = false;
   while (!c.pending && !c.closing && !c.dead) {
     if (c.out.size() - c.out_off >= kOutHighWater) {
       // Replies piled up: send what the socket takes, and hold further frames back (POLLOUT
@@ -201,7 +297,10 @@ void TCPStoreServer::process_frames(uint64_t id, Connection& c) {
       if (c.dead || c.out.size() - c.out_off >= kOutHighWater) break;
     }
     const size_t avail = c.in.size() - c.in_off;
-    if (avail < kHeaderBytes) break;
+    if (avail < kHeaderBytes) {
+      c.mid_frame = avail > 0;
+      break;
+    }
     const uint8_t* p = c.in.data() + c.in_off;
     auto h = parse_header(p);
     // Checked before the payload arrives, so a huge or bogus length costs nothing.
@@ -209,7 +308,10 @@ void TCPStoreServer::process_frames(uint64_t id, Connection& c) {
       c.dead = true;
       return;
     }
-    if (avail < kHeaderBytes + h->length) break;
+    if (avail < kHeaderBytes + h->length) {
+      c.mid_frame = true;
+      break;
+    }
     auto fields = parse_fields(p + kHeaderBytes, h->length);
     c.in_off += kHeaderBytes + h->length;
     if (!fields || !handle(id, c, h->opcode, *fields)) {
@@ -230,7 +332,10 @@ void TCPStoreServer::process_frames(uint64_t id, Connection& c) {
 bool TCPStoreServer::handle(uint64_t id, Connection& c, uint8_t opcode,
                             std::vector<std::string>& f) {
   const Op op = static_cast<Op>(opcode);
-  if (!c.authed && op != Op::kHello) return false;
+  if (!c.authed && op != Op::kHello) {
+    if (!token_.empty()) return false;
+    admit(id, c);  // without a token, a valid first request is as good as a hello
+  }
   auto ok = [] { return FrameWriter(static_cast<uint8_t>(Status::kOk)); };
   auto timeout_of = [](const std::string& field) -> std::optional<Clock::time_point> {
     auto ms = as_i64(field);
@@ -247,7 +352,7 @@ bool TCPStoreServer::handle(uint64_t id, Connection& c, uint8_t opcode,
         c.closing = true;
         return true;
       }
-      c.authed = true;
+      admit(id, c);
       if (*as_i64(f[1]) != 0 && !c.counted) {
         c.counted = true;
         {
@@ -407,6 +512,17 @@ void TCPStoreServer::key_changed(const std::string& key) {
 
 void TCPStoreServer::expire(Clock::time_point now) {
   for (auto& [id, c] : conns_) {
+    if (c.dead) continue;
+    if (!c.authed && now >= c.hello_deadline) {
+      c.dead = true;
+      if (!c.closing) note_closed(closed_hello_);
+      continue;
+    }
+    if (c.mid_frame && now >= c.last_byte + opts_.stall_timeout) {
+      c.dead = true;
+      note_closed(closed_stall_);
+      continue;
+    }
     if (!c.pending || c.pending->deadline > now || c.dead) continue;
     FrameWriter w(static_cast<uint8_t>(Status::kTimeout));
     if (!c.pending->is_get)
@@ -420,8 +536,14 @@ void TCPStoreServer::expire(Clock::time_point now) {
 
 std::optional<Clock::time_point> TCPStoreServer::next_deadline() const {
   std::optional<Clock::time_point> d;
-  for (const auto& [id, c] : conns_)
-    if (c.pending && (!d || c.pending->deadline < *d)) d = c.pending->deadline;
+  auto consider = [&](Clock::time_point t) {
+    if (!d || t < *d) d = t;
+  };
+  for (const auto& [id, c] : conns_) {
+    if (c.pending) consider(c.pending->deadline);
+    if (!c.authed) consider(c.hello_deadline);
+    if (c.mid_frame) consider(c.last_byte + opts_.stall_timeout);
+  }
   return d;
 }
 
@@ -429,6 +551,7 @@ void TCPStoreServer::reap() {
   for (auto it = conns_.begin(); it != conns_.end();) {
     if (it->second.dead) {
       unpark(it->first, it->second);
+      strangers_.erase(it->first);
       it = conns_.erase(it);
     } else {
       ++it;

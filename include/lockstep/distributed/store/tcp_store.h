@@ -1,6 +1,7 @@
 // TCPStore: a Store served over TCP by one process (the launcher or rank 0) to every other.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -21,8 +22,33 @@ inline constexpr uint16_t kDefaultStorePort = 29500;
 // The environment variable a shared token is read from when TCPStoreOptions::token is unset.
 inline constexpr const char* kStoreTokenEnv = env::kStoreToken;
 
+// What the server does to connections that have not presented their hello (with the token when
+// there is one): Note [Store under attack] in src/distributed/store/tcp_store_server.h, and
+// docs/DISTRIBUTED.md, "The store under attack".
+inline constexpr std::chrono::milliseconds kDefaultStoreHelloTimeout{5000};
+inline constexpr std::chrono::milliseconds kDefaultStoreStallTimeout{5000};
+inline constexpr int kDefaultStoreMaxUnauthenticated = 128;
+// Descriptors a server holds besides its connections: the listener, a wake-up pipe and a spare.
+inline constexpr int kStoreServerOwnDescriptors = 4;
+
+// The server's limits. It holds at most max_unauthenticated + (its admitted clients) +
+// kStoreServerOwnDescriptors descriptors, whoever can reach its port.
+struct TCPStoreServerOptions {
+  // A local address to listen on ("127.0.0.1", "10.1.2.3", "::1"); empty: every interface.
+  std::string bind_address;
+  // A connection is closed when it has not been admitted (a valid hello) this long after it was
+  // accepted, whatever it sends meanwhile.
+  std::chrono::milliseconds hello_timeout = kDefaultStoreHelloTimeout;
+  // A connection that stops sending in the middle of a frame for this long is closed. One that
+  // is idle between requests is not, however long.
+  std::chrono::milliseconds stall_timeout = kDefaultStoreStallTimeout;
+  // At most this many connections wait for admission; each new one beyond closes the oldest.
+  int max_unauthenticated = kDefaultStoreMaxUnauthenticated;
+};
+
 struct TCPStoreOptions {
-  // Where clients connect. The server listens on every interface regardless.
+  // Where clients connect. The server listens on server.bind_address (every interface when
+  // empty), and its own client connects there (127.0.0.1 when empty).
   std::string host = "127.0.0.1";
   // 0 on the server: pick a free port, reported by TCPStore::port().
   uint16_t port = kDefaultStorePort;
@@ -36,6 +62,8 @@ struct TCPStoreOptions {
   // A shared secret: a server with one closes every connection that does not present it first.
   // Unset: LOCKSTEP_STORE_TOKEN if the environment has it, else no token.
   std::optional<std::string> token;
+  // Server only: where it listens, and its deadlines and caps.
+  TCPStoreServerOptions server;
 };
 
 // With is_server, starts the server (one thread polling every connection) and connects to it as
