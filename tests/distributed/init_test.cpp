@@ -219,7 +219,7 @@ TEST(ConnectWorld, ARankThatCannotReachTheStoreFailsAtTheRendezvousTimeoutNaming
   expect_error(
       [&] { connect_world(env, o); },
       {"rank 1 of 2 cannot reach rank 0's rendezvous store at MASTER_ADDR:MASTER_PORT = " + where,
-       "within 1500 ms", "last cause: connection refused", "LOCKSTEP_RENDEZVOUS_TIMEOUT"});
+       "within 1.5 s", "last cause: connection refused", "LOCKSTEP_RENDEZVOUS_TIMEOUT"});
   o.rendezvous_timeout = 700ms;  // the option wins over the environment
   expect_error([&] { connect_world(env, o); }, {"within 700 ms"});
   env.master_addr = "garbage..host";

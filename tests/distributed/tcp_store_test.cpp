@@ -595,13 +595,12 @@ TEST(TCPStoreConnect, AClientWithNoServerLogsTheCauseWhileWaitingAndFailsNamingI
   CapturedLog log;
   const uint16_t p = free_port();
   const std::string where = "127.0.0.1:" + std::to_string(p);
-  expect_error([&] { client(p, "", 2500ms); },
-               {"could not connect to the store at " + where, "within 2500 ms",
-                "last cause: connection refused"});
+  expect_error([&] { client(p, "", 2500ms); }, {"could not connect to the store at " + where,
+                                                "within 2.5 s", "last cause: connection refused"});
   EXPECT_THAT(log.get(), ::testing::HasSubstr("waiting for the store at " + where +
                                               ": connection refused (nothing listens there yet) "
                                               "(attempt "));
-  EXPECT_THAT(log.get(), ::testing::HasSubstr(" of 2500 ms)"));
+  EXPECT_THAT(log.get(), ::testing::HasSubstr(" of 2.5 s)"));
 }
 
 TEST(TCPStoreConnect, ANameThatDoesNotResolveIsReportedAsSuch) {
@@ -612,7 +611,7 @@ TEST(TCPStoreConnect, ANameThatDoesNotResolveIsReportedAsSuch) {
   o.token = "";
   o.timeout = 1500ms;
   expect_error([&] { TCPStore c(o); },
-               {"could not connect to the store at garbage..host:29500 within 1500 ms",
+               {"could not connect to the store at garbage..host:29500 within 1.5 s",
                 "last cause: name", "(getaddrinfo: "});
   EXPECT_THAT(log.get(),
               ::testing::HasSubstr("waiting for the store at garbage..host:29500: name"));

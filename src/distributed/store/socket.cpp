@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <thread>
@@ -110,9 +111,14 @@ Listener listen_on(uint16_t port, int backlog, const std::string& address) {
 }
 
 std::string duration_text(std::chrono::milliseconds d) {
-  if (d < std::chrono::seconds(10) && d.count() % 1000 != 0)
-    return std::to_string(d.count()) + " ms";
-  return std::to_string((d.count() + 500) / 1000) + " s";
+  if (d < std::chrono::seconds(1)) return std::to_string(d.count()) + " ms";
+  std::string s = std::to_string(d.count() / 1000);
+  if (const int64_t ms = d.count() % 1000; ms != 0) {
+    std::string frac = std::to_string(1000 + ms).substr(1);  // "050"
+    while (frac.back() == '0') frac.pop_back();
+    s += "." + frac;
+  }
+  return s + " s";
 }
 
 ConnectAttempts::ConnectAttempts(std::string where, std::chrono::milliseconds timeout)
@@ -128,12 +134,13 @@ void ConnectAttempts::failed(std::string cause) {
   const auto now = Clock::now();
   if (now < next_log_ || now >= deadline_) return;  // at the deadline the error says it
   next_log_ = now + kWaitLogInterval;
-  const auto elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(now - start_);
+  // Whole seconds, or tenths for a short timeout: "35 s of 300 s", "1.3 s of 2.5 s".
+  const double elapsed_s = std::chrono::duration<double>(now - start_).count();
+  char elapsed[32];
+  std::snprintf(elapsed, sizeof elapsed, "%.*f s", timeout_ < std::chrono::minutes(1) ? 1 : 0,
+                elapsed_s);
   log_warning("waiting for the store at ", where_, ": ", last_cause_, " (attempt ", attempts_, ", ",
-              timeout_ >= std::chrono::seconds(10)
-                  ? duration_text(std::chrono::round<std::chrono::seconds>(elapsed))
-                  : duration_text(elapsed),
-              " of ", duration_text(timeout_), ")");
+              elapsed, " of ", duration_text(timeout_), ")");
 }
 
 void ConnectAttempts::give_up() const {

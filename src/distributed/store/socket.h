@@ -23,7 +23,7 @@ struct Listener {
 };
 Listener listen_on(uint16_t port, int backlog, const std::string& address = "");
 
-// "300 ms", "5 s": a timeout as a person writes it (whole seconds from 10 s up).
+// "300 ms", "2.5 s", "300 s": a timeout as a person writes it.
 std::string duration_text(std::chrono::milliseconds d);
 
 // Note [Waiting for the store]
