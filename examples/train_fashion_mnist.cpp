@@ -3,17 +3,19 @@
 //   train_fashion_mnist --model cnn --epochs 1 --batch-size 64 --lr 0.05 --momentum 0.9
 //
 // Each epoch prints the mean training loss, throughput and test accuracy; the last line is
-// machine-readable: "final test_accuracy=... train_loss=... steps=... samples_per_s=...".
+// machine-readable: "final test_accuracy=... train_loss=... steps=... samples_per_s=...", where
+// test_accuracy is "none" when no evaluation ran (--no-eval). The flags and their ranges are in
+// train_fashion_mnist_flags.h.
 //
 // It reads top to bottom: run() sets everything up once (the world, the data, the model with
 // DataParallel, DDP or neither, the optimizer, its schedule, the loss scaler, a resumed position),
 // then each epoch is train_epoch() (train_step after train_step, each followed by its metrics, a
 // checkpoint when one is due and the log line), the mean loss, evaluate(), and one line.
-#include <CLI/CLI.hpp>
-
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -22,6 +24,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <utility>
 
@@ -36,49 +39,16 @@
 #include "lockstep/lockstep.h"
 #include "lockstep/nn/layers.h"
 #include "lockstep/optim/optimizer.h"
+#include "train_fashion_mnist_flags.h"
 
 using namespace lockstep;
 
 namespace {
 
-// Exit code for bad command-line input (as CLI11 and most tools use).
-constexpr int kUsageError = 2;
 constexpr int64_t kEvalBatch = 1000;
 
 using Clock = std::chrono::steady_clock;
-
-struct Config {
-  std::string data = data::kDefaultFashionMnistDir;
-  std::string model = "mlp";
-  int64_t epochs = 1;
-  int64_t max_steps = 0;
-  int64_t batch_size = 64;
-  double lr = 0.05;
-  double momentum = 0.9;
-  double weight_decay = 0.0;
-  uint64_t seed = 0;
-  int threads = 0;
-  int64_t log_every = 100;
-  bool eval = true;
-  int64_t workers = 1;
-  std::string save;        // checkpoint path (rank 0 writes)
-  int64_t save_every = 0;  // optimizer steps between periodic checkpoints (0: only at the end)
-  int64_t keep = 0;        // periodic checkpoints kept (0: all)
-  std::string resume;      // a checkpoint file, or "auto": the latest beside --save
-  std::string metrics;     // JSON Lines of per-step metrics (rank 0)
-  double bucket_mb = 25.0;
-  std::string comm_hook = "none";
-  bool ddp_stats = false;
-  int64_t dp = 1;
-  std::string amp = "none";         // none | bf16 | fp16
-  int64_t accum_steps = 1;          // micro-batches per optimizer step
-  std::string lr_scaling = "none";  // linear | sqrt | none, relative to base_batch
-  int64_t base_batch = 64;
-  int64_t warmup_steps = 0;
-  std::string schedule = "constant";  // constant | cosine
-  double clip_grad_norm = 0.0;        // 0: no clipping
-  int64_t test_crash_at_step = 0;     // testing only: Note [Testing hooks]
-};
+using examples::Config;
 
 // ---------------------------------------------------------------------------------------------
 // Choices made once, before training
@@ -90,6 +60,38 @@ double scaled_lr(const Config& cfg, int64_t effective_batch) {
   if (cfg.lr_scaling == "linear") return cfg.lr * ratio;
   if (cfg.lr_scaling == "sqrt") return cfg.lr * std::sqrt(ratio);
   return cfg.lr;
+}
+
+// batch x accum x world: each factor is bounded (Note [Numeric flags]), their product is not.
+int64_t effective_batch_of(const Config& cfg, int world) {
+  int64_t per_rank = 0, all = 0;
+  LS_CHECK(!__builtin_mul_overflow(cfg.batch_size, cfg.accum_steps, &per_rank) &&
+               !__builtin_mul_overflow(per_rank, static_cast<int64_t>(world), &all),
+           "the effective batch --batch-size ", cfg.batch_size, " x --accum-steps ",
+           cfg.accum_steps, " x world size ", world, " does not fit in 64 bits");
+  return all;
+}
+
+// Note [Accumulation window]
+// An optimizer step averages the loss over the samples of its window: --accum-steps
+// micro-batches, fewer in the last window of an epoch, whose last micro-batch may be short too.
+// Each micro-batch's mean loss is weighted by its share of the window's samples, so a step is
+// the step on the window's samples as one batch, whatever the window's length (a weight of 1/K
+// would shrink a short window's gradient and loss by its length over K). Every rank has as many
+// samples per epoch (the sampler pads), so its windows have the same lengths, and DDP's average
+// over ranks makes a step the step on all ranks' window samples together.
+struct Window {
+  int64_t micro_batches = 0;
+  int64_t samples = 0;  // this rank's
+};
+
+// The window that starts at micro-batch `first` of a pass over `samples` samples of this rank.
+Window accumulation_window(int64_t first, int64_t accum_steps, int64_t batch_size,
+                           int64_t samples) {
+  const int64_t batches = (samples + batch_size - 1) / batch_size;
+  const int64_t end = std::min(first + accum_steps, batches);
+  return {.micro_batches = end - first,
+          .samples = std::min(end * batch_size, samples) - first * batch_size};
 }
 
 // Optimizer steps in the whole run: --epochs of them, or fewer with --max-steps.
@@ -191,7 +193,7 @@ Model build_model(const Config& cfg, const std::shared_ptr<dist::ProcessGroup>& 
     return m;
   }
   dist::DDPOptions dopts;
-  dopts.bucket_bytes = static_cast<int64_t>(cfg.bucket_mb * (1 << 20));
+  dopts.bucket_bytes = std::max<int64_t>(1, static_cast<int64_t>(cfg.bucket_mb * (1 << 20)));
   dopts.comm_hook = comm_hook_named(cfg.comm_hook);
   m.ddp = std::make_shared<dist::DistributedDataParallel>(m.params, pg, dopts);
   m.forward_backward = [local, ddp = m.ddp](const data::Batch& batch, double weight, bool sync) {
@@ -258,13 +260,20 @@ double test_accuracy(nn::Module& model, const data::MnistDataset& test, dist::Pr
 // ---------------------------------------------------------------------------------------------
 // The run
 
-// Where training stands: optimizer steps taken in all, and within `epoch` the samples all ranks
-// together consumed. A checkpoint stores exactly this.
+// Where training stands: optimizer steps taken in all; within `epoch`, the samples all ranks
+// together consumed and the losses of its optimizer steps so far, which the epoch's train_loss
+// averages (so a resumed epoch reports the uninterrupted one's). A checkpoint stores exactly this.
 struct Position {
   int64_t step = 0;
   int64_t epoch = 0;
   int64_t epoch_consumed = 0;
+  double epoch_loss_sum = 0;  // this rank's
+  int64_t epoch_loss_steps = 0;
 };
+
+// The checkpoint's user metadata that holds Position's loss sums (one per rank, %.17g) and count.
+constexpr const char* kLossSumsKey = "epoch_loss_sums";
+constexpr const char* kLossStepsKey = "epoch_loss_steps";
 
 // What one optimizer step ran with.
 struct StepResult {
@@ -277,7 +286,6 @@ struct StepResult {
 // What one epoch (or the part of it this run trained) did.
 struct EpochResult {
   int64_t steps = 0;    // optimizer steps
-  double loss_sum = 0;  // of their losses
   int64_t samples = 0;  // all ranks together
   double seconds = 0;
   bool finished = false;  // its last batch was trained (not stopped early by --max-steps)
@@ -287,8 +295,8 @@ struct EpochResult {
 struct Totals {
   int64_t samples = 0;
   double seconds = 0;
-  double loss = 0;       // the last epoch's mean over all ranks
-  double accuracy = -1;  // the last evaluation's; -1 without --eval
+  double loss = 0;                 // the last epoch's mean over all ranks
+  std::optional<double> accuracy;  // the last evaluation's; none without --eval
 };
 
 class Trainer {
@@ -309,7 +317,7 @@ class Trainer {
         // f16 needs loss scaling (its range ends at 65504); bf16 has f32's range and does without.
         scaler_({.enabled = cfg.amp == "fp16"}),
         model_(build_model(cfg, pg_, gen_, scaler_)),
-        effective_batch_(cfg.batch_size * cfg.accum_steps * world_),
+        effective_batch_(effective_batch_of(cfg, world_)),
         lr_(scaled_lr(cfg, effective_batch_)),
         opt_(model_.params->parameters(),
              {.lr = lr_, .momentum = cfg.momentum, .weight_decay = cfg.weight_decay}),
@@ -328,7 +336,10 @@ class Trainer {
     for (const auto& [name, p] : model_.params->named_parameters()) param_names_.push_back(name);
   }
 
-  // --resume: continue from a checkpoint file, or with "auto" from the newest beside --save.
+  // --save: rank 0 can write there, checked before the run whose result it is to hold.
+  void check_save_path();
+  // --resume: continue from a checkpoint file, or with "auto" from the newest beside --save
+  // that verifies.
   void resume();
   // The two header lines; then the per-step record (--metrics) opens.
   void start();
@@ -336,21 +347,23 @@ class Trainer {
 
   // The training loop's pieces, in the order run() calls them.
   EpochResult train_epoch();
-  double mean_loss(const EpochResult& e);
+  double mean_loss();
   bool evaluates() const { return test_data_ != nullptr; }
   double evaluate();
-  void report_epoch(const EpochResult& e, double loss, double accuracy) const;
+  void report_epoch(const EpochResult& e, double loss, std::optional<double> accuracy) const;
   void next_epoch(const EpochResult& e);
   void save_final();
   void report_final(const Totals& totals) const;
 
  private:
-  std::optional<StepResult> train_step(const data::Batch& batch, bool epoch_end);
+  std::optional<StepResult> train_step(const data::Batch& batch, int64_t pass_samples);
   void record_step(const StepResult& s, double samples_per_s);
   void save_if_due(bool epoch_end);
   void print_step(const StepResult& s) const;
-  io::TrainingCheckpoint checkpoint();
+  io::TrainingCheckpoint checkpoint(const Position& at);
+  bool spared(const std::string& path) const;
   void load(const std::string& path);
+  void load_epoch_loss(const io::TrainingCheckpoint& ckpt, const std::string& path);
   void warn_about_later_checkpoints() const;
   bool reached_max_steps() const { return cfg_.max_steps > 0 && pos_.step >= cfg_.max_steps; }
 
@@ -374,21 +387,29 @@ class Trainer {
   std::vector<std::string> param_names_;
   std::optional<io::MetricsWriter> metrics_;
   Position pos_;
-  // Gradient accumulation within the current optimizer step.
+  // Checkpoints --resume auto found corrupt: never written over nor pruned (Trainer::spared).
+  std::vector<std::string> spare_;
+  // Gradient accumulation within the current optimizer step: Note [Accumulation window].
+  Window window_;
   int64_t micro_ = 0;
   double step_loss_ = 0;
 };
 
 // ---- Setup: where the run starts
 
+void Trainer::check_save_path() {
+  if (!cfg_.save.empty()) dist::check_checkpoint_path(*pg_, "--save", cfg_.save);
+}
+
 void Trainer::resume() {
   if (!cfg_.resume.empty()) {
-    const std::string path = dist::resolve_resume(*pg_, cfg_.resume, cfg_.save);
-    if (path.empty()) {
+    const io::CheckpointChoice choice = dist::resolve_resume(*pg_, cfg_.resume, cfg_.save);
+    for (const auto& skipped : choice.skipped) spare_.push_back(skipped.path);
+    if (choice.path.empty()) {
       log_rank0(LogLevel::kInfo, "resume: no checkpoint beside ", cfg_.save,
                 " yet, starting from step 0");
     } else {
-      load(path);
+      load(choice.path);
     }
   }
   warn_about_later_checkpoints();
@@ -416,18 +437,49 @@ void Trainer::load(const std::string& path) {
     gen_.set_offset(it->second.offset);
   }
   pos_ = {.step = ckpt.step, .epoch = ckpt.epoch, .epoch_consumed = ckpt.epoch_samples};
+  load_epoch_loss(ckpt, path);
   scheduler_.set_step(pos_.step);
   log_rank0(LogLevel::kInfo, "resumed ", path, ": step ", pos_.step, ", epoch ", pos_.epoch,
             " after ", pos_.epoch_consumed, " of its samples (written by ", ckpt.world_size,
             " ranks, now ", world_, ")");
 }
 
+// Position's loss sums: each rank its own when the world size is the checkpoint's, else each the
+// mean of them (the epoch's train_loss is their mean either way). A checkpoint written before
+// they were recorded has none: the epoch's train_loss then covers the steps from here on.
+void Trainer::load_epoch_loss(const io::TrainingCheckpoint& ckpt, const std::string& path) {
+  const auto sums_it = ckpt.user.find(kLossSumsKey);
+  const auto steps_it = ckpt.user.find(kLossStepsKey);
+  if (sums_it == ckpt.user.end() || steps_it == ckpt.user.end()) {
+    if (pos_.epoch_consumed > 0)
+      log_rank0(LogLevel::kInfo, "--resume ", path, " records no losses of epoch ", pos_.epoch,
+                " (an older checkpoint): its train_loss will cover the steps from here on");
+    return;
+  }
+  std::vector<double> sums;
+  std::istringstream in(sums_it->second);
+  for (double v; in >> v;) sums.push_back(v);
+  int64_t steps = -1;
+  const std::string& steps_text = steps_it->second;
+  const auto [end, ec] =
+      std::from_chars(steps_text.data(), steps_text.data() + steps_text.size(), steps);
+  LS_CHECK(in.eof() && !sums.empty() && ec == std::errc() &&
+               end == steps_text.data() + steps_text.size() && steps >= 0,
+           "--resume ", path, ": metadata user.", kLossSumsKey, " should be numbers and user.",
+           kLossStepsKey, " a count, found '", sums_it->second, "' and '", steps_text, "'");
+  double mean = 0;
+  for (double v : sums) mean += v;
+  mean /= static_cast<double>(sums.size());
+  pos_.epoch_loss_sum = static_cast<int>(sums.size()) == world_ ? sums[pg_->rank()] : mean;
+  pos_.epoch_loss_steps = steps;
+}
+
 // Periodic checkpoints of later steps (another run's, or an older checkpoint resumed on purpose)
-// would win over this run's in a later --resume auto.
+// would win over this run's in a later --resume auto; corrupt ones were reported by the resume.
 void Trainer::warn_about_later_checkpoints() const {
   if (!main_rank_ || cfg_.save.empty() || cfg_.save_every <= 0) return;
   for (const auto& [step, path] : io::list_checkpoints(cfg_.save))
-    if (step > pos_.step)
+    if (step > pos_.step && !spared(path))
       log_warning(path, " is of step ", step, ", later than this run's step ", pos_.step,
                   ": --resume auto would pick it over this run's checkpoints until this run "
                   "passes that step; remove it if it belongs to another run");
@@ -466,6 +518,7 @@ EpochResult Trainer::train_epoch() {
   loader_.set_epoch(pos_.epoch);
   sampler_->set_start_index(pos_.epoch_consumed);  // 0 but in the epoch a checkpoint resumes
   const int64_t micro_batches = loader_.num_batches();
+  const int64_t pass_samples = sampler_->num_samples();  // this rank's, as many on every rank
   // This epoch's optimizer steps taken before a resume.
   const int64_t steps_before = (full_epoch_batches_ - micro_batches) / cfg_.accum_steps;
   EpochResult e;
@@ -478,7 +531,7 @@ EpochResult Trainer::train_epoch() {
   int64_t step_samples = 0;
   for (data::Batch& batch : loader_) {
     const bool epoch_end = batch.index + 1 == micro_batches;
-    const std::optional<StepResult> step = train_step(batch, epoch_end);
+    const std::optional<StepResult> step = train_step(batch, pass_samples);
     const int64_t samples = batch.input.size(0) * world_;  // every rank read a batch as large
     e.samples += samples;
     pos_.epoch_consumed += samples;
@@ -486,7 +539,8 @@ EpochResult Trainer::train_epoch() {
     if (!step) continue;  // a micro-batch of gradient accumulation: no optimizer step yet
 
     ++e.steps;
-    e.loss_sum += step->loss;
+    pos_.epoch_loss_sum += step->loss;
+    ++pos_.epoch_loss_steps;
     e.finished = epoch_end;
     const auto now = Clock::now();
     record_step(*step, step_samples / std::chrono::duration<double>(now - last_step_end).count());
@@ -505,10 +559,15 @@ EpochResult Trainer::train_epoch() {
 
 // One micro-batch: forward and backward, its gradients added into .grad. The last micro-batch of
 // a step (--accum-steps of them, or fewer at the end of an epoch) reduces the gradients across
-// ranks and takes the optimizer step, whose result it returns.
-std::optional<StepResult> Trainer::train_step(const data::Batch& batch, bool epoch_end) {
-  const bool last = ++micro_ == cfg_.accum_steps || epoch_end;
-  const double weight = 1.0 / static_cast<double>(cfg_.accum_steps);
+// ranks and takes the optimizer step, whose result it returns. Each micro-batch weighs by its
+// share of its window's samples (Note [Accumulation window]); `pass_samples` is this rank's
+// samples in this pass over the epoch.
+std::optional<StepResult> Trainer::train_step(const data::Batch& batch, int64_t pass_samples) {
+  if (micro_ == 0)
+    window_ = accumulation_window(batch.index, cfg_.accum_steps, cfg_.batch_size, pass_samples);
+  const bool last = ++micro_ == window_.micro_batches;
+  const double weight =
+      static_cast<double>(batch.input.size(0)) / static_cast<double>(window_.samples);
   step_loss_ += model_.forward_backward(batch, weight, /*sync=*/last);
   if (!last) return std::nullopt;
   micro_ = 0;
@@ -542,14 +601,26 @@ void Trainer::record_step(const StepResult& s, double samples_per_s) {
       .grad_norm = s.grad_norm});
 }
 
-// --save-every N: a checkpoint after every N-th optimizer step, beside --save.
+// --save-every N: a checkpoint after every N-th optimizer step, beside --save. A path that
+// holds a checkpoint the resume found corrupt is left as it is: that step's checkpoint is not
+// written (the next one is), and a warning says so.
 void Trainer::save_if_due(bool epoch_end) {
   if (cfg_.save_every <= 0 || pos_.step % cfg_.save_every != 0) return;
-  io::TrainingCheckpoint ckpt = checkpoint();
-  if (epoch_end) ckpt.epoch = pos_.epoch + 1, ckpt.epoch_samples = 0;  // resume at the next one
   const std::string path = io::checkpoint_path_for_step(cfg_.save, pos_.step);
-  dist::save_checkpoint(*pg_, path, ckpt, cfg_.keep);
+  if (spared(path)) {
+    log_rank0(LogLevel::kWarning, "not saving step ", pos_.step, " to ", path,
+              ": it holds the corrupt checkpoint --resume auto skipped, left for you to inspect; "
+              "remove or move it to let this run write there");
+    return;
+  }
+  // At the end of an epoch, the position is the next epoch's start.
+  const Position at = epoch_end ? Position{.step = pos_.step, .epoch = pos_.epoch + 1} : pos_;
+  dist::save_checkpoint(*pg_, path, checkpoint(at), cfg_.keep, spare_);
   log_rank0(LogLevel::kInfo, "saved ", path);
+}
+
+bool Trainer::spared(const std::string& path) const {
+  return std::find(spare_.begin(), spare_.end(), path) != spare_.end();
 }
 
 // --log-every N: the loss every N optimizer steps, where no progress bar shows it.
@@ -562,25 +633,39 @@ void Trainer::print_step(const StepResult& s) const {
       scaler_.is_enabled() ? (" loss_scale " + std::to_string(scaler_.get_scale())).c_str() : "");
 }
 
-// The model, the optimizer, the scaler and the position, as --resume reads them back.
-io::TrainingCheckpoint Trainer::checkpoint() {
+// The model, the optimizer, the scaler and the position `at`, as --resume reads them back. Every
+// rank calls it: each contributes its loss sum (an exact gather: a sum of one value and zeros).
+io::TrainingCheckpoint Trainer::checkpoint(const Position& at) {
+  Tensor sums = zeros({world_}, kFloat64);
+  sums.set_at({pg_->rank()}, at.epoch_loss_sum);
+  pg_->all_reduce(sums)->wait();
   io::TrainingCheckpoint ckpt;
   ckpt.model = model_.params->state_dict();
   ckpt.optimizer = opt_.state_dict();
   ckpt.optimizer_param_names = param_names_;
   if (scaler_.is_enabled()) ckpt.scaler = scaler_.state_dict();
-  ckpt.step = pos_.step;
-  ckpt.epoch = pos_.epoch;
-  ckpt.epoch_samples = pos_.epoch_consumed;
+  ckpt.step = at.step;
+  ckpt.epoch = at.epoch;
+  ckpt.epoch_samples = at.epoch_consumed;
   ckpt.world_size = world_;
   ckpt.rng["init"] = {gen_.seed(), gen_.offset()};
   ckpt.user = run_metadata(cfg_);
+  std::string text;
+  for (int r = 0; r < world_; ++r) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%s%.17g", r ? " " : "", sums.at({r}));
+    text += buf;
+  }
+  ckpt.user[kLossSumsKey] = text;
+  ckpt.user[kLossStepsKey] = std::to_string(at.epoch_loss_steps);
   return ckpt;
 }
 
-// The epoch's mean training loss, averaged over all ranks.
-double Trainer::mean_loss(const EpochResult& e) {
-  Tensor mean = full({1}, e.steps ? e.loss_sum / static_cast<double>(e.steps) : 0.0, kFloat64);
+// The epoch's mean training loss (all its steps, those before a resume included), averaged over
+// all ranks.
+double Trainer::mean_loss() {
+  const double steps = static_cast<double>(pos_.epoch_loss_steps);
+  Tensor mean = full({1}, steps > 0 ? pos_.epoch_loss_sum / steps : 0.0, kFloat64);
   pg_->all_reduce(mean, {.op = dist::ReduceOp::avg})->wait();
   return mean.item();
 }
@@ -594,23 +679,46 @@ double Trainer::evaluate() {
   return accuracy;
 }
 
-void Trainer::report_epoch(const EpochResult& e, double loss, double accuracy) const {
+// "0.8712", or "none" where no evaluation ran (--no-eval): a field a reader can tell apart.
+std::string accuracy_text(std::optional<double> accuracy) {
+  if (!accuracy) return "none";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.4f", *accuracy);
+  return buf;
+}
+
+void Trainer::report_epoch(const EpochResult& e, double loss,
+                           std::optional<double> accuracy) const {
   if (!main_rank_) return;
-  std::printf("epoch %lld train_loss %.4f samples/s %.1f test_accuracy %.4f data_wait %.1f%%\n",
-              static_cast<long long>(pos_.epoch), loss, e.samples / e.seconds, accuracy,
-              100.0 * loader_.wait_seconds() / e.seconds);
+  std::printf("epoch %lld train_loss %.4f samples/s %.1f test_accuracy %s data_wait %.1f%%\n",
+              static_cast<long long>(pos_.epoch), loss, e.samples / e.seconds,
+              accuracy_text(accuracy).c_str(), 100.0 * loader_.wait_seconds() / e.seconds);
 }
 
 void Trainer::next_epoch(const EpochResult& e) {
-  loader_.reset_wait_seconds();                              // data_wait is per epoch
-  if (e.finished) pos_.epoch += 1, pos_.epoch_consumed = 0;  // the next starts at its first sample
+  loader_.reset_wait_seconds();  // data_wait is per epoch
+  // The next epoch starts at its first sample, with no losses yet.
+  if (e.finished) pos_ = {.step = pos_.step, .epoch = pos_.epoch + 1};
 }
 
-// --save: the end-of-run checkpoint (rank 0 writes, the others wait).
+// --save: the end-of-run checkpoint (rank 0 writes, the others wait). When --save holds the
+// corrupt checkpoint --resume auto skipped, it is left as it is and the checkpoint goes beside
+// it as the periodic file of its step, which --resume auto finds as well.
 void Trainer::save_final() {
   if (cfg_.save.empty()) return;
-  dist::save_checkpoint(*pg_, cfg_.save, checkpoint());
-  log_rank0(LogLevel::kInfo, "saved ", cfg_.save);
+  std::string path = cfg_.save;
+  if (spared(path)) {
+    path = io::checkpoint_path_for_step(cfg_.save, pos_.step);
+    LS_CHECK(!spared(path), "--save ", cfg_.save, " and ", path,
+             " both hold corrupt checkpoints that this run leaves for you to inspect; remove or "
+             "move one to let the run save its result");
+    log_rank0(LogLevel::kWarning, "--save ", cfg_.save,
+              " holds the corrupt checkpoint --resume auto skipped, left for you to inspect; "
+              "saving to ",
+              path, " instead");
+  }
+  dist::save_checkpoint(*pg_, path, checkpoint(pos_));
+  log_rank0(LogLevel::kInfo, "saved ", path);
 }
 
 void Trainer::report_final(const Totals& totals) const {
@@ -619,16 +727,18 @@ void Trainer::report_final(const Totals& totals) const {
   if (!main_rank_) return;
   if (totals.samples == 0)
     log_info("nothing left to train: step ", pos_.step, " reached --max-steps / --epochs");
-  std::printf("final test_accuracy=%.4f train_loss=%.4f steps=%lld samples_per_s=%.1f\n",
-              totals.accuracy, totals.loss, static_cast<long long>(pos_.step),
+  std::printf("final test_accuracy=%s train_loss=%.4f steps=%lld samples_per_s=%.1f\n",
+              accuracy_text(totals.accuracy).c_str(), totals.loss,
+              static_cast<long long>(pos_.step),
               totals.seconds > 0 ? totals.samples / totals.seconds : 0.0);
 }
 
 int run(const Config& cfg) {
   // Setup: threads, then the data, the world, the model, the optimizer and the schedule; then
   // where a resumed run stands.
-  if (cfg.threads > 0) set_num_threads(cfg.threads);
+  if (cfg.threads > 0) set_num_threads(static_cast<int>(cfg.threads));
   Trainer trainer(cfg);
+  trainer.check_save_path();
   trainer.resume();
   trainer.start();
 
@@ -639,7 +749,7 @@ int run(const Config& cfg) {
     const EpochResult epoch = trainer.train_epoch();
     totals.samples += epoch.samples;
     totals.seconds += epoch.seconds;
-    totals.loss = trainer.mean_loss(epoch);
+    totals.loss = trainer.mean_loss();
     if (trainer.evaluates()) totals.accuracy = trainer.evaluate();
     trainer.report_epoch(epoch, totals.loss, totals.accuracy);
     trainer.next_epoch(epoch);
@@ -657,125 +767,7 @@ int main(int argc, char** argv) {
   // Line by line even into a pipe (`lockstep run`), so a killed run loses no printed line.
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   Config cfg;
-  CLI::App app{"Train an MLP or a CNN on Fashion-MNIST with lockstep."};
-  app.add_option("--data", cfg.data, "Directory with the Fashion-MNIST IDX files")
-      ->capture_default_str();
-  app.add_option("--model", cfg.model, "Model")
-      ->check(CLI::IsMember({"mlp", "cnn"}))
-      ->capture_default_str();
-  app.add_option("--epochs", cfg.epochs, "Epochs")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app.add_option("--max-steps", cfg.max_steps,
-                 "Stop after N optimizer steps of the run, those before a resumed checkpoint "
-                 "included (0 = no limit)")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  app.add_option("--batch-size", cfg.batch_size, "Batch size per process")->capture_default_str();
-  app.add_option("--lr", cfg.lr, "Learning rate")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  app.add_option("--momentum", cfg.momentum, "SGD momentum")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  app.add_option("--weight-decay", cfg.weight_decay, "SGD weight decay")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  app.add_option("--seed", cfg.seed, "Seed for initialisation and shuffling")
-      ->capture_default_str();
-  app.add_option("--threads", cfg.threads, "Intra-op threads (0 = OMP_NUM_THREADS or all cores)")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  app.add_option("--log-every", cfg.log_every, "Print the loss every N steps (0 = never)")
-      ->capture_default_str();
-  app.add_flag("--eval,!--no-eval", cfg.eval, "Evaluate on the test set after each epoch")
-      ->capture_default_str();
-  app.add_option("--workers", cfg.workers, "DataLoader worker threads")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  app.add_option("--save", cfg.save,
-                 "Checkpoint file (safetensors: model, optimizer, scaler, position), written by "
-                 "rank 0 at the end and, with --save-every, beside it as <name>.step<N>.<ext>");
-  app.add_option("--save-every", cfg.save_every,
-                 "Checkpoint every N optimizer steps (0 = at the end only)")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  app.add_option("--keep", cfg.keep, "Keep the newest N periodic checkpoints (0 = all)")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  app.add_option("--resume", cfg.resume,
-                 "Continue from a checkpoint file, or 'auto': the newest beside --save if any");
-  app.add_option("--metrics", cfg.metrics,
-                 "Append per-step metrics as JSON Lines here (rank 0; `lockstep plot` draws them)");
-  app.add_option("--test-crash-at-step", cfg.test_crash_at_step,
-                 "Testing only (the crash-recovery tests): the last rank kills itself (SIGKILL) "
-                 "after this optimizer step and its checkpoint, on the first attempt of a "
-                 "`lockstep run` only")
-      ->check(CLI::NonNegativeNumber);
-  app.add_option("--bucket-mb", cfg.bucket_mb, "DDP gradient bucket size in MiB")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app.add_option("--comm-hook", cfg.comm_hook, "DDP gradient compression on the wire")
-      ->check(CLI::IsMember({"none", "bf16", "fp16"}))
-      ->capture_default_str();
-  app.add_option("--dp", cfg.dp, "DataParallel with K replicas on threads (one process)")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app.add_flag("--ddp-stats", cfg.ddp_stats, "Print DDP's bucket and communication statistics");
-  app.add_option("--amp", cfg.amp, "Mixed precision: autocast to bf16, or fp16 with loss scaling")
-      ->check(CLI::IsMember({"none", "bf16", "fp16"}))
-      ->capture_default_str();
-  app.add_option("--accum-steps", cfg.accum_steps,
-                 "Micro-batches per optimizer step (gradient accumulation)")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app.add_option("--lr-scaling", cfg.lr_scaling,
-                 "Scale --lr with the effective batch (batch x accum x world) / --base-batch")
-      ->check(CLI::IsMember({"linear", "sqrt", "none"}))
-      ->capture_default_str();
-  app.add_option("--base-batch", cfg.base_batch, "The batch size --lr was tuned for")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
-  app.add_option("--warmup-steps", cfg.warmup_steps,
-                 "Linear learning-rate warmup (optimizer steps)")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  app.add_option("--schedule", cfg.schedule, "Learning-rate schedule after warmup")
-      ->check(CLI::IsMember({"constant", "cosine"}))
-      ->capture_default_str();
-  app.add_option("--clip-grad-norm", cfg.clip_grad_norm, "Clip the gradient norm (0 = off)")
-      ->check(CLI::NonNegativeNumber)
-      ->capture_default_str();
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    const int rc = app.exit(e);
-    return rc == 0 ? 0 : kUsageError;
-  }
-  if (cfg.batch_size <= 0) {
-    std::fprintf(stderr, "error: --batch-size must be a positive integer, got %lld\n",
-                 static_cast<long long>(cfg.batch_size));
-    return kUsageError;
-  }
-  if (cfg.dp > 1 && cfg.amp != "none") {
-    std::fprintf(stderr,
-                 "error: --amp runs in the calling thread's autocast scope; DataParallel's replica "
-                 "threads have none, so --amp cannot be combined with --dp %lld\n",
-                 static_cast<long long>(cfg.dp));
-    return kUsageError;
-  }
-  if ((cfg.save_every > 0 || cfg.resume == "auto") && cfg.save.empty()) {
-    std::fprintf(stderr, "error: %s needs --save PATH (where the checkpoints go)\n",
-                 cfg.save_every > 0 ? "--save-every" : "--resume auto");
-    return kUsageError;
-  }
-  if (!std::filesystem::is_directory(cfg.data)) {
-    std::fprintf(stderr,
-                 "error: --data %s is not a directory; install the Debian package "
-                 "dataset-fashion-mnist or pass the directory holding the IDX files\n",
-                 cfg.data.c_str());
-    return kUsageError;
-  }
+  if (const int rc = examples::parse_flags(argc, argv, cfg); rc >= 0) return rc;
   try {
     return run(cfg);
   } catch (const std::exception& e) {

@@ -1,5 +1,5 @@
 // Rank-0 checkpoint writes with a failure-carrying barrier; loading by every rank or by
-// broadcast from rank 0.
+// broadcast from rank 0; rank 0's choices (what to resume, whether --save is writable) for all.
 #include "lockstep/distributed/checkpoint.h"
 
 #include <nlohmann/json.hpp>
@@ -7,6 +7,8 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+
+#include "lockstep/base/log.h"
 
 namespace lockstep::dist {
 
@@ -107,12 +109,12 @@ std::string recorded_digest(const std::string& path) {
 }  // namespace
 
 void save_checkpoint(ProcessGroup& pg, const std::string& path, const io::TrainingCheckpoint& ckpt,
-                     int64_t keep) {
+                     int64_t keep, const std::vector<std::string>& spare) {
   std::string error;
   if (pg.rank() == 0) {
     error = failure_of([&] {
       io::save_checkpoint(path, ckpt);
-      io::prune_checkpoints(path, keep);
+      io::prune_checkpoints(path, keep, spare);
     });
   }
   // The broadcast is the barrier: the others wait until rank 0 says the file is there.
@@ -145,24 +147,57 @@ io::TrainingCheckpoint load_checkpoint(ProcessGroup& pg, const std::string& path
   return ckpt;
 }
 
-std::string resolve_resume(ProcessGroup& pg, const std::string& resume, const std::string& base) {
-  std::string chosen, error;
+io::CheckpointChoice resolve_resume(ProcessGroup& pg, const std::string& resume,
+                                    const std::string& base) {
+  io::CheckpointChoice choice;
+  std::string error;
   if (pg.rank() == 0) {
     error = failure_of([&] {
       if (resume == "auto") {
-        chosen = io::latest_checkpoint(base);
+        choice = io::latest_valid_checkpoint(base);
+        std::string all;
+        for (const auto& [path, reason] : choice.skipped) {
+          if (!choice.path.empty())
+            log_warning("--resume auto: skipping ", path, ", which does not verify (", reason,
+                        "); it is left as it is");
+          all += "\n  " + path + ": " + reason;
+        }
+        LS_CHECK(!choice.path.empty() || choice.skipped.empty(), "--resume auto: no checkpoint of ",
+                 base,
+                 " verifies; remove or move aside the corrupt ones to start from step 0:", all);
       } else {
         std::error_code ec;
         LS_CHECK(std::filesystem::is_regular_file(resume, ec), "--resume ", resume,
                  ": no such checkpoint file");
-        chosen = resume;
+        choice.path = resume;
       }
     });
   }
-  const std::string answer =
-      bytes_str(pg.broadcast_object(to_bytes(error.empty() ? "+" + chosen : "-" + error)));
-  LS_CHECK(answer[0] == '+', answer.substr(1));
-  return answer.substr(1);
+  // Rank 0's choice, or its error, for every rank.
+  json answer;
+  if (pg.rank() == 0) {
+    answer["error"] = error;
+    answer["path"] = choice.path;
+    answer["skipped"] = json::array();
+    for (const auto& [path, reason] : choice.skipped) answer["skipped"].push_back({path, reason});
+  }
+  answer = json::parse(bytes_str(pg.broadcast_object(to_bytes(answer.dump()))));
+  LS_CHECK(answer["error"].get<std::string>().empty(), answer["error"].get<std::string>());
+  choice.path = answer["path"].get<std::string>();
+  choice.skipped.clear();
+  for (const auto& s : answer["skipped"])
+    choice.skipped.push_back({s[0].get<std::string>(), s[1].get<std::string>()});
+  return choice;
+}
+
+void check_checkpoint_path(ProcessGroup& pg, const std::string& what, const std::string& path) {
+  std::string problem;
+  if (pg.rank() == 0) {
+    const std::string error = failure_of([&] { problem = io::checkpoint_path_problem(path); });
+    if (!error.empty()) problem = error;
+  }
+  problem = bytes_str(pg.broadcast_object(to_bytes(problem)));
+  LS_CHECK(problem.empty(), what, " ", path, " cannot be written: ", problem);
 }
 
 }  // namespace lockstep::dist

@@ -16,9 +16,12 @@
 #include <memory>
 #include <set>
 
+#include <fcntl.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include "lockstep/autograd/grad_mode.h"
+#include "lockstep/base/syscall.h"
 
 namespace lockstep::io {
 
@@ -352,6 +355,62 @@ std::string latest_checkpoint(const std::string& base) {
   return best;
 }
 
+std::string checkpoint_problem(const std::string& path) {
+  try {
+    load_checkpoint(path);
+    return "";
+  } catch (const Error& e) {
+    return e.message();
+  } catch (const std::exception& e) {
+    return e.what()[0] ? e.what() : "unknown error";
+  }
+}
+
+CheckpointChoice latest_valid_checkpoint(const std::string& base) {
+  // Newest first: periodic files by the step in their names, `base` by the step in its header
+  // (before a periodic file of its step, as in latest_checkpoint).
+  std::vector<std::pair<int64_t, std::string>> candidates = list_checkpoints(base);
+  std::reverse(candidates.begin(), candidates.end());
+  std::error_code ec;
+  if (std::filesystem::exists(base, ec)) {
+    const int64_t step = checkpoint_step(base);
+    auto at = std::find_if(candidates.begin(), candidates.end(),
+                           [&](const auto& c) { return step >= 0 && c.first <= step; });
+    candidates.insert(step < 0 ? candidates.begin() : at, {step, base});
+  }
+  CheckpointChoice choice;
+  for (const auto& [step, path] : candidates) {
+    std::string reason = checkpoint_problem(path);
+    if (reason.empty()) {
+      choice.path = path;
+      break;
+    }
+    choice.skipped.push_back({path, std::move(reason)});
+  }
+  return choice;
+}
+
+std::string checkpoint_path_problem(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (path.empty()) return "the path is empty";
+  if (fs::is_directory(path, ec)) return path + " is a directory, not a file";
+  const fs::path dir = parent_dir(path);
+  if (!fs::is_directory(dir, ec)) {
+    fs::create_directories(dir, ec);
+    if (ec) return "cannot create the directory " + dir.string() + ": " + ec.message();
+  }
+  // The check a write would make first: a new file in that directory (the atomic save creates
+  // its temporary file there), removed again at once.
+  const fs::path probe =
+      dir / (fs::path(path).filename().string() + ".writable." + std::to_string(::getpid()));
+  Fd fd(::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+  if (!fd) return "cannot create a file in " + dir.string() + ": " + errno_text(errno);
+  fd.reset();
+  ::unlink(probe.c_str());
+  return "";
+}
+
 std::string checkpoint_series(const std::string& path) {
   const std::filesystem::path p(path);
   std::string series;
@@ -359,7 +418,8 @@ std::string checkpoint_series(const std::string& path) {
   return (p.parent_path() / series).string();
 }
 
-std::vector<std::string> prune_checkpoints(const std::string& path, int64_t keep) {
+std::vector<std::string> prune_checkpoints(const std::string& path, int64_t keep,
+                                           const std::vector<std::string>& spare) {
   LS_CHECK(keep >= 0, "prune_checkpoints: keep must be >= 0, got ", keep);
   const std::string base = checkpoint_series(path);
   const std::string base_name = std::filesystem::path(base).filename().string();
@@ -370,10 +430,13 @@ std::vector<std::string> prune_checkpoints(const std::string& path, int64_t keep
   std::error_code ec;
   if (keep > 0) {
     auto all = list_checkpoints(base);
-    if (upto >= 0)
-      all.erase(
-          std::remove_if(all.begin(), all.end(), [&](const auto& c) { return c.first > upto; }),
-          all.end());
+    const auto spared = [&](const std::string& p) {
+      return std::find(spare.begin(), spare.end(), p) != spare.end();
+    };
+    all.erase(std::remove_if(
+                  all.begin(), all.end(),
+                  [&](const auto& c) { return (upto >= 0 && c.first > upto) || spared(c.second); }),
+              all.end());
     for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) {
       if (std::filesystem::remove(all[i].second, ec)) removed.push_back(all[i].second);
     }

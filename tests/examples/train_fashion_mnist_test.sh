@@ -21,6 +21,18 @@ expect_exit() {
   grep -q -- "$pattern" "$work/out" || { cat "$work/out"; fail "'$*' output lacks '$pattern'"; }
 }
 
+# Flips one bit of a file's last byte (in a checkpoint: tensor data; every safetensors check but
+# the SHA-256 still passes).
+corrupt() {
+  local f=$1 size byte
+  size=$(stat -c %s "$f")
+  byte=$(tail -c 1 "$f" | od -An -tu1 | tr -d ' ')
+  printf "\\$(printf %03o $((byte ^ 32)))" | dd of="$f" bs=1 seek=$((size - 1)) conv=notrunc status=none
+}
+
+# The train_loss of a run's final line.
+final_loss() { sed -n 's/^\(\[rank0\]: \)\{0,1\}final .* train_loss=\([0-9.]*\) .*/\2/p' "$1"; }
+
 # Runs a short training and checks the final line's accuracy against a floor.
 train_check() {
   local floor=$1
@@ -40,7 +52,7 @@ case "$case_name" in
   cnn) train_check 0.70 --model cnn --max-steps 150 --threads 2 ;;
   usage)
     expect_exit 2 "bogus" --bogus
-    expect_exit 2 "batch-size must be a positive integer" --batch-size 0
+    expect_exit 2 "--batch-size must be an integer from 1 to 1000000000, got '0'" --batch-size 0
     expect_exit 2 "not a directory" --data "$work/does-not-exist"
     expect_exit 2 "model" --model resnet
     expect_exit 0 "--max-steps" --help
@@ -52,13 +64,59 @@ case "$case_name" in
     expect_exit 2 "cannot be combined with --dp" --amp bf16 --dp 2
     expect_exit 2 "accum-steps" --accum-steps 0
     expect_exit 2 "lr-scaling" --lr-scaling cubic
+    # Every numeric flag reads its whole text as a number of its type and range, and names itself
+    # and the range in words (Note [Numeric flags]): no clamping, no wrapping, no 309-digit bound.
+    while read -r flag value range; do
+      expect_exit 2 "^$flag must be $range, got '$value'" "$flag" "$value"
+    done <<'EOF'
+--epochs 0 an integer from 1 to 1000000000
+--epochs 1e3 an integer from 1 to 1000000000
+--max-steps -1 an integer of at least 0
+--batch-size 99999999999999999999 an integer from 1 to 1000000000
+--batch-size -5 an integer from 1 to 1000000000
+--batch-size 0x10 an integer from 1 to 1000000000
+--lr -0.1 a number of at least 0
+--lr 1e999 a number of at least 0
+--lr nan a number of at least 0
+--momentum inf a number of at least 0
+--weight-decay -1 a number of at least 0
+--seed -1 an integer of at least 0
+--seed 18446744073709551616 an integer of at least 0
+--threads 4097 an integer from 0 to 4096
+--log-every -1 an integer of at least 0
+--workers 5000 an integer from 0 to 4096
+--save-every -3 an integer of at least 0
+--keep -1 an integer of at least 0
+--test-crash-at-step -1 an integer of at least 0
+--bucket-mb 0 a number above 0 and at most 1048576
+--bucket-mb 1e7 a number above 0 and at most 1048576
+--dp 0 an integer from 1 to 4096
+--accum-steps 0 an integer from 1 to 1000000000
+--accum-steps 1000000001 an integer from 1 to 1000000000
+--base-batch 0 an integer of at least 1
+--warmup-steps -1 an integer of at least 0
+--clip-grad-norm -1 a number of at least 0
+EOF
+    expect_exit 0 "an integer from 1 to 1000000000" --help
     ;;
   save)
     "$exe" --log-every 0 --max-steps 3 --no-eval --save "$work/model.safetensors" > "$work/out" 2>&1 \
       || { cat "$work/out"; fail "run with --save failed"; }
     [ -s "$work/model.safetensors" ] || fail "no file written"
     grep -a -q '"model.1.weight"' "$work/model.safetensors" || fail "parameter names missing from header"
-    grep -q "final test_accuracy=-1" "$work/out" || fail "--no-eval still evaluated"
+    grep -q "^epoch 0 train_loss [0-9.]* samples/s [0-9.]* test_accuracy none " "$work/out" \
+      || { cat "$work/out"; fail "--no-eval: the epoch line does not say no evaluation ran"; }
+    grep -q "^final test_accuracy=none train_loss=" "$work/out" || fail "--no-eval still evaluated"
+    # A --save that cannot be written fails before training, naming the path and the reason (the
+    # tests run as root, which a read-only directory does not stop: a path under a regular file,
+    # and /proc, stop everyone).
+    echo x > "$work/somefile"
+    for bad in "$work/somefile/sub/ck.safetensors" /proc/lockstep-test/ck.safetensors "$work"; do
+      expect_exit 1 "error: --save $bad cannot be written: " --log-every 1 --max-steps 3 --no-eval \
+        --save "$bad"
+      ! grep -q "^model=\|^epoch\|^final" "$work/out" || { cat "$work/out"; fail "--save $bad: trained first"; }
+    done
+    grep -q "is a directory" "$work/out" || fail "--save DIR: no reason given"
     ;;
   dp) train_check 0.70 --model mlp --dp 2 --max-steps 150 --threads 1 ;;
   ddp)
@@ -130,6 +188,33 @@ case "$case_name" in
     [ "$(grep -c "^epoch 0 step [0-9]* loss" "$work/out")" -eq 4 ] \
       || fail "expected 4 loss lines (optimizer steps 5, 10, 15, 20)"
     grep -q "steps=20 " "$work/out" || fail "--max-steps must count optimizer steps"
+    # Note [Accumulation window]: an epoch of 3 micro-batches (25000, 25000, 10000 samples) under
+    # --accum-steps 4 is one step on its 60000 samples, the very step of --batch-size 60000: the
+    # same loss at step 1 and, after that step's update, at step 2. With 2 ranks (3 micro-batches
+    # of 12500, 12500, 5000 each) it is that step again. (A weight of 1/K reports 3/4 of the loss
+    # and shrinks the update.)
+    common=(--log-every 0 --no-eval --epochs 2 --max-steps 2 --lr 0.5)
+    "$exe" "${common[@]}" --threads 2 --batch-size 60000 > "$work/full" 2>&1 \
+      || { cat "$work/full"; fail "full-batch run failed"; }
+    "$exe" "${common[@]}" --threads 2 --batch-size 25000 --accum-steps 4 > "$work/acc" 2>&1 \
+      || { cat "$work/acc"; fail "accumulation run failed"; }
+    port=$((20000 + RANDOM % 20000))
+    for r in 0 1; do
+      RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 \
+        MASTER_PORT=$port OMP_NUM_THREADS=1 "$exe" "${common[@]}" --threads 1 \
+        --batch-size 12500 --accum-steps 4 > "$work/ddp$r" 2>&1 &
+      pids[$r]=$!
+    done
+    for r in 0 1; do wait "${pids[$r]}" || { cat "$work/ddp0" "$work/ddp1"; fail "rank $r failed"; }; done
+    cat "$work/full" "$work/acc" "$work/ddp0"
+    for run in acc ddp0; do
+      for e in 0 1; do
+        want=$(sed -n "s/^epoch $e train_loss \([0-9.]*\) .*/\1/p" "$work/full")
+        got=$(sed -n "s/^epoch $e train_loss \([0-9.]*\) .*/\1/p" "$work/$run")
+        [ -n "$want" ] && [ "$want" = "$got" ] \
+          || fail "$run: epoch $e train_loss $got, the full batch's is $want"
+      done
+    done
     ;;
   resume)
     # Exact resume with 1 process: 40 optimizer steps straight, against a run killed (SIGKILL)
@@ -152,6 +237,10 @@ case "$case_name" in
     grep -q "steps=40 " "$work/b2.out" || fail "the resumed run did not stop at step 40"
     cmp "$work/a/ck.safetensors" "$work/b/ck.safetensors" \
       || fail "resumed run ended with other parameters or state than the straight run"
+    # The checkpoint carries the epoch's loss sum: the resumed epoch's train_loss is the straight
+    # run's (all 40 steps), not the mean of the 20 since the resume.
+    [ -n "$(final_loss "$work/a.out")" ] && [ "$(final_loss "$work/a.out")" = "$(final_loss "$work/b2.out")" ] \
+      || fail "train_loss after the resume $(final_loss "$work/b2.out"), straight $(final_loss "$work/a.out")"
     # --keep 2: the newest two periodic checkpoints stay.
     [ "$(ls "$work/b" | tr '\n' ' ')" = "ck.safetensors ck.step00000030.safetensors ck.step00000040.safetensors " ] \
       || { ls "$work/b"; fail "--keep 2 kept other files"; }
@@ -165,6 +254,47 @@ case "$case_name" in
     "$exe" --log-every 0 --no-eval --max-steps 2 --save "$work/c/ck.safetensors" --resume auto \
       > "$work/c.out" 2>&1 || { cat "$work/c.out"; fail "--resume auto without a checkpoint failed"; }
     grep -q "starting from step 0" "$work/c.out" || fail "no fresh-start message"
+    # A corrupt newest checkpoint: auto resumes the newest that verifies with a warning naming the
+    # skipped one and why, never writes over it (its step's periodic save is skipped, said so),
+    # and still ends in the straight run's state.
+    mkdir -p "$work/d"
+    cp "$work/b/ck.step00000030.safetensors" "$work/b/ck.step00000040.safetensors" "$work/d/"
+    corrupt "$work/d/ck.step00000040.safetensors"
+    cp "$work/d/ck.step00000040.safetensors" "$work/corrupt40"
+    "$exe" "${args[@]}" --save "$work/d/ck.safetensors" --save-every 10 --keep 1 --resume auto \
+      > "$work/d.out" 2>&1 || { cat "$work/d.out"; fail "resume past a corrupt checkpoint failed"; }
+    cat "$work/d.out"
+    grep -q "WARNING: --resume auto: skipping $work/d/ck.step00000040.safetensors, which does not verify (.*corrupt" \
+      "$work/d.out" || fail "no warning naming the corrupt checkpoint"
+    grep -q "INFO: resumed .*d/ck.step00000030.safetensors: step 30" "$work/d.out" \
+      || fail "did not resume from the newest valid checkpoint"
+    grep -q "WARNING: not saving step 40 to $work/d/ck.step00000040.safetensors" "$work/d.out" \
+      || fail "no warning for the skipped periodic save"
+    cmp "$work/corrupt40" "$work/d/ck.step00000040.safetensors" || fail "the corrupt checkpoint was changed"
+    cmp "$work/a/ck.safetensors" "$work/d/ck.safetensors" || fail "resumed past a corrupt file: other state"
+    [ "$(final_loss "$work/a.out")" = "$(final_loss "$work/d.out")" ] || fail "train_loss after resuming at 30"
+    # An explicit --resume of the corrupt file is not replaced: an error.
+    expect_exit 1 "corrupt" --no-eval --resume "$work/d/ck.step00000040.safetensors"
+    # A corrupt end-of-run file: left as it is, this run's result goes beside it as step 40's.
+    mkdir -p "$work/e"
+    cp "$work/a/ck.safetensors" "$work/e/"
+    cp "$work/b/ck.step00000030.safetensors" "$work/e/"
+    corrupt "$work/e/ck.safetensors"
+    cp "$work/e/ck.safetensors" "$work/corrupt_base"
+    "$exe" "${args[@]}" --save "$work/e/ck.safetensors" --resume auto > "$work/e.out" 2>&1 \
+      || { cat "$work/e.out"; fail "resume past a corrupt --save file failed"; }
+    cat "$work/e.out"
+    grep -q "WARNING: --save $work/e/ck.safetensors holds the corrupt checkpoint .* saving to $work/e/ck.step00000040.safetensors instead" \
+      "$work/e.out" || fail "no warning for the redirected end-of-run save"
+    cmp "$work/corrupt_base" "$work/e/ck.safetensors" || fail "the corrupt --save file was changed"
+    cmp "$work/a/ck.safetensors" "$work/e/ck.step00000040.safetensors" || fail "the redirected save: other state"
+    # Nothing verifies: an error listing each file, and every file stays.
+    corrupt "$work/d/ck.step00000030.safetensors"
+    corrupt "$work/d/ck.safetensors"
+    expect_exit 1 "no checkpoint of $work/d/ck.safetensors verifies" --no-eval --save "$work/d/ck.safetensors" \
+      --resume auto
+    grep -q "ck.step00000030.safetensors: " "$work/out" || fail "the error does not list step 30's file"
+    cmp "$work/corrupt40" "$work/d/ck.step00000040.safetensors" || fail "the corrupt checkpoint was changed"
     ;;
   resume_ddp)
     # 2 processes under `lockstep run --max-restarts 1`: rank 1 is killed after step 25, the

@@ -387,3 +387,114 @@ TEST(Checkpoint, CorruptMetadataIsCaughtByTheDigest) {
   std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
   expect_error([&] { io::load_checkpoint(path); }, {path, "corrupt"});
 }
+
+namespace {
+std::string file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+}  // namespace
+
+// --resume auto's choice: a corrupt newest checkpoint (one flipped bit, every safetensors check
+// still passing) is passed over with its reason for the newest one that verifies, and no file is
+// changed; with none that verifies the choice is empty and lists them all.
+TEST(Checkpoint, LatestValidCheckpointSkipsCorruptNewerOnesAndTouchesNothing) {
+  TempDir dir;
+  const std::string base = dir.path("ck.safetensors");
+  EXPECT_EQ(io::latest_valid_checkpoint(base).path, "");
+  EXPECT_TRUE(io::latest_valid_checkpoint(base).skipped.empty());
+  io::TrainingCheckpoint c;
+  c.model = {{"w", arange(0, 64, 1, kFloat32)}};
+  for (int64_t step : {10, 20, 30}) {
+    c.step = step;
+    io::save_checkpoint(io::checkpoint_path_for_step(base, step), c);
+  }
+  const std::string newest = io::checkpoint_path_for_step(base, 30);
+  flip_byte(newest, fs::file_size(newest) - 1);
+  const std::string corrupt_bytes = file_bytes(newest);
+  EXPECT_EQ(io::latest_checkpoint(base), newest);  // by the header alone, it looks fine
+
+  io::CheckpointChoice choice = io::latest_valid_checkpoint(base);
+  EXPECT_EQ(choice.path, io::checkpoint_path_for_step(base, 20));
+  ASSERT_EQ(choice.skipped.size(), 1u);
+  EXPECT_EQ(choice.skipped[0].path, newest);
+  EXPECT_THAT(choice.skipped[0].reason, ::testing::HasSubstr("corrupt"));
+  EXPECT_EQ(file_bytes(newest), corrupt_bytes);
+  EXPECT_EQ(io::checkpoint_problem(newest), choice.skipped[0].reason);
+  EXPECT_EQ(io::checkpoint_problem(choice.path), "");
+
+  // An end-of-run file whose header cannot be read is tried (and reported) first.
+  std::ofstream(base) << "not a checkpoint";
+  choice = io::latest_valid_checkpoint(base);
+  EXPECT_EQ(choice.path, io::checkpoint_path_for_step(base, 20));
+  ASSERT_EQ(choice.skipped.size(), 2u);
+  EXPECT_EQ(choice.skipped[0].path, base);
+  EXPECT_EQ(choice.skipped[1].path, newest);
+
+  // None verifies: no choice, every file listed, newest first, all still there.
+  for (int64_t step : {10, 20}) {
+    const std::string p = io::checkpoint_path_for_step(base, step);
+    flip_byte(p, data_start(p));
+  }
+  choice = io::latest_valid_checkpoint(base);
+  EXPECT_EQ(choice.path, "");
+  ASSERT_EQ(choice.skipped.size(), 4u);
+  EXPECT_EQ(choice.skipped[3].path, io::checkpoint_path_for_step(base, 10));
+  EXPECT_EQ(io::list_checkpoints(base).size(), 3u);
+  EXPECT_TRUE(fs::exists(base));
+}
+
+TEST(Checkpoint, EndOfRunFileComesBeforeAPeriodicFileOfItsStep) {
+  TempDir dir;
+  const std::string base = dir.path("ck.safetensors");
+  io::TrainingCheckpoint c;
+  c.model = {{"w", zeros({2})}};
+  for (int64_t step : {10, 20}) {
+    c.step = step;
+    io::save_checkpoint(io::checkpoint_path_for_step(base, step), c);
+  }
+  c.step = 20;
+  io::save_checkpoint(base, c);
+  EXPECT_EQ(io::latest_valid_checkpoint(base).path, base);
+  c.step = 15;
+  io::save_checkpoint(base, c);
+  const std::string periodic20 = io::checkpoint_path_for_step(base, 20);
+  flip_byte(periodic20, data_start(periodic20));
+  const io::CheckpointChoice choice = io::latest_valid_checkpoint(base);
+  EXPECT_EQ(choice.path, base);
+  ASSERT_EQ(choice.skipped.size(), 1u);
+  EXPECT_EQ(choice.skipped[0].path, io::checkpoint_path_for_step(base, 20));
+}
+
+TEST(Checkpoint, PruningSparesTheGivenFilesAndDoesNotCountThem) {
+  TempDir dir;
+  const std::string base = dir.path("ck.safetensors");
+  io::TrainingCheckpoint c;
+  c.model = {{"w", zeros({2})}};
+  for (int64_t step : {1, 2, 3, 4})
+    io::save_checkpoint(io::checkpoint_path_for_step(base, step), c);
+  const std::string spared = io::checkpoint_path_for_step(base, 2);
+  const auto removed = io::prune_checkpoints(io::checkpoint_path_for_step(base, 4), 2, {spared});
+  EXPECT_EQ(removed, std::vector<std::string>{io::checkpoint_path_for_step(base, 1)});
+  EXPECT_TRUE(fs::exists(spared));
+  EXPECT_TRUE(fs::exists(io::checkpoint_path_for_step(base, 3)));
+  EXPECT_TRUE(fs::exists(io::checkpoint_path_for_step(base, 4)));
+}
+
+// --save is checked before a run: a writable place (its directory created if need be) passes, and
+// a directory, a directory under a regular file or an unwritable one fail with the reason. (Tests
+// run as root, which chmod does not stop: a path under a file, and /proc, fail for root too.)
+TEST(Checkpoint, CheckpointPathProblemSaysWhyAPathCannotBeWritten) {
+  TempDir dir;
+  EXPECT_EQ(io::checkpoint_path_problem(dir.path("ck.safetensors")), "");
+  EXPECT_EQ(io::checkpoint_path_problem(dir.path("new/sub/ck.safetensors")), "");
+  EXPECT_TRUE(fs::is_directory(dir.path("new/sub")));
+  EXPECT_TRUE(fs::is_empty(dir.path("new/sub")));  // the probe file is gone again
+  std::ofstream(dir.path("file")) << "x";
+  EXPECT_THAT(io::checkpoint_path_problem(dir.path("file/sub/ck.safetensors")),
+              ::testing::HasSubstr("cannot create the directory " + dir.path("file/sub")));
+  EXPECT_THAT(io::checkpoint_path_problem(dir.path("new")), ::testing::HasSubstr("is a directory"));
+  EXPECT_THAT(io::checkpoint_path_problem("/proc/ck.safetensors"),
+              ::testing::HasSubstr("cannot create a file in /proc"));
+  EXPECT_NE(io::checkpoint_path_problem(""), "");
+}

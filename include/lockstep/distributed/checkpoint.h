@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "lockstep/distributed/process_group.h"
 #include "lockstep/io/checkpoint.h"
@@ -14,8 +15,9 @@ namespace lockstep::dist {
 // `keep` periodic checkpoints beside it (0: all); the other ranks' `ckpt` is not used. Every rank
 // returns once the file is complete on disk, the barrier of the save. When rank 0 fails to
 // write, every rank throws with rank 0's message: no rank waits for a file that never comes.
+// The paths in `spare` are never deleted by the pruning (io::prune_checkpoints).
 void save_checkpoint(ProcessGroup& pg, const std::string& path, const io::TrainingCheckpoint& ckpt,
-                     int64_t keep = 0);
+                     int64_t keep = 0, const std::vector<std::string>& spare = {});
 
 enum class CheckpointLoad {
   automatic,   // every_rank when every rank sees the file rank 0 sees, else broadcast
@@ -28,8 +30,17 @@ enum class CheckpointLoad {
 io::TrainingCheckpoint load_checkpoint(ProcessGroup& pg, const std::string& path,
                                        CheckpointLoad how = CheckpointLoad::automatic);
 
-// `--resume` for every rank: "auto" is rank 0's io::latest_checkpoint(base) ("" when there is
-// none yet); any other value is a file that must exist on rank 0.
-std::string resolve_resume(ProcessGroup& pg, const std::string& resume, const std::string& base);
+// `--resume` for every rank. "auto" is rank 0's io::latest_valid_checkpoint(base): the newest
+// checkpoint that verifies ("" when there is none yet), with the newer ones that did not in
+// `skipped` and a warning on rank 0 for each (they are left untouched); when checkpoints exist
+// but none verifies, it is an error listing them all. Any other value is a file that must exist
+// on rank 0 (a corrupt one then fails in load_checkpoint: an explicit choice is not replaced).
+io::CheckpointChoice resolve_resume(ProcessGroup& pg, const std::string& resume,
+                                    const std::string& base);
+
+// Every rank learns whether rank 0 can write a checkpoint to `path`
+// (io::checkpoint_path_problem); if not, every rank throws an error naming `what` (a flag, say),
+// the path and the reason. For a check before the work whose result the checkpoint would hold.
+void check_checkpoint_path(ProcessGroup& pg, const std::string& what, const std::string& path);
 
 }  // namespace lockstep::dist

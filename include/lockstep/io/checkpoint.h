@@ -68,14 +68,39 @@ std::string checkpoint_path_for_step(const std::string& base, int64_t step);
 // (step, path) of the periodic checkpoints of `base`, oldest first.
 std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string& base);
 // The newest checkpoint of `base` (its periodic ones and `base` itself, by the step recorded in
-// them), or "" if there is none.
+// them), or "" if there is none. It is not read beyond its header: see latest_valid_checkpoint.
 std::string latest_checkpoint(const std::string& base);
+
+// A checkpoint that latest_valid_checkpoint passed over, and why (load_checkpoint's message).
+struct SkippedCheckpoint {
+  std::string path;
+  std::string reason;
+};
+struct CheckpointChoice {
+  std::string path;                        // "" when no checkpoint of the series verifies
+  std::vector<SkippedCheckpoint> skipped;  // newer ones that did not, newest first
+};
+// What `--resume auto` continues from: the newest checkpoint of `base` that loads and verifies
+// (load_checkpoint, SHA-256 included, so each candidate is read in full), newest first as
+// latest_checkpoint orders them; `base` itself comes first when its header cannot be read, so
+// that it is reported rather than passed over in silence. Nothing is deleted, moved or written.
+CheckpointChoice latest_valid_checkpoint(const std::string& base);
+// Why `path` does not load as a checkpoint (load_checkpoint's message), "" when it does.
+std::string checkpoint_problem(const std::string& path);
+
+// Why a checkpoint cannot be written to `path`, "" when it can: `path` is not a directory, its
+// directory exists or is created now, and a file can be created there (one is created and
+// removed). For a program to check its --save before the work whose result it would hold.
+std::string checkpoint_path_problem(const std::string& path);
 // The `base` a periodic checkpoint belongs to ("run/ckpt.step00000040.safetensors" ->
 // "run/ckpt.safetensors"); any other path is its own base.
 std::string checkpoint_series(const std::string& path);
 // Deletes all but the newest `keep` periodic checkpoints of checkpoint_series(path) (keep 0:
 // delete none), and temporary files of writers that no longer run. Returns the paths deleted.
-std::vector<std::string> prune_checkpoints(const std::string& path, int64_t keep);
+// The paths in `spare` (checkpoints a resume found corrupt, kept for the user to inspect) are
+// neither deleted nor counted among the `keep`.
+std::vector<std::string> prune_checkpoints(const std::string& path, int64_t keep,
+                                           const std::vector<std::string>& spare = {});
 
 // The step recorded in a checkpoint's header, reading only the header (-1 if it is not a
 // readable lockstep checkpoint).

@@ -1,0 +1,226 @@
+// The command line of examples/train_fashion_mnist: its settings, every flag with its range, and
+// the checks that span several flags.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <limits>
+#include <string>
+#include <type_traits>
+
+#include "lockstep/data/data.h"
+
+namespace lockstep::examples {
+
+// Exit code for bad command-line input (as CLI11 and most tools use).
+constexpr int kUsageError = 2;
+
+struct Config {
+  std::string data = data::kDefaultFashionMnistDir;
+  std::string model = "mlp";
+  int64_t epochs = 1;
+  int64_t max_steps = 0;
+  int64_t batch_size = 64;
+  double lr = 0.05;
+  double momentum = 0.9;
+  double weight_decay = 0.0;
+  uint64_t seed = 0;
+  int64_t threads = 0;
+  int64_t log_every = 100;
+  bool eval = true;
+  int64_t workers = 1;
+  std::string save;        // checkpoint path (rank 0 writes)
+  int64_t save_every = 0;  // optimizer steps between periodic checkpoints (0: only at the end)
+  int64_t keep = 0;        // periodic checkpoints kept (0: all)
+  std::string resume;      // a checkpoint file, or "auto": the latest beside --save
+  std::string metrics;     // JSON Lines of per-step metrics (rank 0)
+  double bucket_mb = 25.0;
+  std::string comm_hook = "none";
+  bool ddp_stats = false;
+  int64_t dp = 1;
+  std::string amp = "none";         // none | bf16 | fp16
+  int64_t accum_steps = 1;          // micro-batches per optimizer step
+  std::string lr_scaling = "none";  // linear | sqrt | none, relative to base_batch
+  int64_t base_batch = 64;
+  int64_t warmup_steps = 0;
+  std::string schedule = "constant";  // constant | cosine
+  double clip_grad_norm = 0.0;        // 0: no clipping
+  int64_t test_crash_at_step = 0;     // testing only: Note [Testing hooks]
+};
+
+// Note [Numeric flags]
+// CLI11 converts "99999999999999999999" into an int64_t by clamping it to INT64_MAX, "-1" into
+// a uint64_t by wrapping it, and its range checks print bounds of 309 digits. So each numeric
+// flag reads its text itself: the whole text must be a number of the flag's type (base 10, no
+// overflow, finite), inside the flag's range, or the run stops with "--epochs must be an integer
+// from 1 to 1000000000, got 0". The upper bounds keep the products the program forms (steps per
+// epoch x epochs, the effective batch, bucket bytes) inside int64_t.
+template <typename T>
+struct Range {
+  T min;
+  T max = std::numeric_limits<T>::max();
+  bool min_excluded = false;  // reals only: "above min"
+
+  std::string words() const {
+    auto str = [](T v) {
+      if constexpr (std::is_floating_point_v<T>) {
+        char buf[32];
+        std::snprintf(buf, sizeof buf, "%.15g", v);
+        return std::string(buf);
+      } else {
+        return std::to_string(v);
+      }
+    };
+    const std::string kind = std::is_floating_point_v<T> ? "a number" : "an integer";
+    const std::string from = min_excluded ? " above " + str(min) : " of at least " + str(min);
+    if (max == std::numeric_limits<T>::max()) return kind + from;
+    return kind + (min_excluded ? from + " and at most " : " from " + str(min) + " to ") + str(max);
+  }
+};
+
+// `text` as a T inside `range`, or a ValidationError that names `flag` and the range in words.
+template <typename T>
+T parse_flag_number(const std::string& flag, const std::string& text, const Range<T>& range) {
+  const auto bad = [&] {
+    return CLI::ValidationError(flag + " must be " + range.words() + ", got '" + text + "'");
+  };
+  T v{};
+  if constexpr (std::is_floating_point_v<T>) {
+    char* end = nullptr;
+    errno = 0;
+    v = std::strtod(text.c_str(), &end);
+    if (text.empty() || end != text.c_str() + text.size() || errno == ERANGE || !std::isfinite(v))
+      throw bad();
+  } else {
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+    if (text.empty() || ec != std::errc() || end != text.data() + text.size()) throw bad();
+  }
+  if (v < range.min || v > range.max || (range.min_excluded && v == range.min)) throw bad();
+  return v;
+}
+
+// A numeric flag, read as Note [Numeric flags] says; --help shows its range and default.
+template <typename T>
+CLI::Option* add_number(CLI::App& app, const std::string& flag, T& into, const Range<T>& range,
+                        const std::string& help) {
+  const std::string default_text = CLI::detail::to_string(into);
+  CLI::Option* opt = app.add_option(
+      flag,
+      [flag, &into, range](const CLI::results_t& res) {
+        into = parse_flag_number(flag, res.at(0), range);
+        return true;
+      },
+      help + " (" + range.words() + ")");
+  opt->type_name(std::is_floating_point_v<T> ? "FLOAT" : "INT")->default_str(default_text);
+  return opt;
+}
+
+// Upper bounds of the counting flags (Note [Numeric flags]).
+constexpr int64_t kMaxCount = 1'000'000'000;
+constexpr int64_t kMaxThreads = 4096;
+constexpr double kMaxBucketMb = 1 << 20;  // 1 TiB
+
+inline int usage_error(const std::string& what) {
+  std::fprintf(stderr, "error: %s\n", what.c_str());
+  return kUsageError;
+}
+
+// Reads the command line into `cfg`. Returns -1 when the program should run, else the exit code
+// (0 after --help; kUsageError with the reason printed).
+inline int parse_flags(int argc, char** argv, Config& cfg) {
+  using I = Range<int64_t>;
+  using R = Range<double>;
+  CLI::App app{"Train an MLP or a CNN on Fashion-MNIST with lockstep."};
+  app.add_option("--data", cfg.data, "Directory with the Fashion-MNIST IDX files")
+      ->capture_default_str();
+  app.add_option("--model", cfg.model, "Model")
+      ->check(CLI::IsMember({"mlp", "cnn"}))
+      ->capture_default_str();
+  add_number(app, "--epochs", cfg.epochs, I{1, kMaxCount}, "Epochs");
+  add_number(app, "--max-steps", cfg.max_steps, I{0},
+             "Stop after N optimizer steps of the run, those before a resumed checkpoint "
+             "included (0 = no limit)");
+  add_number(app, "--batch-size", cfg.batch_size, I{1, kMaxCount}, "Batch size per process");
+  add_number(app, "--lr", cfg.lr, R{0}, "Learning rate");
+  add_number(app, "--momentum", cfg.momentum, R{0}, "SGD momentum");
+  add_number(app, "--weight-decay", cfg.weight_decay, R{0}, "SGD weight decay");
+  add_number(app, "--seed", cfg.seed, Range<uint64_t>{0}, "Seed for initialisation and shuffling");
+  add_number(app, "--threads", cfg.threads, I{0, kMaxThreads},
+             "Intra-op threads (0 = OMP_NUM_THREADS or all cores)");
+  add_number(app, "--log-every", cfg.log_every, I{0}, "Print the loss every N steps (0 = never)");
+  app.add_flag("--eval,!--no-eval", cfg.eval, "Evaluate on the test set after each epoch")
+      ->capture_default_str();
+  add_number(app, "--workers", cfg.workers, I{0, kMaxThreads}, "DataLoader worker threads");
+  app.add_option("--save", cfg.save,
+                 "Checkpoint file (safetensors: model, optimizer, scaler, position), written by "
+                 "rank 0 at the end and, with --save-every, beside it as <name>.step<N>.<ext>; "
+                 "its directory is created and checked for writing before training starts");
+  add_number(app, "--save-every", cfg.save_every, I{0},
+             "Checkpoint every N optimizer steps (0 = at the end only)");
+  add_number(app, "--keep", cfg.keep, I{0}, "Keep the newest N periodic checkpoints (0 = all)");
+  app.add_option("--resume", cfg.resume,
+                 "Continue from a checkpoint file, or 'auto': the newest beside --save that "
+                 "verifies, if any");
+  app.add_option("--metrics", cfg.metrics,
+                 "Append per-step metrics as JSON Lines here (rank 0; `lockstep plot` draws them)");
+  add_number(app, "--test-crash-at-step", cfg.test_crash_at_step, I{0},
+             "Testing only (the crash-recovery tests): the last rank kills itself (SIGKILL) "
+             "after this optimizer step and its checkpoint, on the first attempt of a "
+             "`lockstep run` only");
+  add_number(app, "--bucket-mb", cfg.bucket_mb, R{0, kMaxBucketMb, true},
+             "DDP gradient bucket size in MiB");
+  app.add_option("--comm-hook", cfg.comm_hook, "DDP gradient compression on the wire")
+      ->check(CLI::IsMember({"none", "bf16", "fp16"}))
+      ->capture_default_str();
+  add_number(app, "--dp", cfg.dp, I{1, kMaxThreads},
+             "DataParallel with K replicas on threads (one process)");
+  app.add_flag("--ddp-stats", cfg.ddp_stats, "Print DDP's bucket and communication statistics");
+  app.add_option("--amp", cfg.amp, "Mixed precision: autocast to bf16, or fp16 with loss scaling")
+      ->check(CLI::IsMember({"none", "bf16", "fp16"}))
+      ->capture_default_str();
+  add_number(app, "--accum-steps", cfg.accum_steps, I{1, kMaxCount},
+             "Micro-batches per optimizer step (gradient accumulation)");
+  app.add_option("--lr-scaling", cfg.lr_scaling,
+                 "Scale --lr with the effective batch (batch x accum x world) / --base-batch")
+      ->check(CLI::IsMember({"linear", "sqrt", "none"}))
+      ->capture_default_str();
+  add_number(app, "--base-batch", cfg.base_batch, I{1}, "The batch size --lr was tuned for");
+  add_number(app, "--warmup-steps", cfg.warmup_steps, I{0},
+             "Linear learning-rate warmup (optimizer steps)");
+  app.add_option("--schedule", cfg.schedule, "Learning-rate schedule after warmup")
+      ->check(CLI::IsMember({"constant", "cosine"}))
+      ->capture_default_str();
+  add_number(app, "--clip-grad-norm", cfg.clip_grad_norm, R{0}, "Clip the gradient norm (0 = off)");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    return rc == 0 ? 0 : kUsageError;
+  }
+  if (cfg.dp > 1 && cfg.amp != "none") {
+    return usage_error(
+        "--amp runs in the calling thread's autocast scope; DataParallel's replica "
+        "threads have none, so --amp cannot be combined with --dp " +
+        std::to_string(cfg.dp));
+  }
+  if ((cfg.save_every > 0 || cfg.resume == "auto") && cfg.save.empty()) {
+    return usage_error(std::string(cfg.save_every > 0 ? "--save-every" : "--resume auto") +
+                       " needs --save PATH (where the checkpoints go)");
+  }
+  if (!std::filesystem::is_directory(cfg.data)) {
+    return usage_error(
+        "--data " + cfg.data +
+        " is not a directory; install the Debian package dataset-fashion-mnist or pass "
+        "the directory holding the IDX files");
+  }
+  return -1;
+}
+
+}  // namespace lockstep::examples
