@@ -2,10 +2,15 @@
 // (tests/launch/worker) on this machine; the tests check what the contract promises: the
 // workers' environment, prefixed whole lines of output, log files, exit codes, the failure
 // summary, restarts, that nothing is left running after a failure or a signal, several agents
-// forming one job, and a DDP run.
+// forming one job, a DDP run, a capped failure summary, and a job that survives a flood of
+// connections to its store.
+#include <poll.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdio>
 #include <regex>
 #include <set>
 
@@ -20,31 +25,6 @@ using ::testing::Ne;
 using ::testing::Not;
 
 namespace {
-
-class Launcher : public ::testing::Test {
- protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    std::string name = std::string(info->test_suite_name()) + "." + info->name();
-    std::replace(name.begin(), name.end(), '/', '_');
-    dir_ = fs::path(::testing::TempDir()) / ("launch_" + std::to_string(::getpid()) + "_" + name);
-    fs::remove_all(dir_);
-    out_ = dir_ / "out";
-    pids_ = dir_ / "pids";
-    fs::create_directories(out_);
-    fs::create_directories(pids_);
-  }
-  void TearDown() override {
-    kill_leftovers(pids_);
-    if (!HasFailure()) fs::remove_all(dir_);
-  }
-  // Makes every worker record its pid and its grandchild's in pids_.
-  std::vector<std::string> pid_env() const {
-    return {std::string(kPidDirEnv) + "=" + pids_.string()};
-  }
-
-  fs::path dir_, out_, pids_;
-};
 
 // The launcher's own lines on stderr: everything but workers' forwarded output.
 std::string own_lines(const std::string& err) {
@@ -79,24 +59,6 @@ TEST_F(Launcher, PrintsVersionAndHelp) {
   const Outcome h = run_launcher({"run", "--help"}, dir_, "help");
   EXPECT_TRUE(h.exited_with(0)) << h.describe();
   EXPECT_THAT(h.out + h.err, HasSubstr("--nproc-per-node")) << h.describe();
-}
-
-// Bad input: exit code 2, a `lockstep run: ` line naming the problem, and no worker started.
-void expect_usage_error(const Outcome& o, const fs::path& out_dir,
-                        const std::vector<std::string>& needles) {
-  EXPECT_TRUE(o.exited_with(2)) << o.describe();
-  bool named = false;
-  for (const auto& line : split_lines(o.err)) {
-    if (line.rfind("lockstep run: ", 0) != 0) continue;
-    bool all = true;
-    for (const auto& n : needles) all = all && line.find(n) != std::string::npos;
-    named = named || all;
-  }
-  EXPECT_TRUE(named) << "no line starting with 'lockstep run: ' names "
-                     << ::testing::PrintToString(needles) << "\n"
-                     << o.describe();
-  EXPECT_TRUE(dir_is_empty(out_dir)) << "a worker ran";
-  EXPECT_THAT(o.out + o.err, Not(HasSubstr("[rank"))) << o.describe();
 }
 
 TEST_F(Launcher, MissingProgramIsAUsageError) {
@@ -137,7 +99,7 @@ TEST_F(Launcher, MasterPortInUseIsAUsageError) {
       {"run", "--nproc-per-node", "2", "--master-port", port, kWorker, "env", out_.string()}, dir_,
       "launch");
   ::close(fd);
-  expect_usage_error(o, out_, {port, "in use"});
+  expect_usage_error(o, out_, {port, "in use", "--master-port 0"});
 }
 
 TEST_F(Launcher, EveryRankGetsItsEnvironment) {
@@ -401,10 +363,11 @@ TEST_F(Launcher, TwoAgentsFormOneJob) {
 }
 
 TEST_F(Launcher, MissingNodeFailsTheRendezvous) {
-  const Outcome o = run_launcher(
-      {"run", "--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1", "--master-port",
-       std::to_string(free_port()), "--rdzv-timeout", "2", kWorker, "env", out_.string()},
-      dir_, "launch");
+  const Outcome o =
+      run_launcher({"run", "--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1",
+                    "--master-port", std::to_string(free_port()), "--rdzv-timeout", "2", "--run-id",
+                    "missing", kWorker, "env", out_.string()},
+                   dir_, "launch");
   EXPECT_TRUE(WIFEXITED(o.status) && WEXITSTATUS(o.status) != 0) << o.describe();
   // A line that says node rank 1 is missing.
   const std::regex missing("missing", std::regex::icase), one(R"(\b1\b)");
@@ -479,15 +442,225 @@ namespace {
 // A node waiting for node 0's store (which never comes) stops at Ctrl-C with 130, long before
 // the 900 s rendezvous timeout.
 TEST_F(Launcher, SignalWhileWaitingForNodeZeroExitsAtOnce) {
-  const Launch l = start_launcher({"run", "--nnodes", "2", "--node-rank", "1", "--master-port",
-                                   std::to_string(free_port()), kWorker, "sleep"},
-                                  dir_, "launch", pid_env());
+  const Launch l =
+      start_launcher({"run", "--nnodes", "2", "--node-rank", "1", "--master-port",
+                      std::to_string(free_port()), "--run-id", "waits", kWorker, "sleep"},
+                     dir_, "launch", pid_env());
   std::this_thread::sleep_for(1500ms);  // inside the connect loop
   ::kill(l.pid, SIGINT);
   const Outcome o = wait_launcher(l);
   EXPECT_TRUE(o.exited_with(130)) << o.describe();
   EXPECT_THAT(o.err, ::testing::HasSubstr("interrupted by SIGINT before the workers started"));
   EXPECT_TRUE(recorded_pids(pids_).empty());
+}
+
+}  // namespace
+
+namespace {
+
+// Lines of /proc/net/tcp or tcp6 for sockets listening on `port`: their local addresses in the
+// kernel's hex ("0100007F" is 127.0.0.1, all zeros is every interface).
+std::vector<std::string> listening_addresses(const char* table, uint16_t port) {
+  std::vector<std::string> found;
+  char want[8];
+  std::snprintf(want, sizeof want, "%04X", port);
+  for (const auto& line : split_lines(read_text(table))) {
+    std::istringstream in(line);
+    std::string slot, local, remote, state;
+    in >> slot >> local >> remote >> state;
+    const auto colon = local.rfind(':');
+    if (state == "0A" && colon != std::string::npos && local.substr(colon + 1) == want) {
+      found.push_back(local.substr(0, colon));
+    }
+  }
+  return found;
+}
+
+// Issue 15: --standalone's store listened on every interface. It is reachable from this machine
+// only; without --standalone it listens on the address toward --master-addr (here 127.0.0.1).
+TEST_F(Launcher, StoreListensOnLoopbackForOneMachine) {
+  for (const bool standalone : {true, false}) {
+    SCOPED_TRACE(standalone ? "--standalone" : "--master-addr 127.0.0.1");
+    std::vector<std::string> args = {"run", "--nproc-per-node", "1"};
+    args.push_back(standalone ? "--standalone" : "--master-port=0");
+    args.insert(args.end(), {kWorker, "redraw", (dir_ / "go").string()});
+    const Launch l = start_launcher(args, dir_, standalone ? "standalone" : "addr");
+    const std::regex listens("the store listens on 127\\.0\\.0\\.1:([0-9]+) ");
+    std::smatch m;
+    std::string err;
+    const auto deadline = std::chrono::steady_clock::now() + 60s;
+    while (!std::regex_search(err = read_text(l.err), m, listens) &&
+           std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(20ms);
+    }
+    ASSERT_EQ(m.size(), 2u) << err;
+    const auto port = static_cast<uint16_t>(std::stoi(m[1]));
+    // The worker waits for `go`: the store is up while we look.
+    EXPECT_THAT(listening_addresses("/proc/net/tcp", port), ::testing::ElementsAre("0100007F"));
+    EXPECT_EQ(listening_addresses("/proc/net/tcp6", port).size(), 0u) << "listens on IPv6";
+    std::ofstream(dir_ / "go") << "go\n";
+    const Outcome o = wait_launcher(l);
+    EXPECT_TRUE(o.exited_with(0)) << o.describe();
+    fs::remove(dir_ / "go");
+  }
+}
+
+// A worker that printed a megabyte: the summary quotes a few kilobytes of it, each long line cut
+// and saying so, and says where the whole output is.
+TEST_F(Launcher, FailureSummaryIsCappedAndSaysWhereTheFullOutputIs) {
+  constexpr int kLines = 200, kBytes = 5000;  // 1 MB
+  const Outcome o = run_launcher({"run", "--standalone", "--nproc-per-node", "1", kWorker, "spew",
+                                  std::to_string(kLines), std::to_string(kBytes)},
+                                 dir_, "terminal");
+  ASSERT_TRUE(o.exited_with(1)) << o.describe().substr(0, 4000);
+  EXPECT_GE(o.out.size(), size_t{kLines} * kBytes) << "the output itself is not cut";
+  const std::string own = own_lines(o.err);
+  EXPECT_LT(own.size(), 12u * 1024) << own.substr(0, 4000);
+  EXPECT_THAT(own, HasSubstr("final words of rank 0")) << own.substr(0, 4000);
+  EXPECT_THAT(own, ContainsRegex("\\[\\.\\.\\. [0-9]+ more bytes\\]")) << own.substr(0, 4000);
+  EXPECT_THAT(own, HasSubstr("full output of rank 0 went to the terminal")) << own.substr(0, 4000);
+
+  const fs::path logs = dir_ / "logs";
+  const Outcome l = run_launcher(
+      {"run", "--standalone", "--nproc-per-node", "1", "--log-dir", logs.string(), "--run-id",
+       "spew", kWorker, "spew", std::to_string(kLines), std::to_string(kBytes)},
+      dir_, "logged");
+  ASSERT_TRUE(l.exited_with(1)) << l.describe().substr(0, 4000);
+  const fs::path rank_logs = logs / "spew" / "attempt_0" / "0";
+  EXPECT_LT(l.err.size(), 12u * 1024) << l.err.substr(0, 4000);
+  EXPECT_THAT(l.err, HasSubstr((rank_logs / "stdout.log").string())) << l.err.substr(0, 4000);
+  EXPECT_GE(fs::file_size(rank_logs / "stdout.log"), size_t{kLines} * kBytes);
+}
+
+// A launcher that runs out of descriptors while it starts workers says so, and how to fix it.
+TEST_F(Launcher, OutOfDescriptorsWhileStartingWorkersIsSaidPlainly) {
+  constexpr int kFdLimit = 48, kWorkers = 64;  // two pipes a worker: not enough
+  const Launch l = start_launcher(
+      {"run", "--standalone", "--nproc-per-node", std::to_string(kWorkers), kWorker, "sleep"}, dir_,
+      "launch", pid_env(), -1, kFdLimit);
+  const Outcome o = wait_launcher(l);
+  EXPECT_TRUE(o.exited_with(1)) << o.describe();
+  EXPECT_THAT(own_lines(o.err), ContainsRegex("no file descriptor left[^\n]*ulimit -n"))
+      << o.describe();
+  EXPECT_EQ(leftovers(pids_), "");
+}
+
+// Connections to a store port from a stranger: `idle` ones that never say anything (reopened as
+// the server closes them) and `slow` ones that send a byte of a frame now and then. Runs until
+// destroyed.
+class Flood {
+ public:
+  Flood(uint16_t port, int idle, int slow) : port_(port), slow_(slow) {
+    fds_.assign(static_cast<size_t>(idle + slow), -1);
+    thread_ = std::thread([this] { run(); });
+  }
+  ~Flood() {
+    stop_ = true;
+    thread_.join();
+    for (int fd : fds_) {
+      if (fd >= 0) ::close(fd);
+    }
+  }
+  int64_t opened() const { return opened_.load(); }
+
+ private:
+  // Reopening is bounded per round, so that the flood does not take every CPU of the machine.
+  static constexpr int kReopenPerRound = 200;
+
+  int open_one() {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) return -1;
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(port_);
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 && errno != EINPROGRESS) {
+      ::close(fd);
+      return -1;
+    }
+    ++opened_;
+    return fd;
+  }
+
+  void run() {
+    // A frame header's first bytes (magic, version, hello), one per slow connection per round.
+    const uint8_t frame[] = {0x4C, 1, 1, 0, 0, 0, 1, 0};
+    size_t next_byte = 0;
+    while (!stop_) {
+      int reopened = 0;
+      for (int& fd : fds_) {
+        if (fd < 0 && reopened++ < kReopenPerRound) fd = open_one();
+      }
+      std::vector<pollfd> p;
+      for (int fd : fds_) p.push_back({fd, POLLIN, 0});
+      ::poll(p.data(), p.size(), 100);
+      for (size_t i = 0; i < fds_.size(); ++i) {
+        if (fds_[i] < 0) continue;
+        char buf[64];
+        if (p[i].revents != 0 && ::read(fds_[i], buf, sizeof buf) <= 0) {  // closed by the server
+          ::close(fds_[i]);
+          fds_[i] = -1;
+        }
+      }
+      for (int i = 0; i < slow_; ++i) {
+        int& fd = fds_[fds_.size() - 1 - static_cast<size_t>(i)];
+        if (fd >= 0) (void)::send(fd, &frame[next_byte], 1, MSG_NOSIGNAL);
+      }
+      next_byte = (next_byte + 1) % sizeof frame;
+    }
+  }
+
+  const uint16_t port_;
+  const int slow_;
+  std::vector<int> fds_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int64_t> opened_{0};
+  std::thread thread_;
+};
+
+// Issue 15: with thousands of idle connections to its store, a launcher that had to restart its
+// workers could not create their pipes (EMFILE). Under a descriptor limit that the flood alone
+// would exhaust, the job restarts a SIGKILLed rank and finishes.
+TEST_F(Launcher, JobRestartsAndFinishesWhileItsStoreIsFlooded) {
+  constexpr int kIdle = 2000, kSlow = 8, kFdLimit = 1024;
+  rlimit lim{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &lim), 0);
+  if (lim.rlim_max < kIdle + kSlow + 100) GTEST_SKIP() << "this test needs more descriptors";
+  lim.rlim_cur = lim.rlim_max;
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &lim), 0);
+  const fs::path go = dir_ / "go";
+  const Launch l =
+      start_launcher({"run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                      kWorker, "killed-then-train", go.string(), out_.string(), "3"},
+                     dir_, "launch", pid_env(), -1, kFdLimit);
+  // The store's port, from the launcher's first line.
+  const std::regex listens("listens on 127\\.0\\.0\\.1:([0-9]+)");
+  std::smatch m;
+  const auto deadline = std::chrono::steady_clock::now() + 60s;
+  std::string err;
+  while (!std::regex_search(err = read_text(l.err), m, listens) &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(20ms);
+  }
+  ASSERT_TRUE(m.size() == 2) << err;
+  {
+    Flood flood(static_cast<uint16_t>(std::stoi(m[1])), kIdle, kSlow);
+    while (flood.opened() < kIdle + kSlow && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(50ms);
+    }
+    std::this_thread::sleep_for(1s);  // the server has taken what it can
+    std::ofstream(go) << "go\n";      // rank 1 SIGKILLs itself now
+    const Outcome o = wait_launcher(l);
+    EXPECT_GE(flood.opened(), kIdle + kSlow);
+    EXPECT_TRUE(o.exited_with(0)) << o.describe();
+    EXPECT_THAT(o.out, HasSubstr("[rank1]: rank 1 kills itself")) << o.describe();
+    EXPECT_THAT(o.err, HasSubstr("restarting the whole group")) << o.describe();
+    EXPECT_THAT(o.err, Not(HasSubstr("open files"))) << o.describe();
+  }
+  const std::string h0 = read_text(out_ / "rank0.hash"), h1 = read_text(out_ / "rank1.hash");
+  EXPECT_THAT(h0, ContainsRegex("^[0-9]+\n$")) << "the restarted group did not train";
+  EXPECT_EQ(h0, h1);
+  EXPECT_EQ(leftovers(pids_), "");
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 // Runs `lockstep run` (tools/lockstep) as a child process for the launch tests: output captured
-// to files, a hang guard, and checks on what the workers left behind (environment reports, pid
-// files of workers and their children).
+// to files, a hang guard, checks on what the workers left behind (environment reports, pid files
+// of workers and their children), and the tests' fixture.
 #pragma once
 
 #include <errno.h>
@@ -14,6 +14,7 @@
 
 extern char** environ;
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -24,6 +25,7 @@ extern char** environ;
 #include <thread>
 #include <vector>
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 namespace lockstep::testing::launch {
@@ -101,14 +103,19 @@ inline std::vector<std::string> launcher_env(const std::vector<std::string>& ext
 // Starts `lockstep ARGS...` in its own process group, stdin from /dev/null, stdout and stderr to
 // <dir>/<name>.out and .err (stdout to `stdout_fd` instead when given, e.g. a pseudo-terminal),
 // with the default disposition of the stop signals (a shell may start us with SIGINT ignored,
-// which the launcher would inherit).
+// which the launcher would inherit). With `fd_limit`, its RLIMIT_NOFILE (soft and hard) is that.
 inline Launch start_launcher(const std::vector<std::string>& args, const fs::path& dir,
                              const std::string& name,
-                             const std::vector<std::string>& extra_env = {}, int stdout_fd = -1) {
+                             const std::vector<std::string>& extra_env = {}, int stdout_fd = -1,
+                             int fd_limit = 0) {
   Launch l;
   l.out = dir / (name + ".out");
   l.err = dir / (name + ".err");
   std::vector<std::string> argv_s = {kTool};
+  if (fd_limit > 0) {
+    argv_s = {"/bin/sh", "-c", "ulimit -n " + std::to_string(fd_limit) + " && exec \"$0\" \"$@\"",
+              kTool};
+  }
   argv_s.insert(argv_s.end(), args.begin(), args.end());
   std::vector<char*> argv;
   for (auto& a : argv_s) argv.push_back(a.data());
@@ -137,7 +144,7 @@ inline Launch start_launcher(const std::vector<std::string>& args, const fs::pat
   posix_spawnattr_setpgroup(&attr, 0);
   posix_spawnattr_setflags(&attr,
                            POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETSIGMASK);
-  const int rc = ::posix_spawn(&l.pid, kTool, &fa, &attr, argv.data(), envp.data());
+  const int rc = ::posix_spawn(&l.pid, argv[0], &fa, &attr, argv.data(), envp.data());
   posix_spawnattr_destroy(&attr);
   posix_spawn_file_actions_destroy(&fa);
   if (rc != 0) {
@@ -281,6 +288,51 @@ inline size_t count_lines_with(const std::string& text, const std::string& needl
   size_t n = 0;
   for (const auto& line : split_lines(text)) n += line.find(needle) != std::string::npos;
   return n;
+}
+
+// A test of the launcher: its own directory (out_ for the workers' reports, pids_ for their
+// pids), and whatever its workers left running killed at the end.
+class Launcher : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    std::string name = std::string(info->test_suite_name()) + "." + info->name();
+    std::replace(name.begin(), name.end(), '/', '_');
+    dir_ = fs::path(::testing::TempDir()) / ("launch_" + std::to_string(::getpid()) + "_" + name);
+    fs::remove_all(dir_);
+    out_ = dir_ / "out";
+    pids_ = dir_ / "pids";
+    fs::create_directories(out_);
+    fs::create_directories(pids_);
+  }
+  void TearDown() override {
+    kill_leftovers(pids_);
+    if (!HasFailure()) fs::remove_all(dir_);
+  }
+  // Makes every worker record its pid and its grandchild's in pids_.
+  std::vector<std::string> pid_env() const {
+    return {std::string(kPidDirEnv) + "=" + pids_.string()};
+  }
+
+  fs::path dir_, out_, pids_;
+};
+
+// Bad input: exit code 2, a `lockstep run: ` line naming the problem, and no worker started.
+inline void expect_usage_error(const Outcome& o, const fs::path& out_dir,
+                               const std::vector<std::string>& needles) {
+  EXPECT_TRUE(o.exited_with(2)) << o.describe();
+  bool named = false;
+  for (const auto& line : split_lines(o.err)) {
+    if (line.rfind("lockstep run: ", 0) != 0) continue;
+    bool all = true;
+    for (const auto& n : needles) all = all && line.find(n) != std::string::npos;
+    named = named || all;
+  }
+  EXPECT_TRUE(named) << "no line starting with 'lockstep run: ' names "
+                     << ::testing::PrintToString(needles) << "\n"
+                     << o.describe();
+  EXPECT_TRUE(dir_is_empty(out_dir)) << "a worker ran";
+  EXPECT_THAT(o.out + o.err, ::testing::Not(::testing::HasSubstr("[rank"))) << o.describe();
 }
 
 }  // namespace lockstep::testing::launch

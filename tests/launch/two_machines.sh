@@ -44,11 +44,14 @@ ip -n "$ns0" link set "$veth0" up || fail "cannot bring up $veth0"
 ip -n "$ns1" link set "$veth1" up || fail "cannot bring up $veth1"
 
 mkdir -p "$work/out"
+# The secret the two machines share (a job on several machines needs one).
+(umask 077 && head -c 24 /dev/urandom | base64 > "$work/token")
 # Node 1 first: its agent must wait for node 0's.
 for node in 1 0; do
   ns_var=ns$node
   timeout -k 10 240 ip netns exec "${!ns_var}" "$tool" run --nnodes 2 --node-rank "$node" \
     --master-addr "$addr0" --master-port "$port" --nproc-per-node 1 --rdzv-timeout 120 \
+    --token-file "$work/token" \
     "$worker" ddp "$work/out" 5 > "$work/node$node.log" 2>&1 &
   pids[$node]=$!
   sleep 1
@@ -69,4 +72,7 @@ h1=$(cat "$work/out/rank1.hash" 2> /dev/null)
 [ "$h0" = "$h1" ] || fail "the ranks' parameters differ: $h0 vs $h1"
 # The ranks ran in different namespaces: rank 1 on node 1.
 grep -q "^\[rank1\]: rank 1 trained 5 steps" "$work/node1.log" || fail "rank 1 did not run on node 1"
+# Node 0's store listens on the address the other node connects to, not on every interface.
+grep -q "the store listens on $addr0:$port " "$work/node0.log" ||
+  fail "node 0's store does not listen on $addr0:$port only"
 echo PASS

@@ -16,6 +16,7 @@
 // restarted generation never sees the previous one's keys.
 #include "agent.h"
 
+#include <arpa/inet.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/signalfd.h>
@@ -38,6 +39,7 @@
 #include "lockstep/base/syscall.h"
 #include "lockstep/base/worker_env.h"
 #include "lockstep/distributed/error_file.h"
+#include "lockstep/distributed/init.h"
 #include "lockstep/distributed/store/tcp_store.h"
 #include "output.h"
 #include "worker_process.h"
@@ -65,6 +67,8 @@ constexpr auto kStoreRequestTimeout = std::chrono::seconds(30);
 constexpr auto kConnectSlice = std::chrono::seconds(1);
 // SIGKILLed workers that have still not exited after this (stuck in the kernel) are given up.
 constexpr auto kKillWait = std::chrono::seconds(10);
+// A worker's error message (LOCKSTEP_ERROR_FILE) in the failure summary is cut to this.
+constexpr size_t kMaxError = 2048;
 // How long the output of exited workers is still read (a grandchild that escaped the process
 // group could hold a pipe open forever).
 constexpr auto kDrainTimeout = std::chrono::seconds(1);
@@ -114,6 +118,50 @@ std::string random_hex(size_t bytes) {
   return s;
 }
 
+// 127.0.0.0/8, ::1, or ::ffff:127.x.y.z.
+bool is_loopback_address(const std::string& a) {
+  in_addr v4{};
+  if (::inet_pton(AF_INET, a.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
+  in6_addr v6{};
+  if (::inet_pton(AF_INET6, a.c_str(), &v6) != 1) return false;
+  if (IN6_IS_ADDR_LOOPBACK(&v6)) return true;
+  return IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127;
+}
+
+// Note [Store bind address]
+// Node 0's store listens only where the job needs it (docs/LAUNCHER.md, "Threat model"):
+//   - --standalone: on loopback; nothing outside this machine can connect;
+//   - otherwise on the local address toward --master-addr, the address the other machines
+//     connect to (the kernel's route to it: the address itself when it is one of this machine's,
+//     127.0.0.1 for the default);
+//   - on every interface when that address cannot be found, or when on several machines a host
+//     name resolves to loopback here (/etc/hosts often maps the machine's own name to 127.0.1.1,
+//     while the other machines resolve it to its network address).
+// Node 0 says which in one line.
+struct StoreBind {
+  std::string address;  // empty: every interface
+  std::string why;
+};
+
+StoreBind choose_store_bind(const RunOptions& o) {
+  if (o.standalone) return {"127.0.0.1", "--standalone: this machine only"};
+  const uint16_t port = o.master_port != 0 ? static_cast<uint16_t>(o.master_port)
+                                           : dist::kDefaultStorePort;  // any port finds the route
+  std::string local;
+  try {
+    local = dist::local_address_toward(o.master_addr, port);
+  } catch (const Error& e) {
+    return {"", "no local address toward --master-addr " + o.master_addr +
+                    " was found: " + e.message()};
+  }
+  if (o.nnodes > 1 && is_loopback_address(local) && !is_loopback_address(o.master_addr) &&
+      o.master_addr != "localhost") {
+    return {"", "--master-addr " + o.master_addr + " is " + local +
+                    " (loopback) on this machine, which the other machines cannot reach"};
+  }
+  return {local, "the address toward --master-addr " + o.master_addr};
+}
+
 int online_cpus() {
   const long n = ::sysconf(_SC_NPROCESSORS_ONLN);
   return n > 0 ? static_cast<int>(n) : 1;
@@ -123,6 +171,7 @@ struct Worker {
   int local_rank = 0;
   int rank = 0;
   std::string error_file;
+  std::string log_dir;                   // its stdout.log and stderr.log, with --log-dir
   std::unique_ptr<WorkerOutput> output;  // where its lines go (output.h)
   std::unique_ptr<WorkerProcess> proc;
 };
@@ -215,16 +264,8 @@ int Agent::take_signal() {
 }
 
 void Agent::connect_store() {
-  const char* env_token = std::getenv(env::kStoreToken);
-  if (env_token != nullptr && *env_token != '\0') {
-    token_ = env_token;
-  } else if (o_.nnodes == 1) {
-    token_ = random_hex(16);
-  } else {
-    // Every agent must know it without talking to the others first: derived from the run id.
-    // It keeps jobs that share a port apart; set LOCKSTEP_STORE_TOKEN for a secret.
-    token_ = "lockstep-run-" + o_.run_id;
-  }
+  // Note [Store token] in run_options.cpp: chosen there, except the random one of one machine.
+  token_ = !o_.token.empty() ? o_.token : random_hex(16);
   dist::TCPStoreOptions so;
   so.host = o_.master_addr;
   so.port = o_.standalone ? 0 : static_cast<uint16_t>(o_.master_port);
@@ -233,12 +274,25 @@ void Agent::connect_store() {
   so.token = token_;
   so.timeout = std::chrono::milliseconds(static_cast<int64_t>(o_.rdzv_timeout_s * 1000));
   if (so.is_server) {
+    const StoreBind bind = choose_store_bind(o_);
+    so.server.bind_address = bind.address;
     try {
       store_ = std::make_unique<dist::TCPStore>(so);
+      const std::string& a = bind.address;
+      const std::string where = a.empty()                          ? "every interface, port "
+                                : a.find(':') != std::string::npos ? "[" + a + "]:"
+                                                                   : a + ":";
+      say("the store listens on " + where + std::to_string(store_->port()) + " (" + bind.why + ")");
     } catch (const Error& e) {
-      throw UsageError("node 0 cannot host the store on port " + std::to_string(so.port) + ": " +
-                       e.message() + "; choose another --master-port, or --standalone on one " +
-                       "machine");
+      const bool in_use = e.message().find("in use") != std::string::npos;
+      const std::string port = std::to_string(so.port);
+      throw UsageError(
+          "node 0 cannot host the store on port " + port + ": " +
+          (in_use ? "port " + port + " is already in use (another job or store listens there)"
+                  : e.message()) +
+          (o_.nnodes == 1 ? "; choose another --master-port, or --master-port 0 for any free "
+                            "port (or --standalone)"
+                          : "; choose another --master-port (the same on every machine)"));
     }
   } else {
     // In slices, watching for signals: a Ctrl-C while node 0 is not up yet must not wait for
@@ -376,6 +430,7 @@ void Agent::start_workers(int g) {
                                  : (std::filesystem::path(o_.output.log_dir) / o_.run_id / attempt /
                                     std::to_string(w->rank))
                                        .string();
+    w->log_dir = logs;
     w->output = std::make_unique<WorkerOutput>(terminal_, w->rank, to_terminal, logs);
     w->proc = std::make_unique<WorkerProcess>(spec);
     workers_.push_back(std::move(w));
@@ -476,11 +531,14 @@ json Agent::describe_failure(const Worker& w) const {
   json f = {{"rank", w.rank},          {"local_rank", w.local_rank}, {"node", o_.node_rank},
             {"host", hostname()},      {"status", s.str()},          {"time", utc_now()},
             {"tail", w.output->tail()}};
+  // Where the summary says its full output is.
+  if (!w.log_dir.empty()) f["log_dir"] = w.log_dir;
+  f["to_terminal"] = o_.output.to_terminal(w.local_rank);
   std::ifstream in(w.error_file);
   if (in) {
     try {
       const json e = json::parse(in);
-      if (e.contains("message")) f["error"] = e["message"].get<std::string>();
+      if (e.contains("message")) f["error"] = cut_text(e["message"].get<std::string>(), kMaxError);
     } catch (const std::exception&) {
       f["error"] = "(the worker's error file " + w.error_file + " is not valid JSON)";
     }
@@ -517,6 +575,19 @@ void Agent::print_summary(const json& f, int generation) const {
     for (const auto& l : tail) lines += "  | " + l + "\n";
     say("last lines of rank " + std::to_string(f.value("rank", -1)) + ":\n" +
         lines.substr(0, lines.size() - 1));
+  }
+  const std::string rank = "rank " + std::to_string(f.value("rank", -1));
+  const std::string where =
+      "node " + std::to_string(f.value("node", -1)) + ", host " + f.value("host", std::string("?"));
+  if (f.contains("log_dir")) {
+    const std::string dir = f["log_dir"].get<std::string>();
+    say("the full output of " + rank + ": " + dir + "/stdout.log and " + dir + "/stderr.log (on " +
+        where + ")");
+  } else if (f.value("to_terminal", false)) {
+    say("the full output of " + rank + " went to the terminal of the launcher on " + where);
+  } else if (f.contains("to_terminal")) {
+    say("the output of " + rank + " was not kept: --local-ranks-filter left it off the terminal " +
+        "and there is no --log-dir");
   }
 }
 
@@ -640,7 +711,6 @@ int Agent::run() {
 
   try {
     connect_store();
-    if (o_.standalone) say("standalone: the store listens on port " + std::to_string(store_port_));
     rendezvous();
   } catch (const Interrupted& e) {
     say(std::string(e.what()) + " before the workers started");

@@ -21,18 +21,23 @@ struct RunOptions {
   int nnodes = 1;
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";
-  int master_port = 29500;
-  bool standalone = false;  // one machine; the store takes a free port
+  int master_port = 29500;  // 0: any free port (one machine)
+  bool standalone = false;  // one machine; the store takes a free port on loopback
   int max_restarts = 0;
   double monitor_interval_s = 0.1;
   OutputOptions output;  // where the workers' lines go: terminal, log files (output.h)
   std::string run_id = "none";
+  // The store's shared secret (Note [Store token] in run_options.cpp); empty: a random one, on
+  // one machine. token_source says where it came from ("--token-file PATH", ...).
+  std::string token;
+  std::string token_source;
   double rdzv_timeout_s = 900;
   std::string program;  // resolved, absolute
   std::vector<std::string> args;
 };
 
-// Thrown for bad input found by the agent itself (a port in use); exit code 2.
+// Thrown for bad input, found by the option checks (run_options.h) or by the agent itself (a
+// port in use); exit code 2.
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };

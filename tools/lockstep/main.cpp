@@ -6,14 +6,8 @@
 // Options keep torchrun's names and defaults; each can also come from LOCKSTEP_<NAME> in the
 // environment (LOCKSTEP_NPROC_PER_NODE, LOCKSTEP_MASTER_PORT, ...). Exit codes: 0 success, 1 the
 // job failed, 2 bad input (nothing was started), 128 + signal when stopped by SIGINT/SIGTERM.
-#include <unistd.h>
-
 #include <algorithm>
-#include <charconv>
 #include <cstdio>
-#include <filesystem>
-#include <optional>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -23,137 +17,12 @@
 #include "lockstep/base/error.h"
 #include "lockstep/io/metrics.h"
 #include "plot.h"
+#include "run_options.h"
+#include "worker_process.h"
 
 using namespace lockstep::launch;
 
 namespace {
-
-struct Usage : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-std::optional<long long> parse_int(const std::string& s) {
-  long long v = 0;
-  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-  if (ec != std::errc() || end != s.data() + s.size() || s.empty()) return std::nullopt;
-  return v;
-}
-
-int count_gpus() {
-  int n = 0;
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator("/dev", ec)) {
-    const std::string name = e.path().filename().string();
-    if (name.size() > 6 && name.rfind("nvidia", 0) == 0 &&
-        name.find_first_not_of("0123456789", 6) == std::string::npos) {
-      ++n;
-    }
-  }
-  return n;
-}
-
-// PROGRAM as execve needs it: a path with a '/' as given, else the first executable on PATH.
-std::string resolve_program(const std::string& program) {
-  namespace fs = std::filesystem;
-  auto executable = [](const fs::path& p) {
-    std::error_code ec;
-    return fs::is_regular_file(p, ec) && ::access(p.c_str(), X_OK) == 0;
-  };
-  if (program.find('/') != std::string::npos) {
-    if (!executable(program)) {
-      std::error_code ec;
-      throw Usage("the program '" + program + "' " +
-                  (fs::exists(program, ec) ? "is not an executable file" : "does not exist"));
-    }
-    return fs::absolute(program).string();
-  }
-  const char* path = std::getenv("PATH");
-  std::stringstream dirs(path ? path : "/usr/local/bin:/usr/bin:/bin");
-  for (std::string d; std::getline(dirs, d, ':');) {
-    const fs::path p = fs::path(d.empty() ? "." : d) / program;
-    if (executable(p)) return fs::absolute(p).string();
-  }
-  throw Usage("the program '" + program + "' was not found on PATH");
-}
-
-struct Raw {
-  std::string nproc = "1";
-  int nnodes = 1;
-  int node_rank = 0;
-  std::string master_addr = "127.0.0.1";
-  int master_port = 29500;
-  bool standalone = false;
-  int max_restarts = 0;
-  double monitor_interval = 0.1;
-  std::string log_dir;
-  bool tee = false;
-  std::string local_ranks_filter;
-  std::string run_id;
-  double rdzv_timeout = 900;
-};
-
-RunOptions validate(const Raw& raw, std::vector<std::string> command) {
-  RunOptions o;
-  if (raw.nproc == "auto") {
-    const int gpus = count_gpus();
-    o.nproc_per_node = gpus > 0 ? gpus : 1;
-    std::fprintf(stderr, "lockstep run: --nproc-per-node auto = %d (%s)\n", o.nproc_per_node,
-                 gpus > 0 ? "one per GPU" : "no GPU found");
-  } else {
-    const auto n = parse_int(raw.nproc);
-    if (!n || *n < 1 || *n > 4096) {
-      throw Usage("--nproc-per-node expects a positive integer or 'auto', got '" + raw.nproc + "'");
-    }
-    o.nproc_per_node = static_cast<int>(*n);
-  }
-  if (raw.nnodes < 1) throw Usage("--nnodes must be at least 1, got " + std::to_string(raw.nnodes));
-  if (raw.node_rank < 0 || raw.node_rank >= raw.nnodes) {
-    throw Usage("--node-rank must be in [0, --nnodes " + std::to_string(raw.nnodes) + "), got " +
-                std::to_string(raw.node_rank));
-  }
-  if (raw.standalone && raw.nnodes != 1) {
-    throw Usage("--standalone runs on one machine; it cannot be combined with --nnodes " +
-                std::to_string(raw.nnodes));
-  }
-  if (raw.master_port < 1 || raw.master_port > 65535) {
-    throw Usage("--master-port must be in [1, 65535], got " + std::to_string(raw.master_port));
-  }
-  if (raw.max_restarts < 0) throw Usage("--max-restarts must be >= 0");
-  if (!(raw.monitor_interval > 0)) throw Usage("--monitor-interval must be > 0 seconds");
-  if (!(raw.rdzv_timeout > 0)) throw Usage("--rdzv-timeout must be > 0 seconds");
-  if (raw.tee && raw.log_dir.empty()) throw Usage("--tee needs --log-dir");
-  o.nnodes = raw.nnodes;
-  o.node_rank = raw.node_rank;
-  o.master_addr = raw.standalone ? "127.0.0.1" : raw.master_addr;
-  o.master_port = raw.master_port;
-  o.standalone = raw.standalone;
-  o.max_restarts = raw.max_restarts;
-  o.monitor_interval_s = raw.monitor_interval;
-  o.output.log_dir = raw.log_dir;
-  o.output.tee = raw.tee;
-  o.rdzv_timeout_s = raw.rdzv_timeout;
-  if (!raw.local_ranks_filter.empty()) {
-    std::stringstream ss(raw.local_ranks_filter);
-    for (std::string item; std::getline(ss, item, ',');) {
-      const auto r = parse_int(item);
-      if (!r || *r < 0 || *r >= o.nproc_per_node) {
-        throw Usage("--local-ranks-filter expects local ranks in [0, " +
-                    std::to_string(o.nproc_per_node) + ") separated by commas, got '" +
-                    raw.local_ranks_filter + "'");
-      }
-      o.output.local_ranks_filter.push_back(static_cast<int>(*r));
-    }
-  }
-  // torchrun: "none" unless given; --standalone gets a fresh id of its own.
-  o.run_id = !raw.run_id.empty() ? raw.run_id
-             : raw.standalone    ? "standalone-" + std::to_string(::getpid())
-                                 : "none";
-  if (o.run_id.find('/') != std::string::npos) throw Usage("--run-id must not contain '/'");
-  if (command.empty()) throw Usage("no program given: lockstep run [options] PROGRAM [ARGS...]");
-  o.program = resolve_program(command.front());
-  o.args.assign(command.begin() + 1, command.end());
-  return o;
-}
 
 struct PlotArgs {
   std::vector<std::string> files;
@@ -206,48 +75,46 @@ int main(int argc, char** argv) {
       "environment. docs/LAUNCHER.md has the details.");
   run->prefix_command();  // everything from PROGRAM on belongs to the program
   run->allow_extras();    // ... also after "--"
-  Raw raw;
-  auto env = [](const std::string& name) { return "LOCKSTEP_" + name; };
-  run->add_option("--nproc-per-node", raw.nproc,
-                  "workers on this machine: an integer, or auto (one per GPU, else 1)")
-      ->envname(env("NPROC_PER_NODE"))
+  RawRunOptions raw;
+  // Every option also from LOCKSTEP_<NAME>; numbers stay text here, checked by run_options.cpp.
+  auto option = [&](const std::string& flag, std::string& into, const std::string& help) {
+    return run->add_option(flag, into, help)->envname(env_name_of(flag));
+  };
+  auto flag = [&](const std::string& name, bool& into, const std::string& help) {
+    return run->add_flag(name, into, help)->envname(env_name_of(name));
+  };
+  option("--nproc-per-node", raw.nproc,
+         "workers on this machine: 1 to " + std::to_string(kMaxNprocPerNode) +
+             ", or auto (one per GPU, else 1)")
       ->capture_default_str();
-  run->add_option("--nnodes", raw.nnodes, "machines in the job")
-      ->envname(env("NNODES"))
+  option("--nnodes", raw.nnodes, "machines in the job")->capture_default_str();
+  option("--node-rank", raw.node_rank, "this machine's rank in [0, nnodes)")->capture_default_str();
+  option("--master-addr", raw.master_addr, "address of node 0 (hosts the store)")
       ->capture_default_str();
-  run->add_option("--node-rank", raw.node_rank, "this machine's rank in [0, nnodes)")
-      ->envname(env("NODE_RANK"))
+  option("--master-port", raw.master_port,
+         "port of node 0's store (0: any free port, on one machine)")
       ->capture_default_str();
-  run->add_option("--master-addr", raw.master_addr, "address of node 0 (hosts the store)")
-      ->envname(env("MASTER_ADDR"))
+  flag("--standalone", raw.standalone,
+       "one machine: the store takes a free port on loopback (no clash possible)");
+  option("--max-restarts", raw.max_restarts,
+         "restart the whole group this many times after a failure")
       ->capture_default_str();
-  run->add_option("--master-port", raw.master_port, "port of node 0's store")
-      ->envname(env("MASTER_PORT"))
+  option("--monitor-interval", raw.monitor_interval,
+         "seconds between checks of the other machines' state (at least 0.01)")
       ->capture_default_str();
-  run->add_flag("--standalone", raw.standalone,
-                "one machine: the store takes a free port (no clash possible)")
-      ->envname(env("STANDALONE"));
-  run->add_option("--max-restarts", raw.max_restarts,
-                  "restart the whole group this many times after a failure")
-      ->envname(env("MAX_RESTARTS"))
+  option("--log-dir", raw.log_dir,
+         "write each rank's output to DIR/<run-id>/attempt_<n>/<rank>/{stdout,stderr}.log");
+  flag("--tee", raw.tee, "with --log-dir: to the terminal as well");
+  option("--local-ranks-filter", raw.local_ranks_filter,
+         "comma-separated local ranks whose output reaches the terminal (default all)");
+  option("--run-id", raw.run_id, "the job's id (the same on every machine)");
+  option("--rdzv-timeout", raw.rdzv_timeout,
+         "seconds to wait for every machine to join (and to restart)")
       ->capture_default_str();
-  run->add_option("--monitor-interval", raw.monitor_interval,
-                  "seconds between checks of the other machines' state")
-      ->envname(env("MONITOR_INTERVAL"))
-      ->capture_default_str();
-  run->add_option("--log-dir", raw.log_dir,
-                  "write each rank's output to DIR/<run-id>/attempt_<n>/<rank>/{stdout,stderr}.log")
-      ->envname(env("LOG_DIR"));
-  run->add_flag("--tee", raw.tee, "with --log-dir: to the terminal as well")->envname(env("TEE"));
-  run->add_option("--local-ranks-filter", raw.local_ranks_filter,
-                  "comma-separated local ranks whose output reaches the terminal (default all)")
-      ->envname(env("LOCAL_RANKS_FILTER"));
-  run->add_option("--run-id", raw.run_id, "the job's id (the same on every machine)")
-      ->envname(env("RUN_ID"));
-  run->add_option("--rdzv-timeout", raw.rdzv_timeout,
-                  "seconds to wait for every machine to join (and to restart)")
-      ->envname(env("RDZV_TIMEOUT"))
-      ->capture_default_str();
+  option("--token-file", raw.token_file,
+         "the store's secret, shared by the machines of a job: a file only you can read");
+  flag("--insecure", raw.insecure,
+       "several machines without a secret (on a trusted network only; see docs/LAUNCHER.md)");
 
   CLI::App* plot = app.add_subcommand(
       "plot", "Draw training curves from metrics files (JSON Lines) to a PNG or SVG image");
@@ -277,8 +144,10 @@ int main(int argc, char** argv) {
     }
     if (*it == "run") continue;
     if (it->rfind("--", 0) == 0) {
-      const bool is_flag = *it == "--standalone" || *it == "--tee" || *it == "--help" ||
-                           *it == "--version" || it->find('=') != std::string::npos;
+      raw.on_command_line.insert(it->substr(0, it->find('=')));
+      const bool is_flag = *it == "--standalone" || *it == "--tee" || *it == "--insecure" ||
+                           *it == "--help" || *it == "--version" ||
+                           it->find('=') != std::string::npos;
       if (!is_flag && std::next(it) != args.end()) ++it;  // its value
       continue;
     }
@@ -290,9 +159,19 @@ int main(int argc, char** argv) {
     after_dashes.assign(dashes + 1, args.end());
     args.erase(dashes, args.end());
   }
+  const bool is_run = !args.empty() && args.front() == "run";
   std::reverse(args.begin(), args.end());  // CLI11 takes them in reverse order
   try {
+    if (is_run) {
+      // CLI11 would report a bad LOCKSTEP_STANDALONE as if it were --standalone.
+      for (const char* f : {"--standalone", "--tee", "--insecure"}) {
+        check_flag_env(f, raw.on_command_line);
+      }
+    }
     app.parse(args);
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "lockstep run: %s\n", e.what());
+    return kExitUsage;
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version
     const std::string sub = plot->parsed() ? " plot" : run->parsed() ? " run" : "";
@@ -301,23 +180,23 @@ int main(int argc, char** argv) {
     return kExitUsage;
   }
   if (plot->parsed()) return run_plot(plot_args);
+  // Before any worker exists: outside connections to the store must not leave the launcher
+  // without descriptors for its workers' pipes (docs/LAUNCHER.md, "Threat model").
+  raise_descriptor_limit();
   try {
     std::vector<std::string> command = run->remaining();
     if (!command.empty() && command.front().size() > 1 && command.front()[0] == '-') {
-      throw Usage("unknown option " + command.front() + " (see lockstep run --help)");
+      throw UsageError("unknown option " + command.front() + " (see lockstep run --help)");
     }
     if (has_dashes) {
       if (!command.empty()) {
-        throw Usage("'" + command.front() +
-                    "' before '--': give PROGRAM either before or after it");
+        throw UsageError("'" + command.front() +
+                         "' before '--': give PROGRAM either before or after it");
       }
       command = after_dashes;
     }
-    const RunOptions opts = validate(raw, command);
+    const RunOptions opts = check_run_options(raw, command);
     return run_agent(opts);
-  } catch (const Usage& e) {
-    std::fprintf(stderr, "lockstep run: %s\n", e.what());
-    return kExitUsage;
   } catch (const UsageError& e) {
     std::fprintf(stderr, "lockstep run: %s\n", e.what());
     return kExitUsage;

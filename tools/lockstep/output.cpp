@@ -96,9 +96,21 @@ WorkerOutput::WorkerOutput(Terminal& terminal, int rank, bool to_terminal,
   }
 }
 
+std::string cut_text(const std::string& text, size_t max) {
+  if (text.size() <= max) return text;
+  size_t n = max;
+  // Not inside a UTF-8 sequence: back up over its continuation bytes (10xxxxxx).
+  while (n > 0 && (static_cast<unsigned char>(text[n]) & 0xC0) == 0x80) --n;
+  return text.substr(0, n) + " [... " + std::to_string(text.size() - n) + " more bytes]";
+}
+
 void WorkerOutput::on_line(bool is_err, const std::string& line) {
-  tail_.push_back(line);
-  if (tail_.size() > kTailLines) tail_.pop_front();
+  tail_.push_back(cut_text(line, kTailLineBytes));
+  tail_bytes_ += tail_.back().size();
+  while (tail_.size() > kTailLines || tail_bytes_ > kTailBytes) {
+    tail_bytes_ -= tail_.front().size();
+    tail_.pop_front();
+  }
   const Fd& log = is_err ? err_log_ : out_log_;
   if (log) write_best_effort(log.get(), line + "\n");
   if (to_terminal_) terminal_.line(rank_, is_err ? 2 : 1, line);

@@ -59,8 +59,12 @@ class Terminal {
 // the terminal (when it reaches it) and into the tail kept for the failure summary.
 class WorkerOutput {
  public:
-  // Lines of each worker kept for the failure summary.
+  // Lines of each worker kept for the failure summary: the last kTailLines, each cut to
+  // kTailLineBytes, at most kTailBytes in all (the oldest dropped first). A worker that prints
+  // megabytes must not flood the summary, nor the failure record every node reads from the store.
   static constexpr size_t kTailLines = 20;
+  static constexpr size_t kTailLineBytes = 512;
+  static constexpr size_t kTailBytes = 8 * 1024;
 
   // `log_dir` non-empty: stdout.log and stderr.log are created there (lockstep::Error naming
   // the file when they cannot be).
@@ -84,6 +88,11 @@ class WorkerOutput {
   Fd out_log_, err_log_;
   LineSplitter out_, err_;
   std::deque<std::string> tail_;
+  size_t tail_bytes_ = 0;
 };
+
+// `text` cut to at most `max` bytes (at a UTF-8 character boundary) with " [... N more bytes]"
+// appended when it was longer.
+std::string cut_text(const std::string& text, size_t max);
 
 }  // namespace lockstep::launch

@@ -4,12 +4,14 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <utility>
 
 #include "lockstep/base/error.h"
@@ -106,6 +108,42 @@ void LineSplitter::finish() {
 
 namespace {
 
+// The soft limit the launcher was started with, for its workers; unset until raised.
+bool g_nofile_raised = false;
+rlimit g_nofile_given{};
+
+// Not counting the one that lists them.
+int open_descriptors() {
+  std::error_code ec;
+  int n = -1;
+  for (auto it = std::filesystem::directory_iterator("/proc/self/fd", ec);
+       !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    ++n;
+  }
+  return n;
+}
+
+// Why a pipe or a fork failed, in words that say what to do.
+std::string start_failure(const char* call, int err) {
+  if (err == EMFILE) {
+    rlimit lim{};
+    ::getrlimit(RLIMIT_NOFILE, &lim);
+    return std::string(call) + ": the launcher has no file descriptor left (EMFILE, too many " +
+           "open files: " + std::to_string(open_descriptors()) + " open, limit " +
+           std::to_string(lim.rlim_cur) + "); raise the limit (ulimit -n) or start fewer workers";
+  }
+  if (err == ENFILE) {
+    return std::string(call) +
+           ": the system's table of open files is full (ENFILE); close programs or raise "
+           "fs.file-max";
+  }
+  if (err == EAGAIN && std::strcmp(call, "fork") == 0) {
+    return "fork: no process can be created (EAGAIN: the user's process limit, ulimit -u, or the "
+           "system's is reached)";
+  }
+  return std::string(call) + ": " + errno_text(err);
+}
+
 // Writes a message to fd 2 from the forked child, where only async-signal-safe calls are
 // allowed.
 void child_fail(const char* what, const char* path) {
@@ -129,11 +167,28 @@ void child_fail(const char* what, const char* path) {
 
 }  // namespace
 
+void raise_descriptor_limit() {
+  rlimit lim{};
+  if (::getrlimit(RLIMIT_NOFILE, &lim) != 0) return;
+  g_nofile_given = lim;
+  g_nofile_raised = true;
+  if (lim.rlim_cur == lim.rlim_max) return;
+  // The kernel refuses RLIM_INFINITY for descriptors: fs.nr_open is the real ceiling.
+  rlimit want = lim;
+  want.rlim_cur = lim.rlim_max;
+  if (::setrlimit(RLIMIT_NOFILE, &want) != 0 && lim.rlim_max == RLIM_INFINITY) {
+    want.rlim_cur = 1 << 20;
+    ::setrlimit(RLIMIT_NOFILE, &want);  // best effort: the old limit stays otherwise
+  }
+}
+
 WorkerProcess::WorkerProcess(const WorkerSpec& spec) {
   int fds[2];
-  LS_SYSCHECK(::pipe2(fds, O_CLOEXEC));
+  LS_CHECK(::pipe2(fds, O_CLOEXEC) == 0, "cannot start worker ", spec.program, ": ",
+           start_failure("pipe2", errno));
   Fd out_read(fds[0]), out_write(fds[1]);
-  LS_SYSCHECK(::pipe2(fds, O_CLOEXEC));
+  LS_CHECK(::pipe2(fds, O_CLOEXEC) == 0, "cannot start worker ", spec.program, ": ",
+           start_failure("pipe2", errno));
   Fd err_read(fds[0]), err_write(fds[1]);
   // Everything the child needs is built before fork(): after it, only async-signal-safe calls.
   std::vector<char*> argv, envp;
@@ -157,6 +212,7 @@ WorkerProcess::WorkerProcess(const WorkerSpec& spec) {
       child_fail("set up the output of", argv[0]);
     }
     ::syscall(SYS_close_range, 3u, ~0u, 0u);  // the store's sockets, other workers' pipes
+    if (g_nofile_raised) ::setrlimit(RLIMIT_NOFILE, &g_nofile_given);
     // The launcher blocks and ignores signals for its own loop; the program starts clean.
     sigset_t none;
     sigemptyset(&none);
@@ -167,7 +223,7 @@ WorkerProcess::WorkerProcess(const WorkerSpec& spec) {
     ::execve(argv[0], argv.data(), envp.data());
     child_fail("run", argv[0]);
   }
-  LS_CHECK(pid >= 0, "fork for ", spec.program, ": ", errno_text(errno));
+  LS_CHECK(pid >= 0, "cannot start worker ", spec.program, ": ", start_failure("fork", errno));
   // The write ends are the child's now (the Fds close the rest on the error path above).
   out_write.reset();
   err_write.reset();

@@ -52,6 +52,11 @@ class LineSplitter {
   std::string last_segment_;  // the last non-empty segment ended by '\r' in this line
 };
 
+// Raises this process's soft RLIMIT_NOFILE to its hard limit, so that connections to the store it
+// hosts cannot leave it without descriptors for its workers' pipes. Workers start with the soft
+// limit the launcher was given (a program that uses select() needs descriptors below 1024).
+void raise_descriptor_limit();
+
 struct WorkerSpec {
   std::string program;            // absolute path
   std::vector<std::string> args;  // argv[1..]
@@ -63,8 +68,9 @@ class WorkerProcess {
   static constexpr int kMaxReadsPerDrain = 16;
   // Starts the process (fork + exec): its own process group, stdin from /dev/null, stdout and
   // stderr to pipes, killed by the kernel if the launcher dies (PR_SET_PDEATHSIG). Throws
-  // lockstep::Error when it cannot be started; a program that fails to exec exits 127 with the
-  // reason on its stderr.
+  // lockstep::Error when it cannot be started (saying so plainly when the launcher is out of
+  // descriptors or processes); a program that fails to exec exits 127 with the reason on its
+  // stderr.
   explicit WorkerProcess(const WorkerSpec& spec);
   ~WorkerProcess();
   WorkerProcess(const WorkerProcess&) = delete;

@@ -1,6 +1,6 @@
 // The program that tests/launch starts under `lockstep run`: argv[1] picks what a worker does
 // (report its environment, fail, die by a signal, sleep, flood its output, redraw a progress
-// line with '\r', throw, train with DDP).
+// line with '\r', throw, train with DDP, be killed on cue and then train after the restart).
 //
 // With LAUNCH_TEST_PID_DIR set, every worker first records its pid and the pid of one grandchild
 // (`sleep 300`, in the worker's process group) as <dir>/<pid>.pid, so a test can check that the
@@ -189,6 +189,32 @@ int train_ddp(const fs::path& out_dir, int steps) {
   return 0;
 }
 
+// `lines` lines of `bytes` characters each, then a last short line, then exit code 3.
+int spew_then_fail(int lines, int bytes) {
+  const int rank = env_int("RANK", 0);
+  const std::string body(static_cast<size_t>(bytes), 'x');
+  for (int i = 0; i < lines; ++i) std::printf("spew %d:%d:%s\n", rank, i, body.c_str());
+  std::printf("final words of rank %d\n", rank);
+  std::fflush(stdout);
+  return 3;
+}
+
+// First attempt: rank 1 SIGKILLs itself once `go` exists (the test has its connections to the
+// store open by then); the others wait to be stopped. After the restart: DDP training, which
+// needs the store, for `steps` steps.
+int killed_then_train(const fs::path& go, const fs::path& out_dir, int steps) {
+  if (env_int("LOCKSTEP_RESTART_COUNT", -1) > 0) return train_ddp(out_dir, steps);
+  if (env_int("RANK", -1) != 1) return sleep_then_fail(120s);
+  const auto deadline = std::chrono::steady_clock::now() + 60s;
+  while (!fs::exists(go) && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(10ms);
+  }
+  std::printf("rank 1 kills itself\n");
+  std::fflush(stdout);
+  ::raise(SIGKILL);
+  return 92;
+}
+
 int run(int argc, char** argv) {
   if (argc < 2) {
     std::fprintf(stderr, "usage: launch_worker MODE [ARGS...]\n");
@@ -239,6 +265,10 @@ int run(int argc, char** argv) {
     throw std::runtime_error("boom from rank " + std::to_string(rank));
   }
   if (mode == "ddp" && argc >= 4) return train_ddp(argv[2], std::atoi(argv[3]));
+  if (mode == "spew" && argc >= 4) return spew_then_fail(std::atoi(argv[2]), std::atoi(argv[3]));
+  if (mode == "killed-then-train" && argc >= 5) {
+    return killed_then_train(argv[2], argv[3], std::atoi(argv[4]));
+  }
   std::fprintf(stderr, "launch_worker: unknown mode or missing arguments: %s\n", mode.c_str());
   return 64;
 }

@@ -1,0 +1,318 @@
+// Checking `lockstep run`'s options: numbers in range, the program on PATH, the store token,
+// the log directory.
+//
+// Note [Store token]
+// Node 0's store admits whoever presents its token, and a client it admits can read every key and
+// write the failure record that stops the job (docs/LAUNCHER.md, "Threat model"). So the token is
+// a secret:
+//   - on one machine (--nnodes 1, --standalone) a random one, which only the workers learn (from
+//     their environment);
+//   - on several machines every agent must know it before it can talk to the others, so it comes
+//     from the user: LOCKSTEP_STORE_TOKEN, or --token-file (a file only its owner can read), or
+//     it is derived from a --run-id the user set (then it is only as secret as the run id).
+//     With none of them the launcher refuses to start; --insecure derives it from the run id
+//     ("none" unless set) on a network the user trusts, with a warning.
+// LOCKSTEP_STORE_TOKEN is taken on one machine too (a program's own store clients may use it);
+// it and --token-file together are an error rather than a silent choice.
+#include "run_options.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cctype>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <sstream>
+
+#include "lockstep/base/syscall.h"
+#include "lockstep/base/worker_env.h"
+
+namespace lockstep::launch {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+// The option's name for a message: the flag, or its variable when the environment gave it.
+std::string source_of(const RawRunOptions& raw, const std::string& flag) {
+  if (raw.on_command_line.count(flag) == 0) {
+    const std::string env = env_name_of(flag);
+    const char* v = std::getenv(env.c_str());
+    if (v != nullptr && *v != '\0') return env + " (the variable for " + flag + ")";
+  }
+  return flag;
+}
+
+std::string number_text(double v) {
+  std::ostringstream s;
+  s << v;
+  return s.str();
+}
+
+// An integer in [lo, hi] from `text`; `extra` follows the range in the message.
+long long parse_int(const std::string& text, const std::string& source, long long lo, long long hi,
+                    const std::string& extra = "") {
+  long long v = 0;
+  const char* end = text.data() + text.size();
+  const auto [p, ec] = std::from_chars(text.data(), end, v);
+  if (text.empty() || ec != std::errc() || p != end || v < lo || v > hi) {
+    throw UsageError(source + " must be an integer from " + std::to_string(lo) + " to " +
+                     std::to_string(hi) + extra + ", got '" + text + "'");
+  }
+  return v;
+}
+
+double parse_seconds(const std::string& text, const std::string& source, double lo, double hi) {
+  double v = 0;
+  const char* end = text.data() + text.size();
+  const auto [p, ec] = std::from_chars(text.data(), end, v);
+  if (text.empty() || ec != std::errc() || p != end || !std::isfinite(v) || v < lo || v > hi) {
+    throw UsageError(source + " must be a number of seconds from " + number_text(lo) + " to " +
+                     number_text(hi) + ", got '" + text + "'");
+  }
+  return v;
+}
+
+int count_gpus() {
+  int n = 0;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator("/dev", ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.size() > 6 && name.rfind("nvidia", 0) == 0 &&
+        name.find_first_not_of("0123456789", 6) == std::string::npos) {
+      ++n;
+    }
+  }
+  return n;
+}
+
+// PROGRAM as execve needs it: a path with a '/' as given, else the first executable on PATH.
+std::string resolve_program(const std::string& program) {
+  auto executable = [](const fs::path& p) {
+    std::error_code ec;
+    return fs::is_regular_file(p, ec) && ::access(p.c_str(), X_OK) == 0;
+  };
+  if (program.find('/') != std::string::npos) {
+    if (!executable(program)) {
+      std::error_code ec;
+      throw UsageError("the program '" + program + "' " +
+                       (fs::exists(program, ec) ? "is not an executable file" : "does not exist"));
+    }
+    return fs::absolute(program).string();
+  }
+  const char* path = std::getenv("PATH");
+  std::stringstream dirs(path ? path : "/usr/local/bin:/usr/bin:/bin");
+  for (std::string d; std::getline(dirs, d, ':');) {
+    const fs::path p = fs::path(d.empty() ? "." : d) / program;
+    if (executable(p)) return fs::absolute(p).string();
+  }
+  throw UsageError("the program '" + program + "' was not found on PATH");
+}
+
+std::string octal_mode(mode_t m) {
+  char buf[8];
+  std::snprintf(buf, sizeof buf, "%04o", static_cast<unsigned>(m & 07777));
+  return buf;
+}
+
+// Note [Store token]
+void choose_token(const RawRunOptions& raw, RunOptions& o) {
+  const char* env_token = std::getenv(env::kStoreToken);
+  const bool has_env = env_token != nullptr && *env_token != '\0';
+  if (has_env && !raw.token_file.empty()) {
+    throw UsageError(std::string(env::kStoreToken) + " and " + source_of(raw, "--token-file") +
+                     " both give the store's token; give only one");
+  }
+  if (has_env) {
+    o.token = env_token;
+    o.token_source = env::kStoreToken;
+  } else if (!raw.token_file.empty()) {
+    o.token = read_token_file(raw.token_file);
+    o.token_source = "--token-file " + raw.token_file;
+  } else if (o.nnodes == 1) {
+    return;  // the agent makes a random one
+  } else if (!raw.run_id.empty()) {
+    o.token = "lockstep-run-" + o.run_id;
+    o.token_source = "--run-id";
+  } else if (raw.insecure) {
+    o.token = "lockstep-run-" + o.run_id;
+    o.token_source = "--insecure";
+    std::fprintf(stderr,
+                 "lockstep run: warning: --insecure: the store's token is derived from the run id "
+                 "'%s', which anyone can guess: whoever reaches node 0's port (%s:%s) can read the "
+                 "job's keys and stop it. Use this only on a network you trust.\n",
+                 o.run_id.c_str(), o.master_addr.c_str(), raw.master_port.c_str());
+  } else {
+    throw UsageError(
+        "a job on several machines (--nnodes " + std::to_string(o.nnodes) +
+        ") needs a secret its machines share, or anyone who reaches node 0's port can read the "
+        "job's keys and stop it: set " +
+        env::kStoreToken +
+        " to the same secret on every machine, or pass --token-file PATH (a file only you can "
+        "read, e.g. made with `head -c 32 /dev/urandom | base64 > PATH; chmod 600 PATH`), or "
+        "--run-id ID (the token is then derived from it: only as secret as the id); --insecure "
+        "runs without a secret on a network you trust");
+  }
+}
+
+}  // namespace
+
+std::string env_name_of(const std::string& flag) {
+  std::string name = "LOCKSTEP_";
+  for (char c : flag.substr(flag.find_first_not_of('-'))) {
+    name += c == '-' ? '_' : static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  }
+  return name;
+}
+
+void check_flag_env(const std::string& flag, const std::set<std::string>& on_command_line) {
+  if (on_command_line.count(flag) != 0) return;
+  const std::string env = env_name_of(flag);
+  const char* v = std::getenv(env.c_str());
+  if (v == nullptr || *v == '\0') return;
+  std::string lower;
+  for (const char* c = v; *c; ++c) lower += static_cast<char>(std::tolower(*c));
+  for (const char* ok : {"1", "0", "true", "false", "yes", "no", "on", "off"}) {
+    if (lower == ok) return;
+  }
+  throw UsageError(env + " (the variable for " + flag +
+                   ") must be 1 or 0 (or true/false, yes/no, on/off), got '" + v + "'");
+}
+
+std::string read_token_file(const std::string& path) {
+  const std::string what = "--token-file " + path;
+  // O_NONBLOCK: a FIFO must not block the launcher; it is refused below as not a regular file.
+  const int raw_fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+  if (raw_fd < 0) throw UsageError(what + ": cannot open it: " + errno_text(errno));
+  const Fd fd(raw_fd);
+  struct stat st {};
+  LS_SYSCHECK_MSG(::fstat(fd.get(), &st), "cannot stat ", path);
+  if (!S_ISREG(st.st_mode)) throw UsageError(what + " is not a regular file");
+  if (st.st_uid != ::geteuid()) {
+    throw UsageError(what + " belongs to uid " + std::to_string(st.st_uid) +
+                     ", not to the user running the job (uid " + std::to_string(::geteuid()) +
+                     "); the token must be a file of your own that only you can read");
+  }
+  if ((st.st_mode & 077) != 0) {
+    throw UsageError(what + " has mode " + octal_mode(st.st_mode) +
+                     ": other users can read or change the token; it must be readable only by its "
+                     "owner (chmod 600 " +
+                     path + ")");
+  }
+  std::string text(kMaxTokenBytes + 2, '\0');
+  size_t n = 0;
+  for (;;) {
+    const ssize_t r = ::read(fd.get(), text.data() + n, text.size() - n);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) throw UsageError(what + ": cannot read it: " + errno_text(errno));
+    if (r == 0 || (n += static_cast<size_t>(r)) == text.size()) break;
+  }
+  text.resize(n);
+  const auto first = text.find_first_not_of(" \t\r\n");
+  text = first == std::string::npos
+             ? std::string()
+             : text.substr(first, text.find_last_not_of(" \t\r\n") - first + 1);
+  if (text.empty()) throw UsageError(what + " is empty; it must hold the job's secret");
+  if (text.size() > kMaxTokenBytes) {
+    throw UsageError(what + " holds more than " + std::to_string(kMaxTokenBytes) +
+                     " bytes; a token is a short secret (is this the right file?)");
+  }
+  if (text.find('\0') != std::string::npos) {
+    throw UsageError(what + " contains a NUL byte; a token is text (it reaches the workers in " +
+                     env::kStoreToken + ")");
+  }
+  return text;
+}
+
+void check_log_dir(const std::string& dir) {
+  const std::string what = "--log-dir " + dir;
+  std::error_code ec;
+  if (fs::exists(dir, ec) && !fs::is_directory(dir, ec)) {
+    throw UsageError(what + " is not a directory");
+  }
+  fs::create_directories(dir, ec);
+  if (ec) throw UsageError(what + ": cannot create the directory: " + ec.message());
+  std::string pattern = (fs::path(dir) / ".lockstep-write-test-XXXXXX").string();
+  const int fd = ::mkstemp(pattern.data());
+  if (fd < 0) {
+    throw UsageError(what + " is not writable: cannot create a file there: " + errno_text(errno));
+  }
+  ::close(fd);
+  ::unlink(pattern.c_str());
+}
+
+RunOptions check_run_options(const RawRunOptions& raw, const std::vector<std::string>& command) {
+  RunOptions o;
+  auto src = [&](const char* flag) { return source_of(raw, flag); };
+  if (raw.nproc == "auto") {
+    const int gpus = count_gpus();
+    o.nproc_per_node = gpus > 0 ? std::min(gpus, kMaxNprocPerNode) : 1;
+    std::fprintf(stderr, "lockstep run: --nproc-per-node auto = %d (%s)\n", o.nproc_per_node,
+                 gpus > 0 ? "one per GPU" : "no GPU found");
+  } else {
+    o.nproc_per_node = static_cast<int>(
+        parse_int(raw.nproc, src("--nproc-per-node"), 1, kMaxNprocPerNode, ", or auto"));
+  }
+  o.nnodes = static_cast<int>(parse_int(raw.nnodes, src("--nnodes"), 1, kMaxNnodes));
+  o.node_rank = static_cast<int>(parse_int(raw.node_rank, src("--node-rank"), 0, o.nnodes - 1,
+                                           " (below --nnodes " + std::to_string(o.nnodes) + ")"));
+  if (raw.standalone && o.nnodes != 1) {
+    throw UsageError("--standalone runs on one machine; it cannot be combined with --nnodes " +
+                     std::to_string(o.nnodes));
+  }
+  o.master_port = static_cast<int>(parse_int(raw.master_port, src("--master-port"), 0, 65535,
+                                             " (0: any free port, on one machine)"));
+  if (o.nnodes > 1 && o.master_port == 0) {
+    throw UsageError(src("--master-port") +
+                     " 0 (any free port) works only on one machine (--nnodes 1): the other "
+                     "machines must know the port; choose one from 1 to 65535");
+  }
+  o.max_restarts =
+      static_cast<int>(parse_int(raw.max_restarts, src("--max-restarts"), 0, kMaxMaxRestarts));
+  o.monitor_interval_s = parse_seconds(raw.monitor_interval, src("--monitor-interval"),
+                                       kMinMonitorInterval, kMaxMonitorInterval);
+  o.rdzv_timeout_s =
+      parse_seconds(raw.rdzv_timeout, src("--rdzv-timeout"), kMinRdzvTimeout, kMaxRdzvTimeout);
+  if (raw.tee && raw.log_dir.empty()) throw UsageError("--tee needs --log-dir");
+  o.master_addr = raw.standalone ? "127.0.0.1" : raw.master_addr;
+  if (o.master_addr.empty()) throw UsageError(src("--master-addr") + " must not be empty");
+  o.standalone = raw.standalone;
+  o.output.log_dir = raw.log_dir;
+  o.output.tee = raw.tee;
+  if (!raw.local_ranks_filter.empty()) {
+    std::stringstream ss(raw.local_ranks_filter);
+    for (std::string item; std::getline(ss, item, ',');) {
+      long long r = -1;
+      const auto [p, ec] = std::from_chars(item.data(), item.data() + item.size(), r);
+      if (item.empty() || ec != std::errc() || p != item.data() + item.size() || r < 0 ||
+          r >= o.nproc_per_node) {
+        throw UsageError(src("--local-ranks-filter") + " expects local ranks from 0 to " +
+                         std::to_string(o.nproc_per_node - 1) + " separated by commas, got '" +
+                         raw.local_ranks_filter + "'");
+      }
+      o.output.local_ranks_filter.push_back(static_cast<int>(r));
+    }
+  }
+  // torchrun: "none" unless given; --standalone gets a fresh id of its own.
+  o.run_id = !raw.run_id.empty() ? raw.run_id
+             : raw.standalone    ? "standalone-" + std::to_string(::getpid())
+                                 : "none";
+  if (o.run_id.find('/') != std::string::npos) {
+    throw UsageError(src("--run-id") + " must not contain '/', got '" + o.run_id + "'");
+  }
+  choose_token(raw, o);
+  if (command.empty()) {
+    throw UsageError("no program given: lockstep run [options] PROGRAM [ARGS...]");
+  }
+  o.program = resolve_program(command.front());
+  o.args.assign(command.begin() + 1, command.end());
+  // Last: it creates the directory, which a bad option found above should not leave behind.
+  if (!o.output.log_dir.empty()) check_log_dir(o.output.log_dir);
+  return o;
+}
+
+}  // namespace lockstep::launch
