@@ -112,6 +112,16 @@ LogLevel log_level() {
 
 void set_log_level(LogLevel level) { g_level.store(static_cast<int>(level)); }
 
+namespace {
+// Note [Log level at start]
+// The threshold is read at the first log line, which in a program that logs little comes at the
+// end of the run: a misspelt LOCKSTEP_LOG_LEVEL would be reported only after hours of training.
+// Reading it when the program starts (static initialization of this file, which any use of the
+// log links in) reports it first. Everything it touches is constant-initialized above; a
+// set_log_level() in main() still wins.
+[[maybe_unused]] const bool g_level_read_at_start = (log_level(), true);
+}  // namespace
+
 bool log_enabled(LogLevel level) { return level >= log_level(); }
 
 void set_log_rank(int rank) { g_rank.store(rank < 0 ? kUnknownRank : rank); }

@@ -3,12 +3,17 @@
 #include "lockstep/base/log.h"
 
 #include <fcntl.h>
+#include <spawn.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+extern char** environ;
 
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
 #include <fstream>
+#include <iterator>
 #include <mutex>
 #include <regex>
 #include <sstream>
@@ -98,6 +103,39 @@ TEST_F(Log, BadEnvironmentValueWarnsOnceNamingTheLevelsAndGivesInfo) {
   const std::string& w = captured_.lines[0].second;
   EXPECT_NE(w.find("LOCKSTEP_LOG_LEVEL=verbose"), std::string::npos) << w;
   EXPECT_NE(w.find("debug, info, warning, error"), std::string::npos) << w;
+}
+
+// Note [Log level at start] in src/base/log.cpp: a program that never logs (this test binary
+// listing no tests) still reports a bad LOCKSTEP_LOG_LEVEL, before anything else it prints.
+TEST_F(Log, BadEnvironmentValueIsReportedWhenTheProgramStarts) {
+  const std::string out = ::testing::TempDir() + "log_at_start_" + std::to_string(::getpid());
+  std::vector<std::string> env_s;
+  for (char** e = environ; *e; ++e) {
+    if (std::string(*e).rfind(kLogLevelEnv, 0) != 0) env_s.emplace_back(*e);
+  }
+  env_s.push_back(std::string(kLogLevelEnv) + "=bogus");
+  std::vector<char*> envp;
+  for (auto& e : env_s) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  std::string exe = "/proc/self/exe", filter = "--gtest_filter=Log.NoSuchTest",
+              list = "--gtest_list_tests";
+  char* argv[] = {exe.data(), filter.data(), list.data(), nullptr};
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&fa, 1, 2);
+  pid_t pid = 0;
+  ASSERT_EQ(::posix_spawn(&pid, exe.c_str(), &fa, nullptr, argv, envp.data()), 0);
+  posix_spawn_file_actions_destroy(&fa);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  std::ifstream in(out);
+  const std::string text{std::istreambuf_iterator<char>(in), {}};
+  std::remove(out.c_str());
+  EXPECT_EQ(text.find("WARNING: LOCKSTEP_LOG_LEVEL=bogus is not a log level"), text.find(' ') + 1)
+      << "not the first line:\n"
+      << text;
 }
 
 TEST_F(Log, ThresholdDropsLowerLevelsWithoutFormattingThem) {
