@@ -456,14 +456,20 @@ void Trainer::load_epoch_loss(const io::TrainingCheckpoint& ckpt, const std::str
                 " (an older checkpoint): its train_loss will cover the steps from here on");
     return;
   }
+  // strtod, not operator>>: a run whose loss diverged has written "nan" or "inf".
   std::vector<double> sums;
   std::istringstream in(sums_it->second);
-  for (double v; in >> v;) sums.push_back(v);
+  bool numbers = true;
+  for (std::string word; in >> word;) {
+    char* end = nullptr;
+    sums.push_back(std::strtod(word.c_str(), &end));
+    numbers = numbers && end == word.c_str() + word.size();
+  }
   int64_t steps = -1;
   const std::string& steps_text = steps_it->second;
   const auto [end, ec] =
       std::from_chars(steps_text.data(), steps_text.data() + steps_text.size(), steps);
-  LS_CHECK(in.eof() && !sums.empty() && ec == std::errc() &&
+  LS_CHECK(numbers && !sums.empty() && ec == std::errc() &&
                end == steps_text.data() + steps_text.size() && steps >= 0,
            "--resume ", path, ": metadata user.", kLossSumsKey, " should be numbers and user.",
            kLossStepsKey, " a count, found '", sums_it->second, "' and '", steps_text, "'");

@@ -254,6 +254,35 @@ EOF
     "$exe" --log-every 0 --no-eval --max-steps 2 --save "$work/c/ck.safetensors" --resume auto \
       > "$work/c.out" 2>&1 || { cat "$work/c.out"; fail "--resume auto without a checkpoint failed"; }
     grep -q "starting from step 0" "$work/c.out" || fail "no fresh-start message"
+    # A checkpoint from before the epoch's loss sums were recorded (the keys taken out, the
+    # SHA-256 made anew) still resumes; an info line says what its train_loss covers.
+    if command -v python3 > /dev/null; then
+      mkdir -p "$work/f"
+      python3 - "$work/b/ck.step00000030.safetensors" "$work/f/ck.safetensors" <<'PY' \
+        || fail "could not write an old-style checkpoint"
+import hashlib, json, struct, sys
+src, dst = sys.argv[1:]
+raw = open(src, "rb").read()
+n = struct.unpack("<Q", raw[:8])[0]
+header, data = json.loads(raw[8:8 + n]), raw[8 + n:]
+meta = header["__metadata__"]
+del meta["user.epoch_loss_sums"], meta["user.epoch_loss_steps"]
+sha = hashlib.sha256()
+for k in sorted(meta):
+    if k != "sha256":
+        sha.update(k.encode() + b"\0" + meta[k].encode() + b"\0")
+sha.update(data)
+meta["sha256"] = sha.hexdigest()
+out = json.dumps(header, separators=(",", ":")).encode()
+out += b" " * (-len(out) % 8)
+open(dst, "wb").write(struct.pack("<Q", len(out)) + out + data)
+PY
+      "$exe" "${args[@]}" --resume "$work/f/ck.safetensors" > "$work/f.out" 2>&1 \
+        || { cat "$work/f.out"; fail "resuming a checkpoint without loss sums failed"; }
+      grep -q "records no losses of epoch 0 (an older checkpoint)" "$work/f.out" \
+        || { cat "$work/f.out"; fail "no line about the missing loss sums"; }
+      grep -q "steps=40 " "$work/f.out" || fail "the old checkpoint's run did not reach step 40"
+    fi
     # A corrupt newest checkpoint: auto resumes the newest that verifies with a warning naming the
     # skipped one and why, never writes over it (its step's periodic save is skipped, said so),
     # and still ends in the straight run's state.
