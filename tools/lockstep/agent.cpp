@@ -16,7 +16,6 @@
 // restarted generation never sees the previous one's keys.
 #include "agent.h"
 
-#include <arpa/inet.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/signalfd.h>
@@ -39,7 +38,6 @@
 #include "lockstep/base/syscall.h"
 #include "lockstep/base/worker_env.h"
 #include "lockstep/distributed/error_file.h"
-#include "lockstep/distributed/init.h"
 #include "lockstep/distributed/store/tcp_store.h"
 #include "output.h"
 #include "worker_process.h"
@@ -116,50 +114,6 @@ std::string random_hex(size_t bytes) {
     s += digits[v & 15];
   }
   return s;
-}
-
-// 127.0.0.0/8, ::1, or ::ffff:127.x.y.z.
-bool is_loopback_address(const std::string& a) {
-  in_addr v4{};
-  if (::inet_pton(AF_INET, a.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
-  in6_addr v6{};
-  if (::inet_pton(AF_INET6, a.c_str(), &v6) != 1) return false;
-  if (IN6_IS_ADDR_LOOPBACK(&v6)) return true;
-  return IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127;
-}
-
-// Note [Store bind address]
-// Node 0's store listens only where the job needs it (docs/LAUNCHER.md, "Threat model"):
-//   - --standalone: on loopback; nothing outside this machine can connect;
-//   - otherwise on the local address toward --master-addr, the address the other machines
-//     connect to (the kernel's route to it: the address itself when it is one of this machine's,
-//     127.0.0.1 for the default);
-//   - on every interface when that address cannot be found, or when on several machines a host
-//     name resolves to loopback here (/etc/hosts often maps the machine's own name to 127.0.1.1,
-//     while the other machines resolve it to its network address).
-// Node 0 says which in one line.
-struct StoreBind {
-  std::string address;  // empty: every interface
-  std::string why;
-};
-
-StoreBind choose_store_bind(const RunOptions& o) {
-  if (o.standalone) return {"127.0.0.1", "--standalone: this machine only"};
-  const uint16_t port = o.master_port != 0 ? static_cast<uint16_t>(o.master_port)
-                                           : dist::kDefaultStorePort;  // any port finds the route
-  std::string local;
-  try {
-    local = dist::local_address_toward(o.master_addr, port);
-  } catch (const Error& e) {
-    return {"", "no local address toward --master-addr " + o.master_addr +
-                    " was found: " + e.message()};
-  }
-  if (o.nnodes > 1 && is_loopback_address(local) && !is_loopback_address(o.master_addr) &&
-      o.master_addr != "localhost") {
-    return {"", "--master-addr " + o.master_addr + " is " + local +
-                    " (loopback) on this machine, which the other machines cannot reach"};
-  }
-  return {local, "the address toward --master-addr " + o.master_addr};
 }
 
 int online_cpus() {
@@ -274,15 +228,15 @@ void Agent::connect_store() {
   so.token = token_;
   so.timeout = std::chrono::milliseconds(static_cast<int64_t>(o_.rdzv_timeout_s * 1000));
   if (so.is_server) {
-    const StoreBind bind = choose_store_bind(o_);
-    so.server.bind_address = bind.address;
+    so.server.bind_address = o_.store_bind.address;  // Note [Store bind address] in run_options.cpp
     try {
       store_ = std::make_unique<dist::TCPStore>(so);
-      const std::string& a = bind.address;
+      const std::string& a = o_.store_bind.address;
       const std::string where = a.empty()                          ? "every interface, port "
                                 : a.find(':') != std::string::npos ? "[" + a + "]:"
                                                                    : a + ":";
-      say("the store listens on " + where + std::to_string(store_->port()) + " (" + bind.why + ")");
+      say("the store listens on " + where + std::to_string(store_->port()) + " (" +
+          o_.store_bind.why + ")");
     } catch (const Error& e) {
       const bool in_use = e.message().find("in use") != std::string::npos;
       const std::string port = std::to_string(so.port);

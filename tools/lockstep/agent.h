@@ -16,6 +16,12 @@ inline constexpr int kExitOk = 0;
 inline constexpr int kExitJobFailed = 1;
 inline constexpr int kExitUsage = 2;  // bad input, found before any worker started
 
+// Where node 0's store listens (Note [Store bind address] in run_options.cpp).
+struct StoreBind {
+  std::string address;  // empty: every interface
+  std::string why;      // for the line that says where
+};
+
 struct RunOptions {
   int nproc_per_node = 1;
   int nnodes = 1;
@@ -31,6 +37,7 @@ struct RunOptions {
   // one machine. token_source says where it came from ("--token-file PATH", ...).
   std::string token;
   std::string token_source;
+  StoreBind store_bind;  // node 0 only
   double rdzv_timeout_s = 900;
   std::string program;  // resolved, absolute
   std::vector<std::string> args;

@@ -1,5 +1,5 @@
-// Checking `lockstep run`'s options: numbers in range, the program on PATH, the store token,
-// the log directory.
+// Checking `lockstep run`'s options: numbers in range, the program on PATH, the store token and
+// address, the log directory.
 //
 // Note [Store token]
 // Node 0's store admits whoever presents its token, and a client it admits can read every key and
@@ -16,6 +16,7 @@
 // it and --token-file together are an error rather than a silent choice.
 #include "run_options.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -30,6 +31,8 @@
 
 #include "lockstep/base/syscall.h"
 #include "lockstep/base/worker_env.h"
+#include "lockstep/distributed/init.h"
+#include "lockstep/distributed/store/tcp_store.h"
 
 namespace lockstep::launch {
 
@@ -157,6 +160,45 @@ void choose_token(const RawRunOptions& raw, RunOptions& o) {
         "--run-id ID (the token is then derived from it: only as secret as the id); --insecure "
         "runs without a secret on a network you trust");
   }
+}
+
+// 127.0.0.0/8, ::1, or ::ffff:127.x.y.z.
+bool is_loopback_address(const std::string& a) {
+  in_addr v4{};
+  if (::inet_pton(AF_INET, a.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
+  in6_addr v6{};
+  if (::inet_pton(AF_INET6, a.c_str(), &v6) != 1) return false;
+  if (IN6_IS_ADDR_LOOPBACK(&v6)) return true;
+  return IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127;
+}
+
+// Note [Store bind address]
+// Node 0's store listens only where the job needs it (docs/LAUNCHER.md, "Threat model"):
+//   - --standalone: on loopback; nothing outside this machine can connect;
+//   - otherwise on the local address toward --master-addr, the address the other machines
+//     connect to (the kernel's route to it: the address itself when it is one of this machine's,
+//     127.0.0.1 for the default);
+//   - on every interface when that address cannot be found, or when on several machines a host
+//     name resolves to loopback here (/etc/hosts often maps the machine's own name to 127.0.1.1,
+//     while the other machines resolve it to its network address).
+// Node 0's agent says which in one line.
+StoreBind choose_store_bind(const RunOptions& o) {
+  if (o.standalone) return {"127.0.0.1", "--standalone: this machine only"};
+  const uint16_t port = o.master_port != 0 ? static_cast<uint16_t>(o.master_port)
+                                           : dist::kDefaultStorePort;  // any port finds the route
+  std::string local;
+  try {
+    local = dist::local_address_toward(o.master_addr, port);
+  } catch (const Error& e) {
+    return {"", "no local address toward --master-addr " + o.master_addr +
+                    " was found: " + e.message()};
+  }
+  if (o.nnodes > 1 && is_loopback_address(local) && !is_loopback_address(o.master_addr) &&
+      o.master_addr != "localhost") {
+    return {"", "--master-addr " + o.master_addr + " is " + local +
+                    " (loopback) on this machine, which the other machines cannot reach"};
+  }
+  return {local, "the address toward --master-addr " + o.master_addr};
 }
 
 }  // namespace
@@ -305,6 +347,7 @@ RunOptions check_run_options(const RawRunOptions& raw, const std::vector<std::st
     throw UsageError(src("--run-id") + " must not contain '/', got '" + o.run_id + "'");
   }
   choose_token(raw, o);
+  if (o.node_rank == 0) o.store_bind = choose_store_bind(o);
   if (command.empty()) {
     throw UsageError("no program given: lockstep run [options] PROGRAM [ARGS...]");
   }

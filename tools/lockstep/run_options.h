@@ -1,5 +1,6 @@
 // Checking `lockstep run`'s options before anything starts: every number in its range, the
-// program, the store's token (Note [Store token] in run_options.cpp) and the log directory.
+// program, the store's token and address (Notes [Store token] and [Store bind address] in
+// run_options.cpp) and the log directory.
 #pragma once
 
 #include <set>
