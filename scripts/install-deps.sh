@@ -10,6 +10,7 @@ packages=(
   libgloo-dev libdnnl-dev
   libcairo2-dev
   iproute2 procps
+  python3
   dataset-fashion-mnist
 )
 

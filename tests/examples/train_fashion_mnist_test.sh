@@ -256,7 +256,9 @@ EOF
     grep -q "starting from step 0" "$work/c.out" || fail "no fresh-start message"
     # A checkpoint from before the epoch's loss sums were recorded (the keys taken out, the
     # SHA-256 made anew) still resumes; an info line says what its train_loss covers.
-    if command -v python3 > /dev/null; then
+    # python3 comes with scripts/install-deps.sh; without it this check fails, it is not skipped.
+    command -v python3 > /dev/null || fail "python3 is missing (scripts/install-deps.sh installs it)"
+    {
       mkdir -p "$work/f"
       python3 - "$work/b/ck.step00000030.safetensors" "$work/f/ck.safetensors" <<'PY' \
         || fail "could not write an old-style checkpoint"
@@ -282,7 +284,7 @@ PY
       grep -q "records no losses of epoch 0 (an older checkpoint)" "$work/f.out" \
         || { cat "$work/f.out"; fail "no line about the missing loss sums"; }
       grep -q "steps=40 " "$work/f.out" || fail "the old checkpoint's run did not reach step 40"
-    fi
+    }
     # A corrupt newest checkpoint: auto resumes the newest that verifies with a warning naming the
     # skipped one and why, never writes over it (its step's periodic save is skipped, said so),
     # and still ends in the straight run's state.
