@@ -112,15 +112,15 @@ namespace {
 bool g_nofile_raised = false;
 rlimit g_nofile_given{};
 
-// Not counting the one that lists them.
+// Not counting the one that lists them; -1 when they cannot be listed (listing takes a
+// descriptor, which is what is missing).
 int open_descriptors() {
   std::error_code ec;
   int n = -1;
-  for (auto it = std::filesystem::directory_iterator("/proc/self/fd", ec);
-       !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
-    ++n;
-  }
-  return n;
+  auto it = std::filesystem::directory_iterator("/proc/self/fd", ec);
+  if (ec) return -1;
+  for (; !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) ++n;
+  return ec ? -1 : n;
 }
 
 // Why a pipe or a fork failed, in words that say what to do.
@@ -128,9 +128,11 @@ std::string start_failure(const char* call, int err) {
   if (err == EMFILE) {
     rlimit lim{};
     ::getrlimit(RLIMIT_NOFILE, &lim);
+    const int open = open_descriptors();
+    const std::string count = open >= 0 ? std::to_string(open) + " open, limit " : "limit ";
     return std::string(call) + ": the launcher has no file descriptor left (EMFILE, too many " +
-           "open files: " + std::to_string(open_descriptors()) + " open, limit " +
-           std::to_string(lim.rlim_cur) + "); raise the limit (ulimit -n) or start fewer workers";
+           "open files: " + count + std::to_string(lim.rlim_cur) +
+           "); raise the limit (ulimit -n) or start fewer workers";
   }
   if (err == ENFILE) {
     return std::string(call) +
@@ -147,9 +149,17 @@ std::string start_failure(const char* call, int err) {
 // Writes a message to fd 2 from the forked child, where only async-signal-safe calls are
 // allowed.
 void child_fail(const char* what, const char* path) {
-  // errno as digits: strerror is not async-signal-safe.
+  // errno as digits, with a name for the likely ones: strerror is not async-signal-safe.
+  const int saved = errno;
+  const char* name = saved == ENOENT    ? " (ENOENT: no such file)"
+                     : saved == EACCES  ? " (EACCES: permission denied)"
+                     : saved == ENOEXEC ? " (ENOEXEC: not an executable format)"
+                     : saved == EMFILE  ? " (EMFILE: too many open files)"
+                     : saved == ENOMEM  ? " (ENOMEM: out of memory)"
+                     : saved == E2BIG   ? " (E2BIG: arguments and environment too long)"
+                                        : "";
   char num[16];
-  int err = errno, len = 0;
+  int err = saved, len = 0;
   char rev[16];
   do {
     rev[len++] = static_cast<char>('0' + err % 10);
@@ -157,7 +167,7 @@ void child_fail(const char* what, const char* path) {
   } while (err > 0 && len < 15);
   for (int i = 0; i < len; ++i) num[i] = rev[len - 1 - i];
   num[len] = '\0';
-  const char* parts[] = {"lockstep run: cannot ", what, " ", path, ": errno ", num, "\n"};
+  const char* parts[] = {"lockstep run: cannot ", what, " ", path, ": errno ", num, name, "\n"};
   for (const char* p : parts) {
     ssize_t ignored = ::write(2, p, std::strlen(p));
     (void)ignored;
@@ -200,14 +210,17 @@ WorkerProcess::WorkerProcess(const WorkerSpec& spec) {
   for (auto& e : env) envp.push_back(e.data());
   envp.push_back(nullptr);
   const pid_t parent = ::getpid();
+  // Opened here, not in the child, so that running out of descriptors is said in words.
+  Fd devnull(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  LS_CHECK(devnull.valid(), "cannot start worker ", spec.program, ": ",
+           start_failure("open /dev/null", errno));
 
   const pid_t pid = ::fork();
   if (pid == 0) {
     ::setpgid(0, 0);
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (::getppid() != parent) _exit(127);  // the launcher died before prctl took effect
-    const int devnull = ::open("/dev/null", O_RDONLY);
-    if (devnull < 0 || ::dup2(devnull, 0) < 0 || ::dup2(out_write.get(), 1) < 0 ||
+    if (::dup2(devnull.get(), 0) < 0 || ::dup2(out_write.get(), 1) < 0 ||
         ::dup2(err_write.get(), 2) < 0) {
       child_fail("set up the output of", argv[0]);
     }
