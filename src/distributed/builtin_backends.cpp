@@ -2,9 +2,13 @@
 #include "distributed/builtin_backends.h"
 
 #include "distributed/gloo/register.h"
+#include "distributed/shm/register.h"
 
 namespace lockstep::dist::detail {
 
-void register_builtin_backends() { register_gloo_backend(); }
+void register_builtin_backends() {
+  register_gloo_backend();
+  register_shm_backend();
+}
 
 }  // namespace lockstep::dist::detail

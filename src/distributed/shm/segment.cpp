@@ -1,0 +1,376 @@
+// The shm backend's segment: same-machine check, creation and mapping through the store, and
+// the sequence counters (spin, then futex) with which ranks wait for each other.
+#include "distributed/shm/segment.h"
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <random>
+
+#include "lockstep/base/error.h"
+#include "lockstep/base/worker_env.h"
+
+namespace lockstep::dist::shm {
+
+namespace {
+
+constexpr uint64_t kMagic = 0x6c6b7374'73686d31ull;  // "lkstshm1"
+constexpr size_t kPage = 4096;
+// Two cache lines: adjacent-line prefetch must not make two ranks' counters share traffic.
+constexpr size_t kLine = 128;
+
+// Note [Spin, then futex]
+// A peer usually arrives within microseconds, and a futex wake-up costs tens to hundreds of
+// microseconds on a virtual machine, so a waiter first spins (with a pause instruction) for
+// kSpin. After that it blocks in FUTEX_WAIT on the peer's counter: with more ranks than cores
+// a spinning waiter would steal the very core its peer needs. A rank that arrives wakes its
+// counter's futex only when someone sleeps on it (the sleepers count), so the fast path makes
+// no system call. The futexes are shared (not FUTEX_PRIVATE): the word lives in memory mapped
+// by several processes. Sleeps end every kHeartbeat to check that the peers are alive and
+// whether the deadline passed; a fixed-time sleep is never the way to wait.
+constexpr auto kSpin = std::chrono::microseconds(5);
+constexpr auto kHeartbeat = std::chrono::milliseconds(100);
+
+static_assert(std::atomic_ref<uint32_t>::is_always_lock_free,
+              "the shm backend needs lock-free 32-bit atomics (address-free across processes)");
+
+// Why the segment was poisoned (Segment::Header::abort: reason << 16 | culprit + 1).
+constexpr uint32_t kDied = 1;
+constexpr uint32_t kFailed = 2;
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+long futex(uint32_t* word, int op, uint32_t value, const timespec* timeout) {
+  return ::syscall(SYS_futex, word, op, value, timeout, nullptr, 0);
+}
+
+// Whether `v` has reached `target` on a counter that may wrap around.
+bool reached(uint32_t v, uint32_t target) { return static_cast<int32_t>(v - target) >= 0; }
+
+std::string read_first_line(const char* path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+// "host-a (boot 1b2c...)": equal on two ranks exactly when they share one running kernel, hence
+// one /dev/shm (the host name alone can repeat across machines).
+std::string machine_identity() {
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  return lockstep::detail::str_cat(host, " (boot ",
+                                   read_first_line("/proc/sys/kernel/random/boot_id"), ")");
+}
+
+std::string sanitized_run_id() {
+  const char* id = std::getenv(env::kRunId);
+  std::string out;
+  for (const char* p = id ? id : ""; *p && out.size() < 32; ++p) {
+    const char c = *p;
+    if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_') {
+      out += c;
+    }
+  }
+  return out.empty() ? "norun" : out;
+}
+
+// "/lockstep-shm-<run>-<pid>-<nonce>": the random nonce keeps two jobs (or two groups of one
+// job) with the same run id apart.
+std::string new_segment_name() {
+  std::random_device rd;
+  const uint64_t nonce = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(nonce));
+  return lockstep::detail::str_cat("/", kSegmentPrefix, sanitized_run_id(), "-", ::getpid(), "-",
+                                   hex);
+}
+
+std::string key(const char* what, int r) { return lockstep::detail::str_cat("shm/", what, "/", r); }
+
+}  // namespace
+
+struct Segment::Header {
+  uint64_t magic;
+  uint64_t slot_bytes;
+  uint64_t total_bytes;
+  int32_t size;
+  alignas(kLine) uint32_t abort;  // 0, or reason << 16 | culprit + 1 (atomic_ref)
+};
+
+struct Segment::Control {
+  alignas(kLine) uint32_t seq;  // how often this rank arrived (atomic_ref; the futex word)
+  uint32_t sleepers;            // waiters blocked on seq (atomic_ref)
+  alignas(kLine) CallHeader call;
+};
+
+// Note [Segment lifetime]
+// Every rank first publishes its machine's identity; unless all agree, every rank fails with the
+// same message. Rank 0 then creates the segment (O_EXCL, mode 0600) and publishes its name, or
+// "!" and why it could not. Each rank maps it and publishes its pid (or "!" and its error); once
+// all have, every rank unlinks the name (all try, so that one dying rank cannot leave it behind),
+// and from then on nothing in /dev/shm outlives the processes, however they end. The mapping
+// itself lives until the last rank unmaps it.
+Segment::Segment(const SegmentOptions& o)
+    : who_(o.who), rank_(o.rank), size_(o.size), slot_bytes_(o.slot_bytes) {
+  try {
+    connect(o);
+  } catch (...) {
+    release();  // the destructor does not run for a throwing constructor
+    throw;
+  }
+}
+
+void Segment::connect(const SegmentOptions& o) {
+  LS_CHECK(o.store != nullptr, who_, ": a store to rendezvous through is required");
+  Store& store = *o.store;
+
+  std::vector<std::string> host_keys;
+  for (int r = 0; r < size_; ++r) host_keys.push_back(key("host", r));
+  store.set(host_keys[rank_], machine_identity());
+  store.wait(host_keys, o.timeout);
+  const std::string host0 = store.get_string(host_keys[0]);
+  for (int r = 1; r < size_; ++r) {
+    const std::string host = store.get_string(host_keys[r]);
+    LS_CHECK(host == host0, who_, ": shm needs every rank on one machine: rank ", r, " is on host ",
+             host, ", rank 0 on host ", host0,
+             "; use the gloo backend for groups that span machines");
+  }
+
+  slot_stride_ = static_cast<int64_t>(round_up(static_cast<size_t>(slot_bytes_), kPage));
+  const size_t controls = round_up(sizeof(Header), kLine);
+  const size_t slots = round_up(controls + sizeof(Control) * static_cast<size_t>(size_), kPage);
+  bytes_ = slots + static_cast<size_t>(slot_stride_) * static_cast<size_t>(size_);
+
+  const std::string name_key = "shm/segment";
+  auto map = [&](const Fd& fd) {
+    void* p = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+    LS_CHECK(p != MAP_FAILED, who_, ": cannot map ", name_, " (", bytes_,
+             " bytes): ", errno_text(errno));
+    base_ = static_cast<uint8_t*>(p);
+  };
+  std::string map_error;
+  if (rank_ == 0) {
+    // The header is complete before the name is published: the others check it once mapped.
+    try {
+      name_ = new_segment_name();
+      Fd fd(LS_SYSCHECK_MSG(::shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600), who_,
+                            ": cannot create the shared-memory segment ", name_));
+      creator_ = true;
+      LS_SYSCHECK_MSG(::ftruncate(fd.get(), static_cast<off_t>(bytes_)), who_, ": cannot size ",
+                      name_, " to ", bytes_, " bytes (is /dev/shm large enough?)");
+      map(fd);
+      Header& h = seg_header();
+      h.slot_bytes = static_cast<uint64_t>(slot_bytes_);
+      h.total_bytes = bytes_;
+      h.size = size_;
+      h.magic = kMagic;
+    } catch (const Error& e) {
+      store.set(name_key, std::string("!") + e.what());
+      throw;  // release() unlinks what was created
+    }
+    store.set(name_key, name_);
+  } else {
+    store.wait({name_key}, o.timeout);
+    name_ = store.get_string(name_key);
+    LS_CHECK(name_.empty() || name_[0] != '!', who_,
+             ": rank 0 could not create the group's shared-memory segment: ", name_.substr(1));
+    try {
+      Fd fd(LS_SYSCHECK_MSG(::shm_open(name_.c_str(), O_RDWR, 0), who_, ": cannot open ", name_));
+      struct stat st {};
+      LS_SYSCHECK_MSG(::fstat(fd.get(), &st), who_, ": fstat ", name_);
+      LS_CHECK(static_cast<size_t>(st.st_size) == bytes_, who_, ": the segment ", name_, " has ",
+               st.st_size, " bytes, this rank expected ", bytes_,
+               " (every rank must use one slot size and group size)");
+      map(fd);
+      const Header& h = seg_header();
+      LS_CHECK(h.magic == kMagic && h.size == size_ && h.slot_bytes == uint64_t(slot_bytes_), who_,
+               ": the segment ", name_, " was made for ", h.size, " ranks with ", h.slot_bytes,
+               "-byte slots, this rank expected ", size_, " with ", slot_bytes_);
+    } catch (const Error& e) {
+      map_error = e.what();
+    }
+  }
+  store.set(key("mapped", rank_), map_error.empty() ? std::to_string(::getpid()) : "!" + map_error);
+
+  std::vector<std::string> mapped_keys;
+  for (int r = 0; r < size_; ++r) mapped_keys.push_back(key("mapped", r));
+  store.wait(mapped_keys, o.timeout);
+  if (::shm_unlink(name_.c_str()) == 0 || errno == ENOENT) unlinked_ = true;
+
+  std::string first_error = map_error;
+  for (int r = 0; r < size_; ++r) {
+    const std::string v = store.get_string(mapped_keys[r]);
+    if (!v.empty() && v[0] == '!') {
+      if (first_error.empty())
+        first_error = lockstep::detail::str_cat("rank ", r, ": ", v.substr(1));
+      pids_.push_back(0);
+    } else {
+      pids_.push_back(std::atoi(v.c_str()));
+    }
+  }
+  if (!first_error.empty()) {
+    LS_THROW(who_, ": not every rank could map the shared-memory segment (", first_error, ")");
+  }
+  for (int r = 0; r < size_; ++r) {
+    const long pidfd = r == rank_ ? -1 : ::syscall(SYS_pidfd_open, pids_[r], 0);
+    pidfds_.emplace_back(static_cast<int>(pidfd));
+  }
+  next_liveness_ = Clock::now() + kHeartbeat;
+}
+
+Segment::~Segment() { release(); }
+
+void Segment::release() {
+  if (base_ != nullptr) ::munmap(base_, bytes_);
+  base_ = nullptr;
+  if (creator_ && !unlinked_) ::shm_unlink(name_.c_str());
+  unlinked_ = true;
+  pidfds_.clear();
+}
+
+Segment::Header& Segment::seg_header() const { return *reinterpret_cast<Header*>(base_); }
+
+Segment::Control& Segment::control(int r) const {
+  const size_t controls = round_up(sizeof(Header), kLine);
+  return reinterpret_cast<Control*>(base_ + controls)[r];
+}
+
+uint8_t* Segment::slot(int r) const {
+  const size_t controls = round_up(sizeof(Header), kLine);
+  const size_t slots = round_up(controls + sizeof(Control) * static_cast<size_t>(size_), kPage);
+  return base_ + slots + static_cast<size_t>(slot_stride_) * static_cast<size_t>(r);
+}
+
+CallHeader& Segment::header(int r) const { return control(r).call; }
+
+void Segment::arrive() {
+  Control& c = control(rank_);
+  ++seq_;
+  // seq_cst store, then seq_cst load of sleepers: with the waiter's increment of sleepers before
+  // its FUTEX_WAIT (which rechecks seq), either this rank sees the sleeper or the sleeper sees the
+  // new value (Note [Spin, then futex]).
+  std::atomic_ref<uint32_t>(c.seq).store(seq_, std::memory_order_seq_cst);
+  if (std::atomic_ref<uint32_t>(c.sleepers).load(std::memory_order_seq_cst) != 0) {
+    futex(&c.seq, FUTEX_WAKE, INT_MAX, nullptr);
+  }
+}
+
+void Segment::wait_all(Clock::time_point deadline, std::chrono::milliseconds timeout) {
+  for (int r = 0; r < size_; ++r) {
+    if (r != rank_) wait_for(r, deadline, timeout);
+  }
+}
+
+void Segment::wait_for(int peer, Clock::time_point deadline, std::chrono::milliseconds timeout) {
+  Control& c = control(peer);
+  std::atomic_ref<uint32_t> seq(c.seq);
+  if (reached(seq.load(std::memory_order_acquire), seq_)) return;
+  const auto spin_end = Clock::now() + kSpin;
+  for (int i = 1;; ++i) {
+    cpu_relax();
+    if (reached(seq.load(std::memory_order_acquire), seq_)) return;
+    if ((i & 31) == 0 && Clock::now() >= spin_end) break;
+  }
+  std::atomic_ref<uint32_t> sleepers(c.sleepers);
+  std::atomic_ref<uint32_t> abort(seg_header().abort);
+  for (;;) {
+    const uint32_t v = seq.load(std::memory_order_acquire);
+    if (reached(v, seq_)) return;
+    const auto now = Clock::now();
+    if (now >= next_liveness_ || abort.load(std::memory_order_acquire) != 0) {
+      check_peers();
+      next_liveness_ = now + kHeartbeat;
+    }
+    if (now >= deadline) {
+      fail(kFailed, rank_,
+           lockstep::detail::str_cat(
+               "timed out after ", timeout.count(), " ms waiting for rank ", peer,
+               ": a rank did not reach this collective or is far behind; every rank must issue "
+               "the same collectives in the same order"));
+    }
+    const auto left = std::min<Clock::duration>(kHeartbeat, deadline - now);
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
+    const timespec ts{static_cast<time_t>(ns / 1'000'000'000),
+                      static_cast<long>(ns % 1'000'000'000)};
+    sleepers.fetch_add(1, std::memory_order_seq_cst);
+    futex(&c.seq, FUTEX_WAIT, v, &ts);  // EAGAIN (moved on), EINTR, ETIMEDOUT: look again
+    sleepers.fetch_sub(1, std::memory_order_seq_cst);
+  }
+}
+
+void Segment::check_peers() {
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    bool dead = false;
+    if (pidfds_[r]) {
+      // A pidfd becomes readable when its process ends (zombies included, reused pids excluded).
+      pollfd p{pidfds_[r].get(), POLLIN, 0};
+      dead = ::poll(&p, 1, 0) > 0 && (p.revents & (POLLIN | POLLHUP)) != 0;
+    } else {
+      dead = ::kill(pids_[r], 0) == -1 && errno == ESRCH;
+    }
+    if (dead) {
+      fail(kDied, r,
+           lockstep::detail::str_cat("rank ", r, " (pid ", pids_[r],
+                                     ") died while this rank waited for it: its process exited or "
+                                     "crashed; see its own error or exit status"));
+    }
+  }
+  const uint32_t word =
+      std::atomic_ref<uint32_t>(seg_header().abort).load(std::memory_order_acquire);
+  if (word != 0) throw PeerFailure(describe_abort(word), __FILE__, __LINE__);
+}
+
+std::string Segment::describe_abort(uint32_t word) const {
+  const int culprit = static_cast<int>(word & 0xffff) - 1;
+  if ((word >> 16) == kDied) {
+    return lockstep::detail::str_cat("rank ", culprit, " (pid ", pids_[culprit],
+                                     ") died: its process exited or crashed; see its own error or "
+                                     "exit status");
+  }
+  return lockstep::detail::str_cat("rank ", culprit,
+                                   " failed first (its own error says why), so this group cannot "
+                                   "go on");
+}
+
+void Segment::fail(uint32_t reason, int culprit, const std::string& message) {
+  uint32_t expected = 0;
+  std::atomic_ref<uint32_t>(seg_header().abort)
+      .compare_exchange_strong(expected, reason << 16 | static_cast<uint32_t>(culprit + 1));
+  wake_all();
+  throw PeerFailure(message, __FILE__, __LINE__);
+}
+
+void Segment::poison() {
+  if (base_ == nullptr) return;
+  uint32_t expected = 0;
+  std::atomic_ref<uint32_t>(seg_header().abort)
+      .compare_exchange_strong(expected, kFailed << 16 | static_cast<uint32_t>(rank_ + 1));
+  wake_all();
+}
+
+void Segment::wake_all() {
+  for (int r = 0; r < size_; ++r) futex(&control(r).seq, FUTEX_WAKE, INT_MAX, nullptr);
+}
+
+}  // namespace lockstep::dist::shm
