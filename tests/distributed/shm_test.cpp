@@ -133,6 +133,34 @@ TEST(ShmThreads, AllReduceAgreesWithGlooAndIsIdenticalOnEveryRank) {
   }
 }
 
+// reduce_scatter reduces each chunk as all_reduce does (rank order), for every op and dtype: rank
+// r's output is bit-identical to chunk r of the all_reduce of the same inputs.
+TEST(ShmThreads, ReduceScatterEqualsTheChunkOfAllReduceForEveryOpAndDtype) {
+  constexpr int64_t m = 70001;  // per rank; several pieces of kOddSlotBytes / 3 ranks
+  const auto errors = run_shm_threads(
+      3,
+      [](int r, ProcessGroupShm& pg) {
+        for (DType t : lockstep::testing::kCollectiveDTypes) {
+          std::vector<ReduceOp> ops = {ReduceOp::sum, ReduceOp::min, ReduceOp::max,
+                                       ReduceOp::product};
+          if (is_floating(t)) ops.push_back(ReduceOp::avg);
+          for (ReduceOp op : ops) {
+            Generator gen(77 + r);
+            Tensor in = (randn({3 * m}, gen) * 3.0).to(t);
+            Tensor out = full({m}, 99.0, t);
+            pg.reduce_scatter(out, in, {.op = op})->wait();
+            Tensor all = in.clone();
+            pg.all_reduce(all, {.op = op})->wait();
+            LS_CHECK(out.to_vector<double>() == all.narrow(0, r * m, m).to_vector<double>(),
+                     dtype_name(t), " ", reduce_op_name(op),
+                     ": reduce_scatter differs from all_reduce's chunk");
+          }
+        }
+      },
+      {.slot_bytes = kOddSlotBytes});
+  for (size_t r = 0; r < errors.size(); ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
 TEST(ShmThreads, SizeMismatchFailsEveryRankNamingBothAndTheGroupGoesOn) {
   const auto errors = run_shm_threads(3, [](int r, ProcessGroupShm& pg) {
     Tensor x = full({r == 1 ? 512 : 1024}, 1.0, kFloat32);

@@ -319,23 +319,29 @@ void Segment::wait_for(int peer, Clock::time_point deadline, std::chrono::millis
 }
 
 void Segment::check_peers() {
-  for (int r = 0; r < size_; ++r) {
+  int dead = -1;
+  for (int r = 0; r < size_ && dead < 0; ++r) {
     if (r == rank_) continue;
-    bool dead = false;
     if (pidfds_[r]) {
       // A pidfd becomes readable when its process ends (zombies included, reused pids excluded).
       pollfd p{pidfds_[r].get(), POLLIN, 0};
-      dead = ::poll(&p, 1, 0) > 0 && (p.revents & (POLLIN | POLLHUP)) != 0;
-    } else {
-      dead = ::kill(pids_[r], 0) == -1 && errno == ESRCH;
-    }
-    if (dead) {
-      fail(kDied, r,
-           lockstep::detail::str_cat("rank ", r, " (pid ", pids_[r],
-                                     ") died while this rank waited for it: its process exited or "
-                                     "crashed; see its own error or exit status"));
+      if (::poll(&p, 1, 0) > 0 && (p.revents & (POLLIN | POLLHUP)) != 0) dead = r;
+    } else if (::kill(pids_[r], 0) == -1 && errno == ESRCH) {
+      dead = r;
     }
   }
+  // After the scan: a rank that failed records the culprit before it exits, so a rank found
+  // gone may just have been the first to give up; the record names who really died or failed.
+  check_poisoned();
+  if (dead >= 0) {
+    fail(kDied, dead,
+         lockstep::detail::str_cat("rank ", dead, " (pid ", pids_[dead],
+                                   ") died while this rank waited for it: its process exited or "
+                                   "crashed; see its own error or exit status"));
+  }
+}
+
+void Segment::check_poisoned() const {
   const uint32_t word =
       std::atomic_ref<uint32_t>(seg_header().abort).load(std::memory_order_acquire);
   if (word != 0) throw PeerFailure(describe_abort(word), __FILE__, __LINE__);

@@ -66,6 +66,8 @@ class Segment {
   // died, when another rank poisoned the segment, or at `deadline` (`what` names the collective
   // in the timeout's message).
   void wait_all(Clock::time_point deadline, std::chrono::milliseconds timeout);
+  // Throws PeerFailure when another rank poisoned the segment (one atomic load).
+  void check_poisoned() const;
   // Marks the segment failed because of this rank (first failure wins) and wakes every waiter,
   // so that the others fail now rather than at their own timeouts.
   void poison();
