@@ -273,6 +273,21 @@ TEST(ShmThreads, RanksOnTwoMachinesFailEveryRankNamingTheOtherHost) {
   }
 }
 
+TEST(ShmThreads, ARankThatNeverComesFailsTheConstructionInTime) {
+  BackendConfig c;
+  c.store = std::make_shared<HashStore>(30s);
+  c.rank = 0;
+  c.size = 2;
+  c.timeout = 200ms;
+  try {
+    ProcessGroupShm pg(c);
+    FAIL() << "a group of 2 was built by 1 rank";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("rank 0/2 (shm): building the shm group, waiting "
+                                               "for every rank's machine identity"));
+  }
+}
+
 TEST(ShmThreads, BadSlotSizeIsAnError) {
   const auto errors = run_shm_threads(2, [](int, ProcessGroupShm&) {}, {.slot_bytes = 1000});
   for (const auto& e : errors) {
@@ -370,7 +385,7 @@ int worker_main(const std::string& mode) {
     } else if (mode == "die") {
       pg->barrier()->wait();
       if (rank() == world_size() - 1) {
-        // Into the collective, then killed while the others wait for its next phase.
+        // Killed while the others wait for it inside the all_reduce.
         std::this_thread::sleep_for(50ms);
         ::kill(::getpid(), SIGKILL);
       }

@@ -105,6 +105,17 @@ std::string new_segment_name() {
                                    hex);
 }
 
+// store.wait, with what was being waited for in the error.
+void wait_keys(Store& store, const std::vector<std::string>& keys,
+               std::chrono::milliseconds timeout, const std::string& who, const char* what) {
+  try {
+    store.wait(keys, timeout);
+  } catch (const Error& e) {
+    LS_THROW(who, ": building the shm group, waiting for ", what,
+             " through the store: ", e.message());
+  }
+}
+
 std::string key(const char* what, int r) { return lockstep::detail::str_cat("shm/", what, "/", r); }
 
 }  // namespace
@@ -147,7 +158,7 @@ void Segment::connect(const SegmentOptions& o) {
   std::vector<std::string> host_keys;
   for (int r = 0; r < size_; ++r) host_keys.push_back(key("host", r));
   store.set(host_keys[rank_], machine_identity());
-  store.wait(host_keys, o.timeout);
+  wait_keys(store, host_keys, o.timeout, who_, "every rank's machine identity");
   const std::string host0 = store.get_string(host_keys[0]);
   for (int r = 1; r < size_; ++r) {
     const std::string host = store.get_string(host_keys[r]);
@@ -190,7 +201,7 @@ void Segment::connect(const SegmentOptions& o) {
     }
     store.set(name_key, name_);
   } else {
-    store.wait({name_key}, o.timeout);
+    wait_keys(store, {name_key}, o.timeout, who_, "rank 0 to create the segment");
     name_ = store.get_string(name_key);
     LS_CHECK(name_.empty() || name_[0] != '!', who_,
              ": rank 0 could not create the group's shared-memory segment: ", name_.substr(1));
@@ -214,7 +225,7 @@ void Segment::connect(const SegmentOptions& o) {
 
   std::vector<std::string> mapped_keys;
   for (int r = 0; r < size_; ++r) mapped_keys.push_back(key("mapped", r));
-  store.wait(mapped_keys, o.timeout);
+  wait_keys(store, mapped_keys, o.timeout, who_, "every rank to map the segment");
   if (::shm_unlink(name_.c_str()) == 0 || errno == ENOENT) unlinked_ = true;
 
   std::string first_error = map_error;
