@@ -2,6 +2,7 @@
 #include "distributed/builtin_backends.h"
 
 #include "distributed/gloo/register.h"
+#include "distributed/hier/register.h"
 #include "distributed/shm/register.h"
 
 namespace lockstep::dist::detail {
@@ -9,6 +10,7 @@ namespace lockstep::dist::detail {
 void register_builtin_backends() {
   register_gloo_backend();
   register_shm_backend();
+  register_hier_backend();
 }
 
 }  // namespace lockstep::dist::detail
