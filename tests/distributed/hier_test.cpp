@@ -181,20 +181,21 @@ TEST(HierBackend, IsRegisteredByNameButNotTheDefault) {
 constexpr const char* kModeEnv = "LOCKSTEP_TEST_HIER_MODE";
 constexpr const char* kReportEnv = "LOCKSTEP_TEST_HIER_REPORT";
 
-int worker_main() {
+// "sweep": ranks 0, 1 claim one machine, ranks 2, 3 another (the testing hook). "sweep_detected":
+// the machines as detected (hier_two_namespaces.sh gives each pair its own host name).
+int worker_main(const std::string& mode) {
   try {
-    // Ranks 0, 1 claim one machine, ranks 2, 3 another.
     register_backend("hier_two_machines", [](const BackendConfig& c) -> ProcessGroupPtr {
       return std::make_shared<ProcessGroupHier>(
           c, HierOptions{.machine_identity_for_testing = "machine-" + std::to_string(c.rank / 2)});
     });
     InitOptions opts;
     opts.timeout = 60s;
-    opts.backend = "hier_two_machines";
+    opts.backend = mode == "sweep_detected" ? "hier" : "hier_two_machines";
     auto pg = init_process_group(opts);
     const auto& hier = dynamic_cast<ProcessGroupHier&>(*pg);
     LS_CHECK(hier.num_machines() == 2 && hier.local_size() == 2, "layout ", hier.num_machines(),
-             "x", hier.local_size());
+             " machines x ", hier.local_size(), " ranks, expected 2 x 2");
     lockstep::testing::run_collective_sweep(*pg);
     destroy_process_group();
     return 0;
@@ -206,8 +207,9 @@ int worker_main() {
 }
 
 [[maybe_unused]] const bool kRanAsWorker = [] {
-  if (std::getenv(kModeEnv) == nullptr) return false;
-  std::exit(worker_main());
+  const char* mode = std::getenv(kModeEnv);
+  if (mode == nullptr) return false;
+  std::exit(worker_main(mode));
 }();
 
 TEST(HierProcesses, TwoMachinesOfTwoProcessesRunEveryCollectiveAsTheReferenceSays) {

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The hier backend across two "machines": two network namespaces joined by a veth pair, each with
+# its own host name (a UTS namespace: network namespaces alone share the host name and boot id, so
+# the backend would see one machine), 2 ranks in each. The ranks are test_distributed's hier
+# workers in "sweep_detected" mode: the layout must be detected as 2 machines x 2 ranks, and every
+# collective x ReduceOp x dtype must equal the reference (which is what flat Gloo gives). Needs
+# root (ip netns); without it the test fails.
+# Usage: hier_two_namespaces.sh <path-to-test_distributed>
+set -uo pipefail
+bin=$1
+fail() { echo "FAIL: $*"; exit 1; }
+
+[ "$(id -u)" -eq 0 ] || fail "needs root to create network namespaces (run as root)"
+command -v ip > /dev/null || fail "'ip' not found (install iproute2: scripts/install-deps.sh)"
+command -v unshare > /dev/null || fail "'unshare' not found (install util-linux)"
+
+# Names unique to this run (interface names have at most 15 characters).
+id=$$
+ns=(lhn0_$id lhn1_$id)
+veth0=lhv0_$id
+veth1=lhv1_$id
+subnet=10.232.$((id % 250 + 1))
+addr0=$subnet.1
+addr1=$subnet.2
+port=29566
+work=$(mktemp -d)
+cleanup() {
+  ip netns del "${ns[0]}" 2> /dev/null
+  ip netns del "${ns[1]}" 2> /dev/null
+  ip link del "$veth0" 2> /dev/null
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+ip netns add "${ns[0]}" || fail "'ip netns add ${ns[0]}' failed (needs CAP_SYS_ADMIN)"
+ip netns add "${ns[1]}" || fail "'ip netns add ${ns[1]}' failed"
+ip link add "$veth0" type veth peer name "$veth1" || fail "cannot create a veth pair"
+ip link set "$veth0" netns "${ns[0]}" || fail "cannot move $veth0 into ${ns[0]}"
+ip link set "$veth1" netns "${ns[1]}" || fail "cannot move $veth1 into ${ns[1]}"
+ip -n "${ns[0]}" addr add "$addr0/24" dev "$veth0" || fail "cannot address $veth0"
+ip -n "${ns[1]}" addr add "$addr1/24" dev "$veth1" || fail "cannot address $veth1"
+for n in "${ns[@]}"; do
+  ip -n "$n" link set lo up || fail "cannot bring up lo in $n"
+done
+ip -n "${ns[0]}" link set "$veth0" up || fail "cannot bring up $veth0"
+ip -n "${ns[1]}" link set "$veth1" up || fail "cannot bring up $veth1"
+
+# Ranks 0, 1 on machine 0 (which hosts the store), ranks 2, 3 on machine 1.
+for r in 0 1 2 3; do
+  m=$((r / 2))
+  env -i PATH="$PATH" RANK=$r WORLD_SIZE=4 LOCAL_RANK=$((r % 2)) LOCAL_WORLD_SIZE=2 \
+    MASTER_ADDR="$addr0" MASTER_PORT=$port OMP_NUM_THREADS=1 \
+    LOCKSTEP_TEST_HIER_MODE=sweep_detected LOCKSTEP_TEST_HIER_REPORT="$work/report$r" \
+    timeout -k 10 240 ip netns exec "${ns[$m]}" \
+    unshare --uts sh -c "hostname lockstep-hier-machine$m && exec \"\$0\"" "$bin" \
+    > "$work/rank$r.log" 2>&1 &
+  pids[$r]=$!
+done
+status=0
+for r in 0 1 2 3; do
+  wait "${pids[$r]}"
+  rc=$?
+  echo "--- rank $r (exit code $rc) ---"
+  cat "$work/rank$r.log"
+  [ "$rc" -eq 0 ] || { echo "FAIL: rank $r exited $rc (124: hung)"; status=1; }
+done
+[ "$status" -eq 0 ] || exit 1
+echo PASS
