@@ -310,7 +310,7 @@ class Trainer {
                             : nullptr),
         // A world of one without launcher variables; under `lockstep run` (or torchrun's
         // variables) one rank of a DDP job, each on its own shard of the data.
-        pg_(dist::init_process_group()),
+        pg_(dist::init_process_group({.backend = cfg.backend})),
         world_(pg_->size()),
         main_rank_(pg_->rank() == 0),
         gen_(cfg.seed),
@@ -495,12 +495,12 @@ void Trainer::start() {
   if (main_rank_) {
     std::printf(
         "model=%s params=%lld threads=%d train=%lld test=%lld batch=%lld world_size=%d "
-        "global_batch=%lld\n",
+        "global_batch=%lld backend=%s\n",
         cfg_.model.c_str(), static_cast<long long>(model_.params->num_parameters()),
         get_num_threads(), static_cast<long long>(train_data_->size()),
         static_cast<long long>(test_data_ ? test_data_->size() : 0),
         static_cast<long long>(cfg_.batch_size), world_,
-        static_cast<long long>(cfg_.batch_size * world_));
+        static_cast<long long>(cfg_.batch_size * world_), std::string(pg_->backend()).c_str());
     std::printf(
         "amp=%s accum_steps=%lld effective_batch=%lld lr=%g (scaling %s from base batch %lld) "
         "schedule=%s warmup_steps=%lld optimizer_steps=%lld\n",

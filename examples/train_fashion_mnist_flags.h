@@ -16,6 +16,7 @@
 #include <type_traits>
 
 #include "lockstep/data/data.h"
+#include "lockstep/distributed/process_group.h"
 
 namespace lockstep::examples {
 
@@ -43,6 +44,7 @@ struct Config {
   std::string metrics;     // JSON Lines of per-step metrics (rank 0)
   double bucket_mb = 25.0;
   std::string comm_hook = "none";
+  std::string backend;  // empty: LOCKSTEP_BACKEND, else init_process_group's default (gloo)
   bool ddp_stats = false;
   int64_t dp = 1;
   std::string amp = "none";         // none | bf16 | fp16
@@ -179,6 +181,9 @@ inline int parse_flags(int argc, char** argv, Config& cfg) {
   app.add_option("--comm-hook", cfg.comm_hook, "DDP gradient compression on the wire")
       ->check(CLI::IsMember({"none", "bf16", "fp16"}))
       ->capture_default_str();
+  app.add_option("--backend", cfg.backend,
+                 "DDP's process group backend (default: LOCKSTEP_BACKEND, else gloo)")
+      ->check(CLI::IsMember(dist::backend_names()));
   add_number(app, "--dp", cfg.dp, I{1, kMaxThreads},
              "DataParallel with K replicas on threads (one process)");
   app.add_flag("--ddp-stats", cfg.ddp_stats, "Print DDP's bucket and communication statistics");

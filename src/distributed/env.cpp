@@ -121,6 +121,7 @@ DistEnv read_dist_env(const EnvLookup& lookup) {
   e.restart_count = vars.integer(env::kRestartCount, 0, 1 << 30).value_or(0);
   e.run_id = vars.str(env::kRunId).value_or("");
   e.rendezvous_timeout = rendezvous_timeout(vars);
+  e.backend = vars.str(env::kBackend).value_or("");
   e.socket_ifname = vars.str(env::kSocketIfname).value_or(vars.str(kGlooSocketIfname).value_or(""));
   const auto master_addr = vars.str(env::kMasterAddr);
   const auto master_port = vars.integer(env::kMasterPort, 1, 65535);

@@ -127,10 +127,22 @@ World connect_world(DistEnv env, const InitOptions& opts) {
     if (env.local_world_size > env.world_size) env.local_world_size = env.world_size;
     if (env.local_rank >= env.local_world_size) env.local_rank = env.rank % env.local_world_size;
   }
-  LS_CHECK(has_backend(opts.backend), "init_process_group: unknown backend '", opts.backend, "'");
+  // The API's choice wins over the environment's, which wins over the default.
+  std::string backend = opts.backend, from = "InitOptions::backend";
+  if (backend.empty() && !env.backend.empty()) {
+    backend = env.backend;
+    from = env::kBackend;
+  }
+  if (backend.empty()) backend = kDefaultBackend;
+  if (!has_backend(backend)) {
+    std::string known;
+    for (const auto& name : backend_names()) known += (known.empty() ? "" : ", ") + name;
+    LS_THROW("init_process_group: unknown backend '", backend, "' (from ", from,
+             "): expected one of the registered backends: ", known);
+  }
   World w;
   w.env = env;
-  w.backend = opts.backend;
+  w.backend = backend;
   if (env.world_size == 1 && opts.store == nullptr) {
     w.group = std::make_shared<WorldOfOneGroup>(opts.timeout);
     return w;
@@ -186,7 +198,7 @@ World connect_world(DistEnv env, const InitOptions& opts) {
   config.timeout = opts.timeout;
   config.bind_address = w.bind_address;
   config.bind_interface = w.bind_interface;
-  w.group = create_process_group(opts.backend, config);
+  w.group = create_process_group(backend, config);
   lockstep::set_log_rank(env.rank);
   return w;
 }

@@ -193,6 +193,55 @@ TEST(ReadDistEnv, RendezvousTimeoutIsInSecondsAndChecked) {
   }
 }
 
+TEST(ConnectWorld, BackendIsTheOptionsThenLockstepBackendThenGloo) {
+  const DistEnv shm_env = read_dist_env(env_of({{"LOCKSTEP_BACKEND", "shm"}}));
+  EXPECT_EQ(shm_env.backend, "shm");
+  EXPECT_EQ(read_dist_env(env_of({})).backend, "");
+  EXPECT_EQ(connect_world(shm_env).backend, "shm");
+  EXPECT_EQ(connect_world(DistEnv{}).backend, "gloo");
+  InitOptions o;
+  o.backend = "gloo";
+  EXPECT_EQ(connect_world(shm_env, o).backend, "gloo");
+
+  // Two ranks whose environment says shm get a shared-memory group.
+  auto store = std::make_shared<HashStore>(30s);
+  std::vector<std::string> errors(2), backends(2);
+  std::vector<std::thread> ts;
+  for (int r = 0; r < 2; ++r) {
+    ts.emplace_back([&, r] {
+      try {
+        DistEnv env = read_dist_env(env_of({{"RANK", std::to_string(r)},
+                                            {"WORLD_SIZE", "2"},
+                                            {"MASTER_ADDR", "127.0.0.1"},
+                                            {"LOCKSTEP_BACKEND", "shm"}}));
+        InitOptions io;
+        io.store = store;
+        io.timeout = 30s;
+        World w = connect_world(env, io);
+        backends[r] = w.group->backend();
+        w.group->barrier()->wait();
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : ts) t.join();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(errors[r], "") << "rank " << r;
+    EXPECT_EQ(backends[r], "shm") << "rank " << r;
+  }
+}
+
+TEST(ConnectWorld, UnknownBackendFromTheEnvironmentListsTheRegisteredOnes) {
+  const DistEnv env = read_dist_env(env_of({{"LOCKSTEP_BACKEND", "nccl"}}));
+  expect_error([&] { connect_world(env); }, {"unknown backend 'nccl' (from LOCKSTEP_BACKEND)",
+                                             "expected one of", "gloo", "shm"});
+  InitOptions o;
+  o.backend = "mpi";
+  expect_error([&] { connect_world(DistEnv{}, o); },
+               {"unknown backend 'mpi' (from InitOptions::backend)", "gloo", "shm"});
+}
+
 // A rank whose rank 0 never comes (nothing listens at MASTER_ADDR:MASTER_PORT), or whose
 // MASTER_ADDR does not resolve, fails at the rendezvous timeout saying so, not at the
 // collectives' 30 minutes.

@@ -310,7 +310,7 @@ TEST(ShmThreads, TheSegmentIsUnlinkedOnceEveryRankMappedIt) {
 
 TEST(ShmBackend, IsRegisteredByNameButNotTheDefault) {
   EXPECT_TRUE(has_backend("shm"));
-  EXPECT_EQ(InitOptions{}.backend, "gloo");
+  EXPECT_EQ(connect_world(DistEnv{}, InitOptions{}).backend, "gloo");
 }
 
 // ---- Ranks as processes ----

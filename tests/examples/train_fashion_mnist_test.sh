@@ -154,6 +154,30 @@ EOF
     [[ "$last" =~ ^\[rank0\]:\ final\ test_accuracy=([0-9.]+) ]] || fail "last line: $last"
     awk -v a="${BASH_REMATCH[1]}" 'BEGIN { exit !(a >= 0.70) }' || fail "accuracy ${BASH_REMATCH[1]}"
     ;;
+  backend)
+    # DDP over the shm backend (--backend, and LOCKSTEP_BACKEND passed through `lockstep run`)
+    # ends on the same line as over gloo: 2 ranks sum in the same order on both, bit for bit.
+    [ -x "$tool" ] || fail "no lockstep binary given"
+    for b in gloo shm env; do
+      flag=(--backend "$b")
+      [ "$b" = env ] && flag=()
+      LOCKSTEP_BACKEND=$([ "$b" = env ] && echo shm) OMP_NUM_THREADS=1 \
+        "$tool" run --standalone --nproc-per-node 2 "$exe" --log-every 0 --max-steps 40 \
+        --threads 1 "${flag[@]}" > "$work/$b" 2> "$work/$b.err" \
+        || { cat "$work/$b" "$work/$b.err"; fail "--backend $b failed"; }
+      cat "$work/$b" "$work/$b.err"
+    done
+    grep -q "^\[rank0\]: model=mlp .* backend=gloo$" "$work/gloo" || fail "gloo run not on gloo"
+    grep -q "^\[rank0\]: model=mlp .* backend=shm$" "$work/shm" || fail "--backend shm not on shm"
+    grep -q "^\[rank0\]: model=mlp .* backend=shm$" "$work/env" || fail "LOCKSTEP_BACKEND=shm not on shm"
+    final() { tail -n 1 "$1" | sed -n 's/^\[rank0\]: final \(test_accuracy=[0-9.]* train_loss=[0-9.]* steps=[0-9]*\) .*/\1/p'; }
+    g=$(final "$work/gloo")
+    [ -n "$g" ] || fail "no final line from the gloo run"
+    for b in shm env; do
+      [ "$(final "$work/$b")" = "$g" ] || fail "$b ended on '$(final "$work/$b")', gloo on '$g'"
+    done
+    expect_exit 2 "backend" --backend nccl --max-steps 1
+    ;;
   amp)
     # One epoch of the MLP with bf16 autocast reaches the f32 target (cosine schedule: 0.869 in
     # f32 and bf16 alike over three seeds); a short f16 run uses the loss scaler.

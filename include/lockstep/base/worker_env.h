@@ -40,5 +40,7 @@ inline constexpr const char* kOmpNumThreads = "OMP_NUM_THREADS";
 inline constexpr const char* kSocketIfname = "LOCKSTEP_SOCKET_IFNAME";
 // Seconds init_process_group waits to reach the store and for every rank to join.
 inline constexpr const char* kRendezvousTimeout = "LOCKSTEP_RENDEZVOUS_TIMEOUT";
+// The process group backend init_process_group uses when its options name none ("gloo", "shm").
+inline constexpr const char* kBackend = "LOCKSTEP_BACKEND";
 
 }  // namespace lockstep::env

@@ -48,6 +48,7 @@ struct DistEnv {
   std::string run_id;     // LOCKSTEP_RUN_ID
   std::string socket_ifname;
   std::optional<std::chrono::milliseconds> rendezvous_timeout;  // LOCKSTEP_RENDEZVOUS_TIMEOUT
+  std::string backend;  // LOCKSTEP_BACKEND; empty when unset
   // Which variables these came from: "RANK/WORLD_SIZE", "SLURM", "Open MPI" or "none".
   std::string source = "none";
 };
@@ -65,8 +66,13 @@ std::optional<std::string> process_env(const std::string& name);
 // LOCKSTEP_RENDEZVOUS_TIMEOUT that is not a number of seconds in range.
 DistEnv read_dist_env(const EnvLookup& lookup = process_env);
 
+// The backend when neither InitOptions::backend nor LOCKSTEP_BACKEND names one.
+inline constexpr const char* kDefaultBackend = "gloo";
+
 struct InitOptions {
-  std::string backend = "gloo";
+  // A registered backend's name (backend_names()). Empty: LOCKSTEP_BACKEND when set, else
+  // kDefaultBackend. A name that is not registered is an Error listing the registered ones.
+  std::string backend;
   // Default timeout of the group's collectives and of its store's requests.
   std::chrono::milliseconds timeout = kDefaultCollectiveTimeout;
   // How long to wait to reach the store (rank 0's, or the launcher's) and for every rank to
