@@ -1,13 +1,14 @@
-// all_reduce bandwidth on loopback: lockstep's Gloo process group side by side with raw Gloo
-// calls, 4 KiB ... 64 MiB of float32, with 2 and 4 processes, in the same run.
+// all_reduce through lockstep's public API: the shm backend side by side with the gloo backend,
+// 4 KiB ... 64 MiB of float32, with 2 (and optionally 4) processes, in the same run.
 //
-//   allreduce [--procs 2,4] [--min-bytes 4096] [--max-bytes 67108864] [--rounds 7]
-//             [--json bench/results/allreduce.json]
+//   allreduce [--procs 2] [--min-bytes 4096] [--max-bytes 67108864] [--rounds 7]
+//             [--slot-bytes 4194304] [--json bench/results/allreduce.json]
 //
 // The program starts the ranks itself (it re-runs its own binary with RANK, WORLD_SIZE, ...).
-// Each rank times `iters` back-to-back all_reduces between barriers, alternating lockstep and raw
-// Gloo round by round so that both see the same machine noise; the table reports rank 0's median
-// round, and ours/gloo is the median of the per-round ratios (bandwidth ours / bandwidth gloo).
+// Every rank holds both groups (gloo through connect_world, shm over the same store). Each rank
+// times `iters` back-to-back all_reduces between barriers, alternating shm and gloo round by
+// round so that both see the same machine noise; the table reports rank 0's median round, and
+// shm/gloo is the median of the per-round ratios (gloo time / shm time: above 1, shm is faster).
 // algbw = bytes / time; busbw = algbw x 2(n-1)/n, as nccl-tests define it.
 #include <unistd.h>
 
@@ -18,20 +19,15 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <string>
 #include <vector>
 
-#include <gloo/allreduce.h>
-#include <gloo/barrier.h>
-#include <gloo/math.h>
-#include <gloo/rendezvous/context.h>
-#include <gloo/rendezvous/file_store.h>
-#include <gloo/rendezvous/prefix_store.h>
-#include <gloo/transport/tcp/device.h>
-
 #include "bench_ranks.h"
 #include "lockstep/distributed/init.h"
+#include "lockstep/distributed/shm/process_group_shm.h"
+#include "lockstep/distributed/store/prefix_store.h"
 #include "lockstep/lockstep.h"
 
 using namespace lockstep;
@@ -39,8 +35,8 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-constexpr const char* kRoleEnv = "LOCKSTEP_BENCH_ALLREDUCE";  // "<min>:<max>:<rounds>:<out>"
-constexpr const char* kFileStoreEnv = "LOCKSTEP_BENCH_FILESTORE";
+// "<min>:<max>:<rounds>:<slot bytes>:<out>"
+constexpr const char* kRoleEnv = "LOCKSTEP_BENCH_ALLREDUCE";
 // Each round moves about this many bytes (fewer rounds' worth of calls for big messages).
 constexpr int64_t kBytesPerRound = 64 << 20;
 constexpr int kMinIters = 3;
@@ -49,8 +45,8 @@ constexpr int kMaxIters = 200;
 struct Row {
   int procs = 0;
   int64_t bytes = 0;
-  double ours_s = 0, raw_s = 0;  // median seconds per all_reduce
-  double ratio = 0;              // median over rounds of (gloo time / our time), paired
+  double shm_s = 0, gloo_s = 0;  // median seconds per all_reduce
+  double ratio = 0;              // median over rounds of (gloo time / shm time), paired
 };
 
 double median(std::vector<double> v) {
@@ -60,85 +56,77 @@ double median(std::vector<double> v) {
 
 // ---- one rank ----
 
-int run_rank(int64_t min_bytes, int64_t max_bytes, int rounds, const std::string& out_path) {
-  auto pg = dist::init_process_group();
-  const int rank = pg->rank(), size = pg->size();
-
-  // Raw Gloo: its own file store, device and context, on the same loopback address.
-  gloo::rendezvous::FileStore file_store(std::getenv(kFileStoreEnv));
-  gloo::transport::tcp::attr attr;
-  attr.hostname = "127.0.0.1";
-  auto device = gloo::transport::tcp::CreateDevice(attr);
-  auto raw = std::make_shared<gloo::rendezvous::Context>(rank, size);
-  raw->connectFullMesh(file_store, device);
+int run_rank(int64_t min_bytes, int64_t max_bytes, int rounds, int64_t slot_bytes,
+             const std::string& out_path) {
+  dist::InitOptions io;
+  io.backend = "gloo";
+  dist::World world = dist::connect_world(dist::read_dist_env(), io);
+  auto gloo = world.group;
+  const int rank = gloo->rank(), size = gloo->size();
+  dist::BackendConfig config;
+  config.store = std::make_shared<dist::PrefixStore>("bench-shm", world.store);
+  config.rank = rank;
+  config.size = size;
+  config.timeout = io.timeout;
+  auto shm = std::make_shared<dist::ProcessGroupShm>(config, dist::ShmOptions{slot_bytes});
 
   std::ofstream out;
   if (rank == 0) out.open(out_path);
-  uint32_t tag = 1;
   for (int64_t bytes = min_bytes; bytes <= max_bytes; bytes *= 4) {
     const int64_t n = bytes / 4;
     const int iters =
         static_cast<int>(std::clamp<int64_t>(kBytesPerRound / bytes, kMinIters, kMaxIters));
-    Tensor ours = full({n}, 1.0, kFloat32);
-    std::vector<float> theirs(static_cast<size_t>(n), 1.0f);
-    auto run_ours = [&] {
-      for (int i = 0; i < iters; ++i) pg->all_reduce(ours)->wait();
+    Tensor a = full({n}, 1.0, kFloat32), b = full({n}, 1.0, kFloat32);
+    auto run_shm = [&] {
+      for (int i = 0; i < iters; ++i) shm->all_reduce(a)->wait();
     };
-    auto run_raw = [&] {
-      for (int i = 0; i < iters; ++i) {
-        gloo::AllreduceOptions o(raw);
-        o.setOutput(theirs.data(), theirs.size());
-        o.setReduceFunction(
-            static_cast<void (*)(void*, const void*, const void*, size_t)>(&gloo::sum<float>));
-        o.setTag(tag++);
-        gloo::allreduce(o);
-      }
+    auto run_gloo = [&] {
+      for (int i = 0; i < iters; ++i) gloo->all_reduce(b)->wait();
     };
     auto timed = [&](const std::function<void()>& body) {
-      pg->barrier()->wait();
+      gloo->barrier()->wait();
       const auto t0 = Clock::now();
       body();
       return std::chrono::duration<double>(Clock::now() - t0).count() / iters;
     };
-    run_ours();  // warm-up: buffers, caches, TCP windows
-    run_raw();
+    run_shm();  // warm-up: pages, caches, TCP windows
+    run_gloo();
     // Rounds alternate which goes first; the ratio is taken per round (both halves saw the same
     // moment of the machine), then its median.
-    std::vector<double> ours_t, raw_t, ratios;
+    std::vector<double> shm_t, gloo_t, ratios;
     for (int r = 0; r < rounds; ++r) {
       if (r % 2 == 0) {
-        ours_t.push_back(timed(run_ours));
-        raw_t.push_back(timed(run_raw));
+        shm_t.push_back(timed(run_shm));
+        gloo_t.push_back(timed(run_gloo));
       } else {
-        raw_t.push_back(timed(run_raw));
-        ours_t.push_back(timed(run_ours));
+        gloo_t.push_back(timed(run_gloo));
+        shm_t.push_back(timed(run_shm));
       }
-      ratios.push_back(raw_t.back() / ours_t.back());
+      ratios.push_back(gloo_t.back() / shm_t.back());
     }
     if (rank == 0) {
-      out << bytes << " " << median(ours_t) << " " << median(raw_t) << " " << median(ratios)
+      out << bytes << " " << median(shm_t) << " " << median(gloo_t) << " " << median(ratios)
           << "\n";
     }
   }
-  pg->barrier()->wait();
-  raw.reset();
-  dist::destroy_process_group();
+  gloo->barrier()->wait();
+  shm.reset();
   return 0;
 }
 
 // ---- the launcher part ----
 
-std::vector<Row> run_job(int procs, int64_t min_bytes, int64_t max_bytes, int rounds) {
+std::vector<Row> run_job(int procs, int64_t min_bytes, int64_t max_bytes, int rounds,
+                         int64_t slot_bytes) {
   const auto tmp =
       std::filesystem::temp_directory_path() /
       ("lockstep_allreduce_" + std::to_string(::getpid()) + "_" + std::to_string(procs));
-  std::filesystem::create_directories(tmp / "filestore");
+  std::filesystem::create_directories(tmp);
   const std::string out_path = (tmp / "rank0.txt").string();
   std::ostringstream role;
-  role << min_bytes << ":" << max_bytes << ":" << rounds << ":" << out_path;
-  const bool ok = bench::run_ranks(
-      procs, {"OMP_NUM_THREADS=1", std::string(kFileStoreEnv) + "=" + (tmp / "filestore").string(),
-              std::string(kRoleEnv) + "=" + role.str()});
+  role << min_bytes << ":" << max_bytes << ":" << rounds << ":" << slot_bytes << ":" << out_path;
+  const bool ok =
+      bench::run_ranks(procs, {"OMP_NUM_THREADS=1", std::string(kRoleEnv) + "=" + role.str()});
   if (!ok) {
     std::fprintf(stderr, "allreduce: a rank of the %d-process job failed\n", procs);
     std::exit(1);
@@ -147,7 +135,7 @@ std::vector<Row> run_job(int procs, int64_t min_bytes, int64_t max_bytes, int ro
   std::ifstream in(out_path);
   Row row;
   row.procs = procs;
-  while (in >> row.bytes >> row.ours_s >> row.raw_s >> row.ratio) rows.push_back(row);
+  while (in >> row.bytes >> row.shm_s >> row.gloo_s >> row.ratio) rows.push_back(row);
   std::filesystem::remove_all(tmp);
   return rows;
 }
@@ -166,21 +154,22 @@ std::string human(int64_t bytes) {
 
 int main(int argc, char** argv) {
   if (const char* role = std::getenv(kRoleEnv)) {
-    long long mn = 0, mx = 0;
+    long long mn = 0, mx = 0, slot = 0;
     int rounds = 0;
     char out[4096] = {};
-    if (std::sscanf(role, "%lld:%lld:%d:%4095s", &mn, &mx, &rounds, out) != 4) return 2;
+    if (std::sscanf(role, "%lld:%lld:%d:%lld:%4095s", &mn, &mx, &rounds, &slot, out) != 5) return 2;
     try {
-      return run_rank(mn, mx, rounds, out);
+      return run_rank(mn, mx, rounds, slot, out);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "[rank %s] %s\n", std::getenv("RANK"), e.what());
       return 1;
     }
   }
 
-  std::vector<int> procs = {2, 4};
+  std::vector<int> procs = {2};
   int64_t min_bytes = 4 << 10, max_bytes = 64 << 20;
   int rounds = 7;
+  int64_t slot_bytes = dist::kDefaultShmSlotBytes;
   std::string json = "bench/results/allreduce.json";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -201,29 +190,33 @@ int main(int argc, char** argv) {
       max_bytes = std::stoll(next());
     } else if (a == "--rounds") {
       rounds = std::stoi(next());
+    } else if (a == "--slot-bytes") {
+      slot_bytes = std::stoll(next());
     } else if (a == "--json") {
       json = next();
     } else {
       std::fprintf(stderr,
                    "usage: allreduce [--procs 2,4] [--min-bytes B] [--max-bytes B] [--rounds R] "
-                   "[--json PATH]\nunknown argument: %s\n",
+                   "[--slot-bytes B] [--json PATH]\nunknown argument: %s\n",
                    a.c_str());
       return 2;
     }
   }
 
-  std::printf("all_reduce sum, float32, loopback, %ld cores; median of %d rounds (rank 0)\n",
-              sysconf(_SC_NPROCESSORS_ONLN), rounds);
-  std::printf("%5s %9s | %10s %10s %10s | %10s %10s | %6s\n", "procs", "size", "ours us",
-              "algbw GB/s", "busbw GB/s", "gloo us", "busbw GB/s", "ours/gloo");
+  double load[3] = {};
+  ::getloadavg(load, 3);
+  std::printf(
+      "all_reduce sum, float32, public API, %ld cores (load %.2f), shm slot %lld bytes; median "
+      "of %d rounds (rank 0)\n",
+      sysconf(_SC_NPROCESSORS_ONLN), load[0], static_cast<long long>(slot_bytes), rounds);
+  std::printf("%5s %9s | %10s %10s | %10s %10s | %9s\n", "procs", "size", "shm us", "algbw GB/s",
+              "gloo us", "algbw GB/s", "gloo/shm");
   std::vector<Row> all;
   for (int p : procs) {
-    for (const Row& r : run_job(p, min_bytes, max_bytes, rounds)) {
-      const double factor = 2.0 * (r.procs - 1) / r.procs;
-      const double ours_alg = r.bytes / r.ours_s / 1e9, raw_alg = r.bytes / r.raw_s / 1e9;
-      std::printf("%5d %9s | %10.1f %10.3f %10.3f | %10.1f %10.3f | %6.3f\n", r.procs,
-                  human(r.bytes).c_str(), r.ours_s * 1e6, ours_alg, ours_alg * factor,
-                  r.raw_s * 1e6, raw_alg * factor, r.ratio);
+    for (const Row& r : run_job(p, min_bytes, max_bytes, rounds, slot_bytes)) {
+      std::printf("%5d %9s | %10.1f %10.3f | %10.1f %10.3f | %9.2f\n", r.procs,
+                  human(r.bytes).c_str(), r.shm_s * 1e6, r.bytes / r.shm_s / 1e9, r.gloo_s * 1e6,
+                  r.bytes / r.gloo_s / 1e9, r.ratio);
       std::fflush(stdout);
       all.push_back(r);
     }
@@ -232,14 +225,15 @@ int main(int argc, char** argv) {
     std::filesystem::create_directories(std::filesystem::path(json).parent_path());
     std::ofstream j(json);
     j << "{\"benchmark\": \"allreduce\", \"dtype\": \"f32\", \"rounds\": " << rounds
-      << ", \"rows\": [\n";
+      << ", \"shm_slot_bytes\": " << slot_bytes << ", \"rows\": [\n";
     for (size_t i = 0; i < all.size(); ++i) {
       const Row& r = all[i];
       const double factor = 2.0 * (r.procs - 1) / r.procs;
-      j << "  {\"procs\": " << r.procs << ", \"bytes\": " << r.bytes << ", \"ours_s\": " << r.ours_s
-        << ", \"gloo_s\": " << r.raw_s
-        << ", \"ours_busbw_gbs\": " << r.bytes / r.ours_s / 1e9 * factor
-        << ", \"gloo_busbw_gbs\": " << r.bytes / r.raw_s / 1e9 * factor
+      j << "  {\"procs\": " << r.procs << ", \"bytes\": " << r.bytes << ", \"shm_s\": " << r.shm_s
+        << ", \"gloo_s\": " << r.gloo_s << ", \"shm_algbw_gbs\": " << r.bytes / r.shm_s / 1e9
+        << ", \"gloo_algbw_gbs\": " << r.bytes / r.gloo_s / 1e9
+        << ", \"shm_busbw_gbs\": " << r.bytes / r.shm_s / 1e9 * factor
+        << ", \"gloo_busbw_gbs\": " << r.bytes / r.gloo_s / 1e9 * factor
         << ", \"ratio\": " << r.ratio << "}" << (i + 1 < all.size() ? "," : "") << "\n";
     }
     j << "]}\n";

@@ -1,5 +1,6 @@
 // Data-parallel training throughput: the Fashion-MNIST MLP and CNN, one process against DDP with
-// 2 processes and DataParallel with 2 replicas, all with the same threads per worker, in one run.
+// 2 processes (over the gloo and the shm backend) and DataParallel with 2 replicas, all with the
+// same threads per worker, in one run.
 //
 //   ddp [--models mlp,cnn] [--batch 64] [--steps 40] [--warmup 5] [--rounds 5]
 //       [--json bench/results/ddp.json]
@@ -53,9 +54,11 @@ struct Config {
   int threads;            // per process (OMP_NUM_THREADS); DataParallel runs one replica per thread
   int64_t batch_factor;   // global batch = batch x this
   std::string hook = "";  // DDP communication hook: "" (all_reduce) or "bf16"
+  std::string backend = "gloo";  // LOCKSTEP_BACKEND for the job
 };
 
-// The configurations of one model, in table order.
+// The configurations of one model, in table order (kShmDDP: the gloo DDP row's twin over shm).
+constexpr size_t kShmDDP = 5;
 const std::vector<Config>& configs() {
   static const std::vector<Config> c = {
       {"1 process, 1 thread", Mode::kSingle, 1, 1, 1},
@@ -63,6 +66,7 @@ const std::vector<Config>& configs() {
       {"DDP, 2 processes x 1 thread, bf16 hook", Mode::kDDP, 2, 1, 2, "bf16"},
       {"DataParallel, 2 replicas x 1 thread", Mode::kDP, 1, 1, 2},
       {"1 process, 2 threads", Mode::kSingle, 1, 2, 2},
+      {"DDP over shm, 2 processes x 1 thread", Mode::kDDP, 2, 1, 2, "", "shm"},
   };
   return c;
 }
@@ -209,6 +213,7 @@ Result run_config(int config, const std::string& model, int64_t batch, int64_t w
   role << config << ":" << model << ":" << batch << ":" << warmup << ":" << steps << ":"
        << out.string();
   if (!bench::run_ranks(cfg.procs, {"OMP_NUM_THREADS=" + std::to_string(cfg.threads),
+                                    "LOCKSTEP_BACKEND=" + cfg.backend,
                                     std::string(kRoleEnv) + "=" + role.str()})) {
     std::fprintf(stderr, "ddp: the job '%s' (%s) failed\n", cfg.name.c_str(), model.c_str());
     std::exit(1);
@@ -316,7 +321,7 @@ int main(int argc, char** argv) {
   for (size_t mi = 0; mi < models.size(); ++mi) {
     const std::string& model = models[mi];
     std::vector<std::vector<Result>> res(nc);
-    std::vector<double> efficiency, dp_ratio;
+    std::vector<double> efficiency, dp_ratio, shm_efficiency, shm_over_gloo;
     for (int r = 0; r < rounds; ++r) {
       std::vector<Result> round(nc);
       for (size_t k = 0; k < nc; ++k) {
@@ -326,6 +331,8 @@ int main(int argc, char** argv) {
       for (size_t c = 0; c < nc; ++c) res[c].push_back(round[c]);
       efficiency.push_back(round[1].samples_per_s / (2 * round[0].samples_per_s));
       dp_ratio.push_back(round[1].samples_per_s / round[3].samples_per_s);
+      shm_efficiency.push_back(round[kShmDDP].samples_per_s / (2 * round[0].samples_per_s));
+      shm_over_gloo.push_back(round[kShmDDP].samples_per_s / round[1].samples_per_s);
     }
     std::printf("\n%s\n%-40s %6s %10s %8s %7s %7s %7s %8s %9s\n", model.c_str(), "configuration",
                 "global", "samples/s", "step ms", "fwd", "bwd", "opt", "exposed", "vs 1 proc");
@@ -374,7 +381,11 @@ int main(int argc, char** argv) {
     std::printf(
         "scaling efficiency (DDP 2 procs / (2 x 1 proc)): %.2f; DDP / DataParallel: %.2fx\n",
         median(efficiency), median(dp_ratio));
+    std::printf("over shm: scaling efficiency %.2f; DDP shm / DDP gloo: %.2fx\n",
+                median(shm_efficiency), median(shm_over_gloo));
     js << "  ], \"scaling_efficiency\": " << median(efficiency)
+       << ", \"shm_scaling_efficiency\": " << median(shm_efficiency)
+       << ", \"shm_over_gloo\": " << median(shm_over_gloo)
        << ", \"ddp_over_dataparallel\": " << median(dp_ratio) << "}"
        << (mi + 1 < models.size() ? "," : "") << "\n";
     std::fflush(stdout);

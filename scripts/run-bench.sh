@@ -13,10 +13,10 @@ for exe in "$build"/bench/*_bench; do
   "$exe" --benchmark_repetitions=5 --benchmark_report_aggregates_only=true \
     --benchmark_out="bench/results/$name.json" --benchmark_out_format=json "$@"
 done
-# all_reduce bandwidth with 2 and 4 processes, lockstep beside raw Gloo (not Google Benchmark:
-# it starts its own ranks).
+# all_reduce through the public API, 2 processes, the shm backend beside the gloo backend (not
+# Google Benchmark: it starts its own ranks).
 if [ -x "$build/bench/allreduce" ]; then
-  echo "== allreduce ($(nproc) cores, $(date -u +%Y-%m-%d))"
+  echo "== allreduce ($(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg), $(date -u +%Y-%m-%d))"
   "$build/bench/allreduce" --json bench/results/allreduce.json
 fi
 # Checkpoints: rank-0 save, every-rank load against rank-0 load + broadcast (2 processes).
@@ -24,8 +24,9 @@ if [ -x "$build/bench/checkpoint" ]; then
   echo "== checkpoint ($(nproc) cores, $(date -u +%Y-%m-%d))"
   "$build/bench/checkpoint"
 fi
-# Data-parallel training: 1 process against DDP (2 processes) and DataParallel (2 replicas).
+# Data-parallel training: 1 process against DDP (2 processes, over gloo and over shm) and
+# DataParallel (2 replicas).
 if [ -x "$build/bench/ddp" ]; then
-  echo "== ddp ($(nproc) cores, $(date -u +%Y-%m-%d))"
+  echo "== ddp ($(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg), $(date -u +%Y-%m-%d))"
   "$build/bench/ddp" --json bench/results/ddp.json
 fi

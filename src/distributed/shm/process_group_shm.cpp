@@ -49,6 +49,17 @@ constexpr size_t kChunkAlignBytes = 64;
 // (the same rank order, so the same bits): two phases instead of three, for latency.
 constexpr size_t kDirectReduceBytes = 32 * 1024;
 
+// Note [Two ranks reduce whole pieces]
+// Per element of a piece, the reduce-scatter way costs each rank 5 + 1/n memory passes (copy in:
+// read + write; reduce its 1/n: read n/n, write 1/n; copy every chunk out: read + write) and
+// three phases; reducing the whole piece straight into the tensor costs 3 + n passes and two
+// phases. With two ranks that is 5 passes against 5.5 and one wait per piece fewer (a wait for
+// a descheduled peer is what large all_reduces lose most time to on a busy machine), so two
+// ranks always reduce whole pieces; from three ranks on, the reduce-scatter way moves less.
+bool reduce_whole_piece(size_t piece_bytes, int ranks) {
+  return ranks <= 2 || piece_bytes * static_cast<size_t>(ranks) <= kDirectReduceBytes;
+}
+
 struct Range {
   size_t begin = 0;
   size_t end = 0;
@@ -113,8 +124,8 @@ std::string mismatch(const Segment& seg) {
 // Every collective's first phase writes the rank's CallHeader and its second checks them all, so
 // ranks that disagree (and would run different numbers of phases) stop together.
 //   all_reduce, per slot-sized piece: copy in | reduce own chunk of every slot (rank order) into
-//              own slot | copy every rank's reduced chunk out; a small piece: copy in | reduce
-//              all of it, every rank alike, straight into the tensor
+//              own slot | copy every rank's reduced chunk out; a small piece, or any piece of
+//              two ranks: copy in | reduce all of it, every rank alike, straight into the tensor
 //   broadcast: root copies in | the others copy out of root's slot
 //   all_gather: copy in | copy every slot out
 //   reduce_scatter: copy each destination's part into its sub-slot | reduce own sub-slot of every
@@ -252,8 +263,9 @@ void ProcessGroupShm::do_all_reduce(Tensor tensor, ReduceOp op, std::chrono::mil
 
       im.phase_begin(deadline, t);
       if (off == 0) im.check_headers();
-      if (len * es * static_cast<size_t>(ranks) <= kDirectReduceBytes) {
-        // Small: every rank reduces the whole piece itself, saving the third phase's wait.
+      if (reduce_whole_piece(len * es, ranks)) {
+        // Small, or two ranks: every rank reduces the whole piece itself, saving the third
+        // phase's wait (Note [Two ranks reduce whole pieces]).
         for (int r = 0; r < ranks; ++r) srcs[r] = seg.slot(r);
         shm::reduce(dt, op, data + off * es, srcs.data(), ranks, len);
         im.phase_end();
