@@ -4,11 +4,14 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <sstream>
 #include <thread>
 
 #include "distributed/collective_sweep.h"
+#include "distributed/ddp_helpers.h"
 #include "distributed/spawn_ranks.h"
 #include "distributed/thread_ranks.h"
+#include "lockstep/distributed/ddp.h"
 #include "lockstep/distributed/hier/process_group_hier.h"
 #include "lockstep/distributed/init.h"
 #include "lockstep/distributed/store/hash_store.h"
@@ -181,6 +184,36 @@ TEST(HierBackend, IsRegisteredByNameButNotTheDefault) {
 constexpr const char* kModeEnv = "LOCKSTEP_TEST_HIER_MODE";
 constexpr const char* kReportEnv = "LOCKSTEP_TEST_HIER_REPORT";
 
+void write_report(const std::string& text) {
+  if (const char* path = std::getenv(kReportEnv)) std::ofstream(path) << text;
+}
+
+// DDP as ddp_process_test.cpp trains it; reports the parameters.
+void ddp_worker(const ProcessGroupPtr& pg) {
+  using namespace lockstep::testing::ddp;
+  constexpr int kSteps = 5;
+  constexpr int64_t kBatch = 12;
+  const int r = rank(), world = world_size();
+  const Data data = make_data(kSteps * kBatch, 17);
+  DDPOptions o;
+  o.first_bucket_bytes = 512;
+  o.bucket_bytes = 2048;
+  auto ddp = std::make_shared<DistributedDataParallel>(mlp(100 + r), pg, o);
+  optim::SGD opt(ddp->parameters(), {.lr = 0.1, .momentum = 0.9, .weight_decay = 1e-3});
+  for (int s = 0; s < kSteps; ++s) {
+    Data step{data.x.narrow(0, s * kBatch, kBatch), data.y.narrow(0, s * kBatch, kBatch)};
+    Data mine = shard(step, r, world);
+    opt.zero_grad();
+    cross_entropy(ddp->forward(mine.x), mine.y).backward();
+    opt.step();
+  }
+  std::ostringstream out;
+  out.precision(17);
+  for (const auto& p : ddp->module()->parameters())
+    for (double v : p.to_vector<double>()) out << v << " ";
+  write_report(out.str());
+}
+
 // "sweep": ranks 0, 1 claim one machine, ranks 2, 3 another (the testing hook). "sweep_detected":
 // the machines as detected (hier_two_namespaces.sh gives each pair its own host name).
 int worker_main(const std::string& mode) {
@@ -191,8 +224,15 @@ int worker_main(const std::string& mode) {
     });
     InitOptions opts;
     opts.timeout = 60s;
-    opts.backend = mode == "sweep_detected" ? "hier" : "hier_two_machines";
+    opts.backend = mode == "sweep_detected" ? "hier"
+                   : mode == "ddp_gloo"     ? "gloo"
+                                            : "hier_two_machines";
     auto pg = init_process_group(opts);
+    if (mode == "ddp_gloo" || mode == "ddp_hier") {
+      ddp_worker(pg);
+      destroy_process_group();
+      return 0;
+    }
     const auto& hier = dynamic_cast<ProcessGroupHier&>(*pg);
     LS_CHECK(hier.num_machines() == 2 && hier.local_size() == 2, "layout ", hier.num_machines(),
              " machines x ", hier.local_size(), " ranks, expected 2 x 2");
@@ -201,7 +241,7 @@ int worker_main(const std::string& mode) {
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "[rank %s] %s\n", std::getenv("RANK"), e.what());
-    if (const char* path = std::getenv(kReportEnv)) std::ofstream(path) << e.what();
+    write_report(e.what());
     return 1;
   }
 }
@@ -217,6 +257,33 @@ TEST(HierProcesses, TwoMachinesOfTwoProcessesRunEveryCollectiveAsTheReferenceSay
       lockstep::testing::run_ranks_as_processes(4, kModeEnv, "sweep", kReportEnv, 240s);
   for (size_t r = 0; r < results.size(); ++r) {
     EXPECT_TRUE(exited_zero(results[r])) << "rank " << r << ": " << results[r].report;
+  }
+}
+
+std::vector<double> numbers(const std::string& text) {
+  std::istringstream in(text);
+  std::vector<double> v;
+  for (double x; in >> x;) v.push_back(x);
+  return v;
+}
+
+// 4 ranks on 2 simulated machines: the gradients' sums run in another order than flat Gloo's,
+// so the parameters agree within rounding; they are identical on every rank.
+TEST(HierProcesses, DdpOverHierEqualsDdpOverGlooAndIsIdenticalOnEveryRank) {
+  const auto hier =
+      lockstep::testing::run_ranks_as_processes(4, kModeEnv, "ddp_hier", kReportEnv, 240s);
+  const auto gloo =
+      lockstep::testing::run_ranks_as_processes(4, kModeEnv, "ddp_gloo", kReportEnv, 240s);
+  for (int r = 0; r < 4; ++r) {
+    ASSERT_TRUE(exited_zero(hier[r])) << "hier rank " << r << ": " << hier[r].report;
+    ASSERT_TRUE(exited_zero(gloo[r])) << "gloo rank " << r << ": " << gloo[r].report;
+    EXPECT_EQ(hier[r].report, hier[0].report) << "rank " << r << " differs from rank 0";
+  }
+  const auto h = numbers(hier[0].report), g = numbers(gloo[0].report);
+  ASSERT_EQ(h.size(), g.size());
+  ASSERT_FALSE(h.empty());
+  for (size_t i = 0; i < h.size(); ++i) {
+    EXPECT_NEAR(h[i], g[i], 1e-5 * std::max(1.0, std::abs(g[i]))) << "parameter element " << i;
   }
 }
 
