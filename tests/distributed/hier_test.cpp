@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <latch>
 #include <sstream>
 #include <thread>
 
@@ -171,6 +172,37 @@ TEST(HierThreads, AllReduceSizesThatPadAlikeStillFailEveryRankNamingBoth) {
   });
   for (size_t r = 0; r < errors.size(); ++r) {
     EXPECT_THAT(errors[r], ::testing::HasSubstr("sizes range from 7 to 8")) << "rank " << r;
+  }
+}
+
+// Rank 3 skips an all_reduce: its machine's peer fails inside the machine, the other machine's
+// ranks across machines, each within the timeout; every later collective then fails at once.
+TEST(HierThreads, ARankThatNeverArrivesFailsTheOthersInTimeAndPoisonsTheGroup) {
+  std::vector<std::string> first(4), later(4);
+  std::latch done(4);
+  const auto errors = run_hier_threads(
+      kTwoByTwo,
+      [&](int r, ProcessGroupHier& pg) {
+        if (r != 3) {
+          Tensor x = full({1000}, 1.0, kFloat32);
+          try {
+            pg.all_reduce(x, {.timeout = 1000ms})->wait();
+          } catch (const Error& e) {
+            first[r] = e.what();
+          }
+          try {
+            pg.barrier()->wait();
+          } catch (const Error& e) {
+            later[r] = e.what();
+          }
+        }
+        done.arrive_and_wait();  // rank 3's group lives until the others are done
+      },
+      60s);
+  expect_all_succeeded(errors);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_THAT(first[r], ::testing::HasSubstr("all_reduce")) << "rank " << r;
+    EXPECT_THAT(later[r], ::testing::HasSubstr("the group failed earlier")) << "rank " << r;
   }
 }
 
