@@ -426,8 +426,7 @@ std::vector<uint8_t> hello_frame() { return Frame(kHello).field(kToken).i64(0).d
 // How many of `conns` the server closes before `deadline` (polling them all at once); it may
 // stop counting once `enough` are.
 size_t count_closed(const std::vector<std::unique_ptr<RawConn>>& conns,
-                    std::chrono::steady_clock::time_point deadline,
-                    size_t enough = SIZE_MAX) {
+                    std::chrono::steady_clock::time_point deadline, size_t enough = SIZE_MAX) {
   std::set<size_t> closed;
   while (closed.size() < std::min(enough, conns.size()) &&
          std::chrono::steady_clock::now() < deadline) {
@@ -698,13 +697,14 @@ TEST(TCPStoreProcess, ProcessesShareOneServer) {
 
 // A server in a process with few descriptors (RLIMIT_NOFILE), flooded by strangers: accept()
 // fails with EMFILE, and the server must close strangers to let a client with the token in.
-constexpr const char* kServeNofileEnv = "LOCKSTEP_TEST_STORE_NOFILE";
-
-int serve_with_few_descriptors(const char* nofile) {
+// The server runs in a forked child (this test's process has no other threads then), which
+// writes its port to `port_out` and serves until `stop_in` reaches end of file.
+[[noreturn]] void serve_with_few_descriptors(int nofile, int port_out, int stop_in) {
+  int code = 0;
   try {
     rlimit r{};
     ::getrlimit(RLIMIT_NOFILE, &r);
-    r.rlim_cur = static_cast<rlim_t>(std::atoi(nofile));
+    r.rlim_cur = static_cast<rlim_t>(nofile);
     LS_CHECK(::setrlimit(RLIMIT_NOFILE, &r) == 0, "setrlimit");
     TCPStoreOptions o;
     o.port = 0;
@@ -712,47 +712,35 @@ int serve_with_few_descriptors(const char* nofile) {
     o.token = kToken;
     o.server.hello_timeout = 60s;         // neither the deadline
     o.server.max_unauthenticated = 1000;  // nor the cap closes anything here
-    TCPStore s(o);
-    std::printf("%d\n", s.port());
-    std::fflush(stdout);
-    char b = 0;
-    while (::read(0, &b, 1) > 0) {
-    }  // until the parent closes our stdin
-    return 0;
+    {
+      TCPStore s(o);
+      const std::string line = std::to_string(s.port()) + "\n";
+      LS_CHECK(::write(port_out, line.data(), line.size()) == static_cast<ssize_t>(line.size()),
+               "writing the port");
+      ::close(port_out);
+      char b = 0;
+      while (::read(stop_in, &b, 1) > 0) {
+      }  // until the parent closes its end
+    }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "store server: %s\n", e.what());
-    return 1;
+    code = 1;
   }
+  std::fflush(stderr);
+  ::_exit(code);
 }
 
-[[maybe_unused]] const bool kRanAsServer = [] {
-  const char* nofile = std::getenv(kServeNofileEnv);
-  if (nofile == nullptr) return false;
-  std::exit(serve_with_few_descriptors(nofile));
-}();
-
 TEST(TCPStoreProcess, AServerOutOfDescriptorsClosesStrangersToAdmitAClient) {
-  std::string exe(4096, '\0');
-  ssize_t n = ::readlink("/proc/self/exe", exe.data(), exe.size() - 1);
-  ASSERT_GT(n, 0);
-  exe.resize(static_cast<size_t>(n));
   int out[2], in[2];
   ASSERT_EQ(::pipe2(out, O_CLOEXEC), 0);
   ASSERT_EQ(::pipe2(in, O_CLOEXEC), 0);
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_adddup2(&fa, in[0], 0);
-  posix_spawn_file_actions_adddup2(&fa, out[1], 1);
-  std::vector<std::string> env_strings;
-  for (char** e = environ; *e; ++e) env_strings.emplace_back(*e);
-  env_strings.push_back(std::string(kServeNofileEnv) + "=48");
-  std::vector<char*> envp;
-  for (auto& e : env_strings) envp.push_back(e.data());
-  envp.push_back(nullptr);
-  std::vector<char*> argv = {exe.data(), nullptr};
-  pid_t pid = 0;
-  ASSERT_EQ(::posix_spawn(&pid, exe.c_str(), &fa, nullptr, argv.data(), envp.data()), 0);
-  posix_spawn_file_actions_destroy(&fa);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::close(out[0]);
+    ::close(in[1]);
+    serve_with_few_descriptors(48, out[1], in[0]);
+  }
   ::close(in[0]);
   ::close(out[1]);
   std::string line;
