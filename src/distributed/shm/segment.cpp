@@ -15,9 +15,9 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <random>
 
+#include "distributed/machine.h"
 #include "lockstep/base/error.h"
 #include "lockstep/base/worker_env.h"
 
@@ -65,22 +65,6 @@ long futex(uint32_t* word, int op, uint32_t value, const timespec* timeout) {
 
 // Whether `v` has reached `target` on a counter that may wrap around.
 bool reached(uint32_t v, uint32_t target) { return static_cast<int32_t>(v - target) >= 0; }
-
-std::string read_first_line(const char* path) {
-  std::ifstream in(path);
-  std::string line;
-  std::getline(in, line);
-  return line;
-}
-
-// "host-a (boot 1b2c...)": equal on two ranks exactly when they share one running kernel, hence
-// one /dev/shm (the host name alone can repeat across machines).
-std::string machine_identity() {
-  char host[256] = {};
-  ::gethostname(host, sizeof(host) - 1);
-  return lockstep::detail::str_cat(host, " (boot ",
-                                   read_first_line("/proc/sys/kernel/random/boot_id"), ")");
-}
 
 std::string sanitized_run_id() {
   const char* id = std::getenv(env::kRunId);
@@ -157,7 +141,7 @@ void Segment::connect(const SegmentOptions& o) {
 
   std::vector<std::string> host_keys;
   for (int r = 0; r < size_; ++r) host_keys.push_back(key("host", r));
-  store.set(host_keys[rank_], machine_identity());
+  store.set(host_keys[rank_], dist::detail::machine_identity());
   wait_keys(store, host_keys, o.timeout, who_, "every rank's machine identity");
   const std::string host0 = store.get_string(host_keys[0]);
   for (int r = 1; r < size_; ++r) {
