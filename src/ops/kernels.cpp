@@ -1,6 +1,10 @@
 // Which device types have a kernel table in this build, and the error for a missing kernel.
 #include "ops/kernels.h"
 
+#ifdef LOCKSTEP_WITH_CUDA
+#include "ops/cuda/kernels.h"
+#endif
+
 namespace lockstep::detail {
 
 const Kernels* device_kernels(DeviceType type) {
@@ -8,7 +12,11 @@ const Kernels* device_kernels(DeviceType type) {
     case DeviceType::cpu:
       return &kCpuKernels;
     case DeviceType::cuda:
-      return nullptr;  // the CUDA build adds its table here (src/ops/cuda/)
+#ifdef LOCKSTEP_WITH_CUDA
+      return &cuda_ops::table();
+#else
+      return nullptr;  // a build without CUDA has no table for it
+#endif
   }
   return nullptr;
 }

@@ -4,15 +4,23 @@
 
 #include "lockstep/tensor/tensor.h"
 
+#ifdef LOCKSTEP_WITH_CUDA
+#include "tensor/cuda/runtime.h"
+#endif
+
 namespace lockstep {
 
 namespace {
 
 Allocator* allocator_for(Device d) {
-  LS_CHECK(d.is_cpu(), "cannot allocate on ", d.str(),
+  if (d.is_cpu()) [[likely]] return &cpu_allocator();
+#ifdef LOCKSTEP_WITH_CUDA
+  return &cuda::device_allocator(d.index);
+#else
+  LS_THROW("cannot allocate on ", d.str(),
            ": this build of lockstep has no CUDA support (configure on a machine with the CUDA "
            "toolkit to enable it)");
-  return &cpu_allocator();
+#endif
 }
 
 // Validates a shape and returns its size in bytes for `dtype`, refusing overflow.

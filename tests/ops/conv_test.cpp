@@ -302,7 +302,7 @@ TEST(Conv2d, ErrorsNameTheOpAndShapes) {
 
 TEST(Conv2d, TensorOnAnotherDeviceFailsNamingOpAndDevice) {
   std::vector<float> data(64);
-  const Tensor x = borrow(data.data(), {1, 1, 4, 4}, kFloat32, cuda(0));
-  const Tensor w = borrow(data.data(), {1, 1, 3, 3}, kFloat32, cuda(0));
+  const Tensor x = borrow(data.data(), {1, 1, 4, 4}, kFloat32, cuda_device(0));
+  const Tensor w = borrow(data.data(), {1, 1, 3, 3}, kFloat32, cuda_device(0));
   expect_error([&] { conv2d(x, w); }, {"conv2d", "cuda:0"});
 }

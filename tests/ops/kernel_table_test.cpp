@@ -14,7 +14,7 @@ namespace {
 
 // A tensor that claims to live on cuda:0, over host memory that nothing may read.
 Tensor fake_cuda(std::vector<float>& buf, const Dims& shape) {
-  return borrow(buf.data(), shape, kFloat32, cuda(0));
+  return borrow(buf.data(), shape, kFloat32, cuda_device(0));
 }
 
 }  // namespace
@@ -60,13 +60,13 @@ TEST(KernelTable, TheCpuKernelIsTheOneTheTableHolds) {
 }
 
 TEST(KernelTable, AMissingKernelNamesTheOpAndTheDevice) {
-  expect_error([] { detail::throw_no_kernel("softmax", cuda(1), /*device_has_table=*/true); },
+  expect_error([] { detail::throw_no_kernel("softmax", cuda_device(1), /*device_has_table=*/true); },
                {"softmax", "no kernel for cuda:1"});
-  expect_error([] { detail::throw_no_kernel("add", cuda(0), /*device_has_table=*/false); },
+  expect_error([] { detail::throw_no_kernel("add", cuda_device(0), /*device_has_table=*/false); },
                {"add", "cuda:0", "no cuda:0 support"});
   if (cuda_available()) GTEST_SKIP() << "this build has a CUDA table";
   EXPECT_EQ(detail::kernels_of(DeviceType::cuda), nullptr);
-  expect_error([] { (void)detail::kernel(&Kernels::binary, cuda(0), "add"); },
+  expect_error([] { (void)detail::kernel(&Kernels::binary, cuda_device(0), "add"); },
                {"add: tensor on cuda:0", "no cuda:0 support"});
 }
 
@@ -74,11 +74,11 @@ TEST(KernelTable, AMissingKernelNamesTheOpAndTheDevice) {
 // lookup, naming itself and the device.
 TEST(KernelTable, OpsOnADeviceWithoutKernelsFailNamingOpAndDevice) {
   if (cuda_available()) GTEST_SKIP() << "this build has CUDA kernels";
-  expect_error([] { (void)empty({2}, cuda(0)); }, {"cuda:0", "CUDA"});
-  expect_error([] { (void)zeros({2}).to(cuda(0)); }, {"to(cuda:0)", "no cuda:0 support"});
+  expect_error([] { (void)empty({2}, cuda_device(0)); }, {"cuda:0", "CUDA"});
+  expect_error([] { (void)zeros({2}).to(cuda_device(0)); }, {"to(cuda:0)", "no cuda:0 support"});
   std::vector<float> buf(6, std::nanf(""));
   const Tensor x = fake_cuda(buf, {2, 3});
-  const Tensor idx = borrow(buf.data(), {1}, kInt64, cuda(0));
+  const Tensor idx = borrow(buf.data(), {1}, kInt64, cuda_device(0));
   Generator gen(0);
   const std::vector<std::pair<const char*, std::function<void()>>> cases = {
       {"add", [&] { (void)add(x, x); }},
@@ -94,7 +94,7 @@ TEST(KernelTable, OpsOnADeviceWithoutKernelsFailNamingOpAndDevice) {
       {"max", [&] { (void)max(x, 1); }},
       {"cat", [&] { (void)cat({x, x}); }},
       {"index_select", [&] { (void)index_select(x, 0, idx); }},
-      {"gather", [&] { (void)gather(x, 1, borrow(buf.data(), {2, 1}, kInt64, cuda(0))); }},
+      {"gather", [&] { (void)gather(x, 1, borrow(buf.data(), {2, 1}, kInt64, cuda_device(0))); }},
       {"softmax", [&] { (void)softmax(x, 1); }},
       {"log_softmax", [&] { (void)log_softmax(x, 1); }},
       {"dropout", [&] { (void)dropout(x, 0.5, true, gen); }},

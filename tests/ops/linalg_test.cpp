@@ -467,8 +467,8 @@ TEST(Linear, Errors) {
 // A tensor on a device this build has no kernels for fails in the kernel lookup, naming the op.
 TEST(Linalg, TensorOnAnotherDeviceFailsNamingOpAndDevice) {
   std::vector<float> data(12);
-  const Tensor a = borrow(data.data(), {3, 4}, kFloat32, cuda(0));
-  const Tensor b = borrow(data.data(), {4, 3}, kFloat32, cuda(0));
+  const Tensor a = borrow(data.data(), {3, 4}, kFloat32, cuda_device(0));
+  const Tensor b = borrow(data.data(), {4, 3}, kFloat32, cuda_device(0));
   expect_error([&] { matmul(a, b); }, {"matmul", "cuda:0"});
   expect_error([&] { linear(a, a); }, {"linear", "cuda:0"});
   expect_error([&] { matmul(a, zeros({4, 3})); }, {"matmul", "different devices"});

@@ -277,8 +277,8 @@ TEST(MseLoss, Errors) {
 TEST(Loss, TensorOnAnotherDeviceFailsNamingOpAndDevice) {
   std::vector<float> data(6);
   std::vector<int64_t> labels(2);
-  const Tensor x = borrow(data.data(), {2, 3}, kFloat32, cuda(0));
-  const Tensor t = borrow(labels.data(), {2}, kInt64, cuda(0));
+  const Tensor x = borrow(data.data(), {2, 3}, kFloat32, cuda_device(0));
+  const Tensor t = borrow(labels.data(), {2}, kInt64, cuda_device(0));
   expect_error([&] { cross_entropy(x, t); }, {"cross_entropy", "cuda:0"});
   expect_error([&] { mse_loss(x, x); }, {"mse_loss", "cuda:0"});
 }

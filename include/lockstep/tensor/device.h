@@ -27,7 +27,7 @@ struct Device {
 };
 
 inline constexpr Device kCPU{DeviceType::cpu, 0};
-inline Device cuda(int index = 0) { return Device{DeviceType::cuda, index}; }
+inline Device cuda_device(int index = 0) { return Device{DeviceType::cuda, index}; }
 
 // True when lockstep was compiled with CUDA support and a device is present.
 bool cuda_available();
