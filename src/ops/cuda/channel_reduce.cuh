@@ -86,8 +86,8 @@ struct CombineOp {
 // partial results a second kernel combines in chunk order (Note [Deterministic CUDA reductions]).
 inline constexpr int kColumnTile = 32;
 inline constexpr int kColumnRows = 8;
-inline constexpr int64_t kRowsPerChunk = 256;       // columns layout
-inline constexpr int64_t kValuesPerChunk = 16384;   // planes layout
+inline constexpr int64_t kRowsPerChunk = 256;      // columns layout
+inline constexpr int64_t kValuesPerChunk = 16384;  // planes layout
 inline constexpr int64_t kMaxChunks = 1024;
 
 inline int64_t reduce_chunks(int64_t values, int64_t per_chunk) {
@@ -97,15 +97,16 @@ inline int64_t reduce_chunks(int64_t values, int64_t per_chunk) {
 // The combination of one chunk, written to partial[chunk * channels + c], or, when there is one
 // chunk, handed to fin directly.
 template <typename Acc, typename F, typename Fin>
-__global__ void reduce_columns_kernel(int64_t batch, int64_t channels, int64_t rows_per_chunk,
-                                      F f, Fin fin, Acc* partial) {
+__global__ void reduce_columns_kernel(int64_t batch, int64_t channels, int64_t rows_per_chunk, F f,
+                                      Fin fin, Acc* partial) {
   const int64_t c = int64_t{blockIdx.x} * kColumnTile + threadIdx.x;
   const int64_t chunk = blockIdx.y;
   const int64_t r0 = chunk * rows_per_chunk;
   const int64_t r1 = r0 + rows_per_chunk < batch ? r0 + rows_per_chunk : batch;
   Acc acc;
   if (c < channels) {
-    for (int64_t r = r0 + threadIdx.y; r < r1; r += kColumnRows) acc = Acc::combine(acc, f(c, r, 0));
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += kColumnRows)
+      acc = Acc::combine(acc, f(c, r, 0));
   }
   __shared__ alignas(16) unsigned char raw[kColumnRows * kColumnTile * sizeof(Acc)];
   Acc* sh = reinterpret_cast<Acc*>(raw);
@@ -113,7 +114,8 @@ __global__ void reduce_columns_kernel(int64_t batch, int64_t channels, int64_t r
   __syncthreads();
   if (threadIdx.y != 0 || c >= channels) return;
   Acc total = sh[threadIdx.x];
-  for (int y = 1; y < kColumnRows; ++y) total = Acc::combine(total, sh[y * kColumnTile + threadIdx.x]);
+  for (int y = 1; y < kColumnRows; ++y)
+    total = Acc::combine(total, sh[y * kColumnTile + threadIdx.x]);
   if (partial == nullptr) {
     fin(c, total);
   } else {
@@ -176,8 +178,8 @@ void channel_reduce(const char* op, const Device& device, int64_t batch, int64_t
   const int64_t chunks =
       columns ? reduce_chunks(batch, kRowsPerChunk) : reduce_chunks(values, kValuesPerChunk);
   const int64_t per_chunk = (std::max<int64_t>(columns ? batch : values, 1) + chunks - 1) / chunks;
-  LS_CHECK(channels <= (columns ? int64_t{INT32_MAX} * kColumnTile : int64_t{INT32_MAX}), op,
-           ": ", channels, " channels exceed a CUDA grid");
+  LS_CHECK(channels <= (columns ? int64_t{INT32_MAX} * kColumnTile : int64_t{INT32_MAX}), op, ": ",
+           channels, " channels exceed a CUDA grid");
   Tensor partial_buf;
   Acc* partial = nullptr;
   if (chunks > 1) {
@@ -192,13 +194,13 @@ void channel_reduce(const char* op, const Device& device, int64_t batch, int64_t
         batch, channels, per_chunk, f, fin, partial);
   } else {
     const dim3 grid(static_cast<unsigned>(channels), static_cast<unsigned>(chunks));
-    reduce_planes_kernel<Acc><<<grid, kReduceThreads, 0, stream>>>(batch, channels, inner,
-                                                                    per_chunk, f, fin, partial);
+    reduce_planes_kernel<Acc>
+        <<<grid, kReduceThreads, 0, stream>>>(batch, channels, inner, per_chunk, f, fin, partial);
   }
   check_launch(op);
   if (chunks > 1) {
-    reduce_chunks_kernel<Acc><<<grid_for(channels), kBlock, 0, stream>>>(channels, chunks,
-                                                                         partial, fin);
+    reduce_chunks_kernel<Acc>
+        <<<grid_for(channels), kBlock, 0, stream>>>(channels, chunks, partial, fin);
     check_launch(op);
   }
 }

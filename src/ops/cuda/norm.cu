@@ -16,8 +16,8 @@ namespace {
 // One block per row of x (m, n): two passes for the mean and the variance (no cancellation
 // when |mean| >> std), in double as src/ops/cpu/norm.cpp, then the affine map in T.
 template <typename T>
-__global__ void layer_norm_forward_kernel(int64_t m, int64_t n, const T* x, const T* w,
-                                          const T* b, T* y, T* mean, T* rstd, double eps) {
+__global__ void layer_norm_forward_kernel(int64_t m, int64_t n, const T* x, const T* w, const T* b,
+                                          T* y, T* mean, T* rstd, double eps) {
   for (int64_t r = blockIdx.x; r < m; r += gridDim.x) {
     const T* xr = x + r * n;
     T* yr = y + r * n;
@@ -137,8 +137,7 @@ void layer_norm_backward_kernel(const Tensor& dx, const Tensor& dweight, const T
       // dweight and dbias: column sums over the rows (Note [Deterministic CUDA reductions]).
       channel_reduce<Sums<2>>(
           "layer_norm backward", x.device(), m, n, 1,
-          LayerNormWbValue<T>{data_of<T>(x), data_of<T>(g), data_of<T>(mean), data_of<T>(rstd),
-                              n},
+          LayerNormWbValue<T>{data_of<T>(x), data_of<T>(g), data_of<T>(mean), data_of<T>(rstd), n},
           LayerNormWbStore<T>{mut_ptr_or_null<T>(dweight), mut_ptr_or_null<T>(dbias)});
     }
   });
@@ -199,8 +198,8 @@ void batch_norm_stats_kernel(const Tensor& mean, const Tensor& var, const Tensor
   dispatch_float(x.dtype(), "batch_norm", [&]<typename T>() {
     channel_reduce<Sums<2>>("batch_norm", x.device(), r.batch, r.channels, r.inner,
                             StatsValue<T>{data_of<T>(x), r.channels, r.inner},
-                            StatsStore<T>{data_of<T>(x), data_of<T>(mean), data_of<T>(var),
-                                          r.inner, static_cast<double>(r.count())});
+                            StatsStore<T>{data_of<T>(x), data_of<T>(mean), data_of<T>(var), r.inner,
+                                          static_cast<double>(r.count())});
   });
 }
 
@@ -218,8 +217,8 @@ __global__ void batch_norm_coeff_kernel(int64_t channels, const T* var, const T*
 }
 
 template <typename T>
-__global__ void batch_norm_apply_kernel(int64_t total, int64_t channels, int64_t inner,
-                                        const T* x, const T* mean, const T* coeff, T* y) {
+__global__ void batch_norm_apply_kernel(int64_t total, int64_t channels, int64_t inner, const T* x,
+                                        const T* mean, const T* coeff, T* y) {
   const int64_t step = int64_t{gridDim.x} * blockDim.x;
   for (int64_t e = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; e < total; e += step) {
     const int64_t c = (e / inner) % channels;
@@ -283,9 +282,8 @@ struct BackwardStore {
 // Per channel: coeff[3c .. 3c + 2] = weight * istd, mean(g), istd^2 * sum(g (x - mean)) / m,
 // each computed in double and rounded to T once (the CPU kernel's scale, g_mean and proj).
 template <typename T>
-__global__ void batch_norm_backward_coeff_kernel(int64_t channels, const double* sums,
-                                                 const T* var, const T* w, double eps, double m,
-                                                 T* coeff) {
+__global__ void batch_norm_backward_coeff_kernel(int64_t channels, const double* sums, const T* var,
+                                                 const T* w, double eps, double m, T* coeff) {
   const int64_t step = int64_t{gridDim.x} * blockDim.x;
   for (int64_t c = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; c < channels; c += step) {
     const double istd = 1.0 / sqrt(static_cast<double>(var[c]) + eps);
@@ -297,9 +295,8 @@ __global__ void batch_norm_backward_coeff_kernel(int64_t channels, const double*
 }
 
 template <typename T>
-__global__ void batch_norm_dx_kernel(int64_t total, int64_t channels, int64_t inner,
-                                     bool training, const T* g, const T* x, const T* mean,
-                                     const T* coeff, T* dx) {
+__global__ void batch_norm_dx_kernel(int64_t total, int64_t channels, int64_t inner, bool training,
+                                     const T* g, const T* x, const T* mean, const T* coeff, T* dx) {
   const int64_t step = int64_t{gridDim.x} * blockDim.x;
   for (int64_t e = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; e < total; e += step) {
     const int64_t c = (e / inner) % channels;
