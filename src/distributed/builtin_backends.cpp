@@ -4,6 +4,9 @@
 #include "distributed/gloo/register.h"
 #include "distributed/hier/register.h"
 #include "distributed/shm/register.h"
+#ifdef LOCKSTEP_WITH_CUDA
+#include "distributed/nccl/register.h"
+#endif
 
 namespace lockstep::dist::detail {
 
@@ -11,6 +14,20 @@ void register_builtin_backends() {
   register_gloo_backend();
   register_shm_backend();
   register_hier_backend();
+#ifdef LOCKSTEP_WITH_CUDA
+  register_nccl_backend();
+#endif
+}
+
+std::string why_not_built(const std::string& name) {
+#ifndef LOCKSTEP_WITH_CUDA
+  if (name == "nccl") {
+    return "this build of lockstep has no CUDA support, so it has no NCCL backend (configure it "
+           "where the CUDA toolkit and NCCL are installed, with -DLOCKSTEP_CUDA=AUTO or ON); on "
+           "CPUs use gloo";
+  }
+#endif
+  return "";
 }
 
 }  // namespace lockstep::dist::detail

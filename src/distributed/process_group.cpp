@@ -8,6 +8,11 @@
 
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/base/error.h"
+#include "lockstep/tensor/cuda.h"
+
+#ifdef LOCKSTEP_WITH_CUDA
+#include "tensor/cuda/runtime.h"  // the pinned pool (Note [Staging device tensors])
+#endif
 
 namespace lockstep::dist {
 
@@ -78,10 +83,19 @@ void Work::wait(std::chrono::milliseconds timeout) {
   if (error_) std::rethrow_exception(error_);
 }
 
+void Work::synchronize() { Work::wait(); }
+
 void Work::then(std::function<void()> fn) {
   std::lock_guard<std::mutex> lock(mu_);
-  LS_CHECK(!finishing_, "Work::then on ", description_, ", which has already completed");
+  LS_CHECK(!finishing_ && !steps_taken_, "Work::then on ", description_,
+           ", whose steps have already run");
   on_success_.push_back(std::move(fn));
+}
+
+std::vector<std::function<void()>> Work::take_steps() {
+  std::lock_guard<std::mutex> lock(mu_);
+  steps_taken_ = true;
+  return std::move(on_success_);
 }
 
 void Work::finish(std::exception_ptr error) {
@@ -145,11 +159,13 @@ bool is_reducible(DType t) {
   }
 }
 
-// Copies `src` into `dst` (same number of elements, same dtype), whatever their strides.
-// Collectives write into parameters that require grad; the copy is not part of any graph.
+// Copies `src` into `dst` (same number of elements, same dtype), whatever their strides and
+// devices; a copy that involves a device is queued on the current stream. Collectives write into
+// parameters that require grad; the copy is not part of any graph.
 void copy_elements(const Tensor& dst, const Tensor& src) {
   if (dst.numel() == 0) return;
-  if (dst.is_contiguous() && src.is_contiguous()) {
+  if (dst.device().is_cpu() && src.device().is_cpu() && dst.is_contiguous() &&
+      src.is_contiguous()) {
     std::memcpy(dst.data_ptr(), src.data_ptr(), static_cast<size_t>(dst.nbytes()));
     return;
   }
@@ -162,7 +178,7 @@ void copy_elements(const Tensor& dst, const Tensor& src) {
 Tensor pack(const std::vector<Tensor>& tensors, bool copy_values) {
   int64_t total = 0;
   for (const auto& t : tensors) total += t.numel();
-  Tensor flat = empty({total}, tensors[0].dtype());
+  Tensor flat = empty({total}, TensorOptions(tensors[0].dtype()).with_device(tensors[0].device()));
   if (!copy_values) return flat;
   int64_t offset = 0;
   for (const auto& t : tensors) {
@@ -183,7 +199,23 @@ void unpack(const Tensor& flat, const std::vector<Tensor>& tensors) {
 // Where a collective writes dst: dst itself, or for a non-contiguous view a contiguous stand-in
 // that a then() step copies back when the collective succeeds.
 Tensor writable_contiguous(const Tensor& dst) {
-  return dst.is_contiguous() ? dst : empty({dst.numel()}, dst.dtype());
+  return dst.is_contiguous()
+             ? dst
+             : empty({dst.numel()}, TensorOptions(dst.dtype()).with_device(dst.device()));
+}
+
+// A CPU tensor of t's shape and dtype in page-locked memory, which the device copies to and
+// from directly and asynchronously (pageable memory would go through a staging block).
+Tensor pinned_empty_like(const Tensor& t) {
+#ifdef LOCKSTEP_WITH_CUDA
+  const Dims shape{t.numel()};
+  auto storage = std::make_shared<StorageImpl>(static_cast<size_t>(t.nbytes()),
+                                               &cuda::pinned_allocator());
+  return Tensor(std::make_shared<TensorImpl>(std::move(storage), shape, contiguous_strides(shape),
+                                             0, t.dtype()));
+#else
+  return empty({t.numel()}, t.dtype());  // no cuda tensor exists in this build
+#endif
 }
 
 }  // namespace
@@ -202,7 +234,36 @@ std::string ProcessGroup::who() const {
 
 WorkPtr ProcessGroup::make_work(std::string_view op, std::string detail) {
   const int64_t seq = ++seq_;
-  return std::make_shared<Work>(lockstep::detail::str_cat(op, " #", seq, " (", detail, ")"), seq);
+  return create_work(lockstep::detail::str_cat(op, " #", seq, " (", detail, ")"), seq);
+}
+
+// Note [Staging device tensors]
+// One GPU cannot host two NCCL ranks, and a job may want the CPU backends on GPUs anyway (no
+// NCCL, a debugging run). So a CPU backend (supports(kCPU), not supports(cuda)) takes cuda
+// tensors too: each public call copies the buffer it hands to do_* into pinned host memory
+// (the copy waits for the caller's current stream, so it sees every kernel queued before the
+// call, and blocks the host until done), runs the collective on the host copy, and a then()
+// step copies the result back to the device on the stream that was current at the call, before
+// the Work completes. Kernels queued on that stream after wait() therefore see the result; the
+// host copy returns to the pinned pool only once the copy back has read it (its fence). Staging
+// happens here, once, so that every CPU backend behaves alike; a backend that moves cuda
+// tensors itself (nccl) is never staged.
+Tensor ProcessGroup::stage_in(const Tensor& t, bool copy_in) const {
+  if (!stages(t.device())) return t;
+  Tensor host = pinned_empty_like(t);
+  if (copy_in) copy_elements(host, t);  // device to pinned host: waits for the copy
+  return host;
+}
+
+void ProcessGroup::stage_back(const WorkPtr& work, const Tensor& t, const Tensor& staged) {
+  if (staged.is_same(t)) return;
+  const cuda::Stream stream = cuda::current_stream(t.device().index);
+  work->then([t, staged, stream] {
+    // On the thread that finishes the Work: queue the copy on the caller's stream.
+    cuda::DeviceGuard device(stream.device());
+    cuda::StreamGuard on(stream);
+    copy_elements(t, staged);
+  });
 }
 
 std::chrono::milliseconds ProcessGroup::effective(std::chrono::milliseconds timeout) const {
@@ -217,8 +278,13 @@ void ProcessGroup::check_tensors(std::string_view op, const std::vector<Tensor>&
   for (size_t i = 0; i < tensors.size(); ++i) {
     const Tensor& t = tensors[i];
     LS_CHECK(t.defined(), who(), ": ", op, ": tensor ", i, " is undefined");
-    LS_CHECK(supports(t.device()), who(), ": ", op, ": the ", backend(),
-             " backend cannot move tensors on ", t.device().str(), " (tensor ", i, ")");
+    LS_CHECK(supports(t.device()) || stages(t.device()), who(), ": ", op, ": the ", backend(),
+             " backend cannot move tensors on ", t.device().str(), " (tensor ", i, ")",
+             supports(kCPU) ? std::string()
+                            : lockstep::detail::str_cat(
+                                  "; it moves tensors on this rank's ", object_device().str(),
+                                  " only: copy the tensor there (.to(", object_device().str(),
+                                  ")), or use a CPU backend (gloo) for host data"));
     LS_CHECK(t.dtype() == tensors[0].dtype(), who(), ": ", op,
              ": every tensor of one call must have one dtype; tensor 0 is ",
              dtype_name(tensors[0].dtype()), ", tensor ", i, " is ", dtype_name(t.dtype()));
@@ -245,10 +311,12 @@ WorkPtr ProcessGroup::all_reduce(std::vector<Tensor> tensors, const AllReduceOpt
   // Buffers first: a failure here must not consume a sequence number (ranks would disagree).
   const bool packed = !(tensors.size() == 1 && tensors[0].is_contiguous());
   Tensor flat = packed ? pack(tensors, true) : tensors[0];
+  Tensor wire = stage_in(flat, true);
   WorkPtr work = make_work(
       "all_reduce", lockstep::detail::str_cat(reduce_op_name(opts.op), ", ", describe(tensors)));
+  stage_back(work, flat, wire);  // steps run in order: the staged copy back, then the unpacking
   if (packed) work->then([flat, tensors] { unpack(flat, tensors); });
-  do_all_reduce(flat, opts.op, timeout, work);
+  do_all_reduce(wire, opts.op, timeout, work);
   return work;
 }
 
@@ -262,11 +330,14 @@ WorkPtr ProcessGroup::broadcast(std::vector<Tensor> tensors, const BroadcastOpti
            " is outside [0, ", size_, ")");
   const auto timeout = effective(opts.timeout);
   const bool packed = !(tensors.size() == 1 && tensors[0].is_contiguous());
-  Tensor flat = packed ? pack(tensors, rank_ == opts.root) : tensors[0];
+  const bool root = rank_ == opts.root;
+  Tensor flat = packed ? pack(tensors, root) : tensors[0];
+  Tensor wire = stage_in(flat, root);
   WorkPtr work = make_work("broadcast",
                            lockstep::detail::str_cat("root ", opts.root, ", ", describe(tensors)));
-  if (packed && rank_ != opts.root) work->then([flat, tensors] { unpack(flat, tensors); });
-  do_broadcast(flat, opts.root, timeout, work);
+  if (!root) stage_back(work, flat, wire);
+  if (packed && !root) work->then([flat, tensors] { unpack(flat, tensors); });
+  do_broadcast(wire, opts.root, timeout, work);
   return work;
 }
 
@@ -278,10 +349,13 @@ WorkPtr ProcessGroup::all_gather(const Tensor& output, const Tensor& input,
            " elements (world size x input), got ", output.numel(), " (shape ", output.shape().str(),
            ")");
   const auto timeout = effective(opts.timeout);
-  WorkPtr work = make_work("all_gather", describe({input}));
   Tensor out = writable_contiguous(output);
+  Tensor wire_out = stage_in(out, false);
+  Tensor wire_in = stage_in(input.contiguous(), true);
+  WorkPtr work = make_work("all_gather", describe({input}));
+  stage_back(work, out, wire_out);
   if (!output.is_contiguous()) work->then([output, out] { copy_elements(output, out); });
-  do_all_gather(out, input.contiguous(), timeout, work);
+  do_all_gather(wire_out, wire_in, timeout, work);
   return work;
 }
 
@@ -299,9 +373,12 @@ WorkPtr ProcessGroup::all_gather(std::vector<Tensor> outputs, const Tensor& inpu
   }
   const auto timeout = effective(opts.timeout);
   Tensor flat = pack(outputs, false);
+  Tensor wire_out = stage_in(flat, false);
+  Tensor wire_in = stage_in(input.contiguous(), true);
   WorkPtr work = make_work("all_gather", describe({input}));
+  stage_back(work, flat, wire_out);
   work->then([flat, outputs] { unpack(flat, outputs); });
-  do_all_gather(flat, input.contiguous(), timeout, work);
+  do_all_gather(wire_out, wire_in, timeout, work);
   return work;
 }
 
@@ -316,11 +393,14 @@ WorkPtr ProcessGroup::reduce_scatter(const Tensor& output, const Tensor& input,
            ": reduce_scatter with avg needs floating-point tensors, got ",
            dtype_name(input.dtype()));
   const auto timeout = effective(opts.timeout);
+  Tensor out = writable_contiguous(output);
+  Tensor wire_out = stage_in(out, false);
+  Tensor wire_in = stage_in(input.contiguous(), true);
   WorkPtr work = make_work("reduce_scatter", lockstep::detail::str_cat(reduce_op_name(opts.op),
                                                                        ", ", describe({input})));
-  Tensor out = writable_contiguous(output);
+  stage_back(work, out, wire_out);
   if (!output.is_contiguous()) work->then([output, out] { copy_elements(output, out); });
-  do_reduce_scatter(out, input.contiguous(), opts.op, timeout, work);
+  do_reduce_scatter(wire_out, wire_in, opts.op, timeout, work);
   return work;
 }
 
@@ -331,29 +411,48 @@ WorkPtr ProcessGroup::barrier(const BarrierOptions& opts) {
   return work;
 }
 
+namespace {
+
+// The bytes of `host` (a CPU tensor) on `device`, and back: object collectives travel on a
+// device the backend moves (object_device()).
+Tensor on_device(const Tensor& host, Device device) {
+  return device.is_cpu() ? host : host.to(device);
+}
+Tensor on_host(const Tensor& t) { return t.device().is_cpu() ? t : t.to(kCPU); }
+
+}  // namespace
+
 // Two broadcasts: the length (so receivers can size their buffer), then the bytes.
 Bytes ProcessGroup::broadcast_object(const Bytes& object, int root) {
-  Tensor length = full({1}, rank_ == root ? static_cast<double>(object.size()) : 0.0, kInt64);
+  const Device dev = object_device();
+  Tensor length = on_device(
+      full({1}, rank_ == root ? static_cast<double>(object.size()) : 0.0, kInt64), dev);
   broadcast(length, {.root = root})->wait();
-  const int64_t n = length.data<int64_t>()[0];
+  const int64_t n = on_host(length).data<int64_t>()[0];
   Tensor data = empty({n}, kUInt8);
   if (rank_ == root && n > 0) std::memcpy(data.data_ptr(), object.data(), object.size());
+  data = on_device(data, dev);
   broadcast(data, {.root = root})->wait();
+  data = on_host(data);
   const auto* p = static_cast<const uint8_t*>(data.data_ptr());
   return Bytes(p, p + n);
 }
 
 // Two all_gathers: every length, then every object padded to the longest.
 std::vector<Bytes> ProcessGroup::all_gather_object(const Bytes& object) {
-  Tensor mine = full({1}, static_cast<double>(object.size()), kInt64);
-  Tensor lengths = empty({size_}, kInt64);
+  const Device dev = object_device();
+  Tensor mine = on_device(full({1}, static_cast<double>(object.size()), kInt64), dev);
+  Tensor lengths = empty({size_}, TensorOptions(kInt64).with_device(dev));
   all_gather(lengths, mine)->wait();
+  lengths = on_host(lengths);
   const auto* len = lengths.data<int64_t>();
   const int64_t longest = *std::max_element(len, len + size_);
   Tensor padded = zeros({longest}, kUInt8);
   if (!object.empty()) std::memcpy(padded.data_ptr(), object.data(), object.size());
-  Tensor all = empty({size_ * longest}, kUInt8);
+  padded = on_device(padded, dev);
+  Tensor all = empty({size_ * longest}, TensorOptions(kUInt8).with_device(dev));
   all_gather(all, padded)->wait();
+  all = on_host(all);
   std::vector<Bytes> out(static_cast<size_t>(size_));
   const auto* p = static_cast<const uint8_t*>(all.data_ptr());
   for (int r = 0; r < size_; ++r) out[r].assign(p + r * longest, p + r * longest + len[r]);

@@ -73,6 +73,8 @@ ProcessGroupPtr create_process_group(const std::string& backend, const BackendCo
     std::lock_guard<std::mutex> lock(r.mu);
     auto it = r.factories.find(backend);
     if (it == r.factories.end()) {
+      const std::string why = detail::why_not_built(backend);
+      if (!why.empty()) LS_THROW("process group backend '", backend, "' is not available: ", why);
       std::string known;
       for (const auto& [name, f] : r.factories) known += (known.empty() ? "" : ", ") + name;
       LS_THROW("unknown process group backend '", backend, "'; registered backends: ", known);

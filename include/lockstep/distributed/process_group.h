@@ -54,13 +54,20 @@ struct BarrierOptions {
 
 // The handle of one collective in flight. Contract (c10d's):
 // - is_completed() never blocks; it is true once the collective finished, successfully or not.
-// - wait() blocks until it finished and rethrows its failure (a lockstep::Error naming the rank,
-//   the op and its sequence number). The collective is bounded by its own timeout, so wait()
-//   cannot block forever; wait(timeout) additionally gives up after `timeout` (an Error, the
-//   collective keeps running).
+// - wait() returns once the collective's results may be used by the caller, and rethrows its
+//   failure (a lockstep::Error naming the rank, the op and its sequence number). On the CPU
+//   backends it blocks until the collective finished. On a device backend (NCCL) it blocks
+//   nothing: it makes the calling thread's current CUDA stream wait for the collective, so the
+//   kernels queued after it see the results (Note [Stream-ordered works] in
+//   src/distributed/nccl/process_group_nccl.cpp). The collective is bounded by its own timeout, so
+//   wait() cannot block forever; wait(timeout) blocks the host, and gives up after `timeout` (an
+//   Error, the collective keeps running).
+// - synchronize() blocks the host until the collective finished on every backend (what a caller
+//   that reads results on the host, or times a collective, needs), and rethrows its failure.
 // - The tensors passed to the collective must stay untouched until it completed.
 // Completing a Work is the backend's business: finish(), then() and the wait hook are reached
-// only through ProcessGroup's protected work_* functions (a backend derives from ProcessGroup).
+// only through ProcessGroup's protected work_* functions (a backend derives from ProcessGroup; a
+// device backend also derives its own Work, through ProcessGroup::create_work).
 class Work {
  public:
   Work(std::string description, int64_t seq);
@@ -70,8 +77,9 @@ class Work {
 
   bool is_completed() const;
   bool is_success() const;  // completed without error
-  void wait();
+  virtual void wait();
   void wait(std::chrono::milliseconds timeout);
+  virtual void synchronize();
   std::exception_ptr exception() const;
 
   // "all_reduce #12 (sum, 2 tensors, 4.0 MiB of float32)" and 12.
@@ -92,6 +100,9 @@ class Work {
   void set_wait_hook(std::function<void(const Work&)> hook) { wait_hook_ = std::move(hook); }
   // Called once by the backend; `error` null on success.
   void finish(std::exception_ptr error = nullptr);
+  // Hands the then() steps to a backend that runs them itself, queued on its stream right after
+  // the collective (Note [Stream-ordered works]); finish() then runs none, and then() is refused.
+  std::vector<std::function<void()>> take_steps();
 
   const std::string description_;
   const int64_t seq_;
@@ -99,6 +110,7 @@ class Work {
   std::condition_variable cv_;
   bool completed_ = false;
   bool finishing_ = false;                   // finish() has started: no more then() steps
+  bool steps_taken_ = false;                 // take_steps() was called: no more then() steps
   std::atomic<bool> completed_flag_{false};  // completed_, readable without the lock
   std::exception_ptr error_;
   std::vector<std::function<void()>> on_success_;
@@ -106,7 +118,7 @@ class Work {
 };
 using WorkPtr = std::shared_ptr<Work>;
 
-// One interface for collectives over `size()` ranks; backends (distributed/gloo, later
+// One interface for collectives over `size()` ranks; backends (distributed/gloo, shm, hier,
 // distributed/nccl) implement the do_* hooks. The public methods check their arguments (the same
 // on every backend, so an error reads the same everywhere), number each collective and build its
 // description.
@@ -167,9 +179,16 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   virtual void do_reduce_scatter(Tensor output, Tensor input, ReduceOp op,
                                  std::chrono::milliseconds timeout, const WorkPtr& work) = 0;
   virtual void do_barrier(std::chrono::milliseconds timeout, const WorkPtr& work) = 0;
-  // Whether the backend can move tensors on `device`; false makes the public calls fail naming
-  // the backend.
+  // Whether the backend can move tensors on `device`. A CPU backend handed cuda tensors stages
+  // them through pinned host memory (Note [Staging device tensors] in process_group.cpp); any
+  // other unsupported device makes the public calls fail naming the backend.
   virtual bool supports(Device device) const = 0;
+  // Where broadcast_object and all_gather_object put their bytes: a device this backend moves.
+  virtual Device object_device() const { return kCPU; }
+  // The Work of each collective (a device backend's own kind, whose wait() orders streams).
+  virtual WorkPtr create_work(std::string description, int64_t seq) {
+    return std::make_shared<Work>(std::move(description), seq);
+  }
 
   // "rank 1/4 (gloo)", the start of every error message about this group.
   std::string who() const;
@@ -181,11 +200,20 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   static void work_set_wait_hook(Work& work, std::function<void(const Work&)> hook) {
     work.set_wait_hook(std::move(hook));
   }
+  static std::vector<std::function<void()>> work_take_steps(Work& work) {
+    return work.take_steps();
+  }
+  // The public calls' buffers are staged for this device (cuda tensors on a CPU backend).
+  bool stages(Device device) const { return !supports(device) && device.is_cuda() && supports(kCPU); }
 
  private:
   WorkPtr make_work(std::string_view op, std::string detail);
   std::chrono::milliseconds effective(std::chrono::milliseconds timeout) const;
   void check_tensors(std::string_view op, const std::vector<Tensor>& tensors, bool reduction) const;
+  // Note [Staging device tensors]: what do_* moves in place of `t` (t itself, or a pinned host
+  // copy holding t's values when `copy_in`), and the step that copies it back to t.
+  Tensor stage_in(const Tensor& t, bool copy_in) const;
+  static void stage_back(const WorkPtr& work, const Tensor& t, const Tensor& staged);
 
   const int rank_;
   const int size_;
@@ -195,7 +223,8 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
 using ProcessGroupPtr = std::shared_ptr<ProcessGroup>;
 
 // The group of one process: every collective completes at once, without a network, so a
-// single-process run takes the same code path as a distributed one.
+// single-process run takes the same code path as a distributed one. Tensors on any device; the
+// copies it makes (all_gather, reduce_scatter) are queued on the current stream.
 class WorldOfOneGroup : public ProcessGroup {
  public:
   explicit WorldOfOneGroup(std::chrono::milliseconds timeout = kDefaultCollectiveTimeout)

@@ -1,0 +1,475 @@
+// ProcessGroupNCCL: one NCCL communicator and one communication stream per group, stream-ordered
+// works, and the watchdog that aborts a stuck collective.
+#include "lockstep/distributed/nccl/process_group_nccl.h"
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "distributed/nccl/nccl_check.h"
+#include "distributed/nccl/register.h"
+#include "lockstep/base/log.h"
+#include "tensor/cuda/runtime.h"
+
+namespace lockstep::dist {
+
+namespace detail {
+
+void throw_nccl_error(ncclResult_t result, const char* call, const char* file, int line) {
+  std::string msg = lockstep::detail::str_cat(call, " failed: ", ncclGetErrorString(result));
+  // NCCL keeps a more specific line (which peer, which syscall) for some errors.
+  const char* last = ncclGetLastError(nullptr);
+  if (last != nullptr && *last != '\0') msg += lockstep::detail::str_cat(" (", last, ")");
+  throw Error(msg, file, line);
+}
+
+}  // namespace detail
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// How often the watchdog looks at the works in flight. Their completion becomes visible to
+// is_completed() and synchronize() this late at most.
+constexpr std::chrono::milliseconds kWatchdogPoll{1};
+// How long an abort waits for a thread that is inside an NCCL call on the communicator (a
+// collective whose host side blocks, e.g. connecting to a peer that never comes) before it
+// aborts anyway: aborting is then the only way to get that thread out.
+constexpr std::chrono::milliseconds kAbortLockWait{1000};
+// Where rank 0 publishes the unique id, in the group's store namespace.
+constexpr const char* kUniqueIdKey = "nccl/unique_id";
+constexpr const char* kUniqueIdError = "error: ";
+
+ncclDataType_t nccl_type(DType t) {
+  switch (t) {
+    case DType::f32:
+      return ncclFloat32;
+    case DType::f64:
+      return ncclFloat64;
+    case DType::bf16:
+      return ncclBfloat16;
+    case DType::f16:
+      return ncclFloat16;
+    case DType::i32:
+      return ncclInt32;
+    case DType::i64:
+      return ncclInt64;
+    case DType::u8:
+      return ncclUint8;
+    case DType::b8:
+      break;
+  }
+  LS_THROW("nccl: no NCCL reduction for ", dtype_name(t), " tensors");
+}
+
+ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum:
+      return ncclSum;
+    case ReduceOp::avg:
+      return ncclAvg;
+    case ReduceOp::min:
+      return ncclMin;
+    case ReduceOp::max:
+      return ncclMax;
+    case ReduceOp::product:
+      return ncclProd;
+  }
+  LS_THROW("nccl: unknown reduce op");
+}
+
+std::string seconds(std::chrono::milliseconds t) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g s", static_cast<double>(t.count()) / 1000.0);
+  return buf;
+}
+
+std::string what_of(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const Error& err) {
+    return err.message();
+  } catch (const std::exception& err) {
+    return err.what();
+  } catch (...) {
+    return "unknown exception";
+  }
+}
+
+// Note [Stream-ordered works]
+// A collective of this group is three things queued on the group's stream: a wait for an event
+// recorded on the caller's current stream (the tensors' producers), the NCCL call, and the
+// public call's then() steps (unpacking a fused buffer, a copy back to a strided view), run at
+// once with the group's stream current so that their copies queue after the collective; then
+// the work's end event. wait() makes the caller's current stream wait for that event, as
+// PyTorch's WorkNCCL::wait does: the host goes on queueing kernels, which run once the
+// collective is done. The watchdog completes the Work (is_completed(), synchronize()) when it
+// sees the end event, and until then holds the tensors and steps, so that no memory the
+// collective uses is freed; the tensors are also record_stream'ed on the group's stream, so the
+// caching allocator never hands their blocks out while the stream may still use them.
+class WorkNCCL : public Work {
+ public:
+  WorkNCCL(std::string description, int64_t seq) : Work(std::move(description), seq) {}
+
+  void wait() override {
+    if (host_blocking_ || is_completed()) {
+      Work::wait();  // a barrier, or already finished: rethrows a failure
+      return;
+    }
+    end_.wait(cuda::current_stream(device_));
+  }
+
+  // Set by the group when it queues the collective, before the Work is returned.
+  int device_ = 0;
+  bool host_blocking_ = false;
+  cuda::Event end_;
+  Clock::time_point deadline_;
+  std::chrono::milliseconds timeout_{0};
+  std::vector<Tensor> keep_;                   // alive until the end event was reached
+  std::vector<std::function<void()>> steps_;  // likewise what their closures hold
+};
+
+}  // namespace
+
+class ProcessGroupNCCL::Impl {
+ public:
+  Impl(const BackendConfig& config, std::string who)
+      : who_(std::move(who)), device_(cuda::current_device()) {
+    LS_CHECK(cuda::is_available(), who_, ": the NCCL backend needs a CUDA GPU, and ",
+             cuda::compiled_with_cuda() ? "none is visible (no GPU or no driver)"
+                                        : "this build has no CUDA support");
+    cuda::DeviceGuard on(device_);
+    ncclUniqueId id;
+    std::memset(&id, 0, sizeof(id));
+    if (config.rank == 0) {
+      try {
+        LS_NCCL_CHECK(ncclGetUniqueId(&id));
+      } catch (const Error& e) {
+        // The others wait for the id: tell them why it will not come.
+        config.store->set(kUniqueIdKey, std::string(kUniqueIdError) + e.message());
+        throw;
+      }
+      config.store->set(kUniqueIdKey, Bytes(id.internal, id.internal + sizeof(id.internal)));
+    } else {
+      Bytes b;
+      try {
+        b = config.store->get(kUniqueIdKey);
+      } catch (const Error& e) {
+        LS_THROW(who_, ": NCCL's unique id from rank 0 did not arrive through the store: ",
+                 e.message());
+      }
+      if (b.size() != sizeof(id.internal)) {
+        LS_THROW(who_, ": rank 0 could not create NCCL's unique id: ", to_string(b));
+      }
+      std::memcpy(id.internal, b.data(), b.size());
+    }
+    try {
+      LS_NCCL_CHECK(ncclCommInitRank(&comm_, config.size, id, config.rank));
+    } catch (const Error& e) {
+      LS_THROW(who_, ": creating the NCCL communicator on cuda:", device_, " failed: ",
+               e.message(), " (two ranks on one GPU are not possible with NCCL)");
+    }
+    stream_ = cuda::Stream::create(device_, /*high_priority=*/true);
+    watchdog_ = std::thread([this] { watch(); });
+  }
+
+  ~Impl() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (watchdog_.joinable()) watchdog_.join();
+    if (comm_ != nullptr && !aborted_) {
+      cuda::DeviceGuard on(device_);
+      const ncclResult_t r = ncclCommDestroy(comm_);
+      if (r != ncclSuccess) {
+        log_warning(who_, ": ncclCommDestroy failed: ", ncclGetErrorString(r));
+      }
+    }
+  }
+
+  int device() const { return device_; }
+  const cuda::Stream& stream() const { return stream_; }
+
+  // Queues `body` (the NCCL call on the communicator and the group's stream) as the collective of
+  // `w` (Note [Stream-ordered works]); `tensors` are what it reads and writes.
+  void launch(const WorkPtr& w, std::chrono::milliseconds timeout, std::vector<Tensor> tensors,
+              const std::function<void(ncclComm_t, cudaStream_t)>& body,
+              bool host_blocking = false) {
+    auto work = std::static_pointer_cast<WorkNCCL>(w);
+    work->device_ = device_;
+    work->host_blocking_ = host_blocking;
+    work->timeout_ = timeout;
+    std::exception_ptr error;
+    {
+      std::unique_lock<std::timed_mutex> comm(comm_mu_);
+      std::string broken;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        broken = broken_;
+      }
+      if (!broken.empty()) {
+        work_finish(*work, make_error(lockstep::detail::str_cat(
+                               who_, ": ", work->description(),
+                               " was not run: this group failed earlier (", broken,
+                               "); build a new group to continue")));
+        return;
+      }
+      try {
+        cuda::DeviceGuard on(device_);
+        // The group's stream waits for what the caller queued so far: the tensors' producers.
+        cuda::Event ready;
+        ready.record(cuda::current_stream(device_));
+        ready.wait(stream_);
+        body(comm_, cuda::raw(stream_));
+        std::vector<std::function<void()>> steps = work_take_steps(*work);
+        {
+          cuda::StreamGuard on_comm(stream_);
+          for (auto& step : steps) step();
+        }
+        for (const Tensor& t : tensors) {
+          if (t.numel() > 0 && t.storage()->owned()) cuda::record_stream(t, stream_);
+        }
+        work->end_.record(stream_);
+        work->keep_ = std::move(tensors);
+        work->steps_ = std::move(steps);
+        work->deadline_ = Clock::now() + timeout;
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }
+    if (error) {
+      // The communicator's state is unknown after a failed call: no collective may follow.
+      fail_all(work, lockstep::detail::str_cat("could not be queued: ", what_of(error)));
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      in_flight_.push_back(work);
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  std::exception_ptr make_error(const std::string& msg) const {
+    return std::make_exception_ptr(Error(msg, __FILE__, __LINE__));
+  }
+
+  // Fails `culprit` with `reason` and every other work in flight as aborted because of it,
+  // poisons the group, and aborts the communicator (once, whoever comes first).
+  void fail_all(const std::shared_ptr<WorkNCCL>& culprit, const std::string& reason) {
+    std::deque<std::shared_ptr<WorkNCCL>> victims;
+    std::string first;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (broken_.empty()) broken_ = lockstep::detail::str_cat(culprit->description(), " ", reason);
+      first = broken_;
+      victims.swap(in_flight_);
+    }
+    cv_.notify_all();
+    // The waiting callers learn of it first: an abort may take long (it waits for the device).
+    work_finish(*culprit,
+                make_error(lockstep::detail::str_cat(who_, ": ", culprit->description(), " ",
+                                                     reason)));
+    for (const auto& w : victims) {
+      if (w == culprit) continue;
+      work_finish(*w, make_error(lockstep::detail::str_cat(
+                          who_, ": ", w->description(),
+                          " failed: the communicator was aborted after ", first)));
+    }
+    abort();
+    // Only now may the memory the aborted kernels used be freed.
+    for (const auto& w : victims) {
+      w->keep_.clear();
+      w->steps_.clear();
+    }
+  }
+
+  void abort() {
+    bool expected = false;
+    if (!aborting_.compare_exchange_strong(expected, true)) return;
+    std::unique_lock<std::timed_mutex> comm(comm_mu_, std::defer_lock);
+    if (!comm.try_lock_for(kAbortLockWait)) {
+      log_warning(who_, ": aborting the NCCL communicator while a thread is inside an NCCL call");
+    }
+    cuda::DeviceGuard on(device_);
+    const ncclResult_t r = ncclCommAbort(comm_);
+    if (r != ncclSuccess) {
+      log_warning(who_, ": ncclCommAbort failed: ", ncclGetErrorString(r));
+    }
+    aborted_ = true;
+  }
+
+  // The watchdog: completes works whose end event was reached, in order (one stream); fails
+  // everything when the oldest one passed its deadline or NCCL reports an error.
+  void watch() {
+    try {
+      cuda::set_device(device_);
+    } catch (const Error& e) {
+      log_error(who_, ": the NCCL watchdog cannot use cuda:", device_, ": ", e.message());
+      return;
+    }
+    for (;;) {
+      std::shared_ptr<WorkNCCL> oldest;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || !in_flight_.empty(); });
+        if (in_flight_.empty()) return;  // stop_, and nothing left in flight
+        oldest = in_flight_.front();
+      }
+      if (aborting_.load()) {
+        std::this_thread::sleep_for(kWatchdogPoll);
+        continue;
+      }
+      // An error NCCL found on its own (a peer that failed, a network error).
+      ncclResult_t async = ncclSuccess;
+      {
+        std::unique_lock<std::timed_mutex> comm(comm_mu_, std::try_to_lock);
+        if (comm.owns_lock() && !aborting_.load()) {
+          const ncclResult_t r = ncclCommGetAsyncError(comm_, &async);
+          if (r != ncclSuccess) async = r;
+        }
+      }
+      if (async != ncclSuccess && async != ncclInProgress) {
+        const char* last = ncclGetLastError(nullptr);
+        fail_all(oldest, lockstep::detail::str_cat(
+                             "failed: NCCL reported an error: ", ncclGetErrorString(async),
+                             last != nullptr && *last != '\0' ? lockstep::detail::str_cat(" (", last, ")")
+                                                              : std::string()));
+        continue;
+      }
+      bool done = false;
+      try {
+        done = oldest->end_.query();
+      } catch (const Error& e) {
+        fail_all(oldest, lockstep::detail::str_cat("failed on the device: ", e.message()));
+        continue;
+      }
+      if (done) {
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (in_flight_.empty() || in_flight_.front() != oldest) continue;  // failed meanwhile
+          in_flight_.pop_front();
+        }
+        oldest->keep_.clear();
+        oldest->steps_.clear();
+        work_finish(*oldest);
+        continue;  // the next one may be done too
+      }
+      if (Clock::now() >= oldest->deadline_) {
+        fail_all(oldest, lockstep::detail::str_cat(
+                             "timed out after ", seconds(oldest->timeout_),
+                             ": a rank did not reach this collective or is far behind (every rank "
+                             "must issue the same collectives in the same order); the NCCL "
+                             "communicator was aborted"));
+        continue;
+      }
+      std::this_thread::sleep_for(kWatchdogPoll);
+    }
+  }
+
+  const std::string who_;
+  const int device_;
+  ncclComm_t comm_ = nullptr;
+  cuda::Stream stream_;
+
+  // Held while the communicator is used by a thread other than the watchdog's polling (a call
+  // queueing a collective, the abort).
+  std::timed_mutex comm_mu_;
+  std::atomic<bool> aborting_{false};
+  std::atomic<bool> aborted_{false};  // the communicator is gone: the destructor leaves it
+
+  std::mutex mu_;  // guards what follows
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<WorkNCCL>> in_flight_;  // in stream order
+  std::string broken_;                               // the first failure; the group is poisoned
+  bool stop_ = false;
+  std::thread watchdog_;  // last: starts once everything above exists
+};
+
+void register_nccl_backend() {
+  register_backend("nccl", [](const BackendConfig& config) -> ProcessGroupPtr {
+    return std::make_shared<ProcessGroupNCCL>(config);
+  });
+}
+
+ProcessGroupNCCL::ProcessGroupNCCL(const BackendConfig& config)
+    : ProcessGroup(config.rank, config.size, config.timeout) {
+  LS_CHECK(config.store != nullptr, who(), ": a store to rendezvous through is required");
+  impl_ = std::make_unique<Impl>(config, who());
+}
+
+ProcessGroupNCCL::~ProcessGroupNCCL() = default;
+
+int ProcessGroupNCCL::device() const { return impl_->device(); }
+const cuda::Stream& ProcessGroupNCCL::stream() const { return impl_->stream(); }
+
+bool ProcessGroupNCCL::supports(Device device) const {
+  return device.is_cuda() && device.index == impl_->device();
+}
+
+Device ProcessGroupNCCL::object_device() const { return cuda_device(impl_->device()); }
+
+WorkPtr ProcessGroupNCCL::create_work(std::string description, int64_t seq) {
+  return std::make_shared<WorkNCCL>(std::move(description), seq);
+}
+
+void ProcessGroupNCCL::do_all_reduce(Tensor tensor, ReduceOp op,
+                                     std::chrono::milliseconds timeout, const WorkPtr& work) {
+  impl_->launch(work, timeout, {tensor}, [&](ncclComm_t comm, cudaStream_t stream) {
+    if (tensor.numel() == 0) return;
+    LS_NCCL_CHECK(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(),
+                                static_cast<size_t>(tensor.numel()), nccl_type(tensor.dtype()),
+                                nccl_op(op), comm, stream));
+  });
+}
+
+// Broadcast and all_gather move bytes: any dtype, bool included.
+void ProcessGroupNCCL::do_broadcast(Tensor tensor, int root, std::chrono::milliseconds timeout,
+                                    const WorkPtr& work) {
+  impl_->launch(work, timeout, {tensor}, [&](ncclComm_t comm, cudaStream_t stream) {
+    if (tensor.numel() == 0) return;
+    LS_NCCL_CHECK(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(),
+                                static_cast<size_t>(tensor.nbytes()), ncclUint8, root, comm,
+                                stream));
+  });
+}
+
+void ProcessGroupNCCL::do_all_gather(Tensor output, Tensor input,
+                                     std::chrono::milliseconds timeout, const WorkPtr& work) {
+  impl_->launch(work, timeout, {output, input}, [&](ncclComm_t comm, cudaStream_t stream) {
+    if (input.numel() == 0) return;
+    LS_NCCL_CHECK(ncclAllGather(input.data_ptr(), output.data_ptr(),
+                                static_cast<size_t>(input.nbytes()), ncclUint8, comm, stream));
+  });
+}
+
+void ProcessGroupNCCL::do_reduce_scatter(Tensor output, Tensor input, ReduceOp op,
+                                         std::chrono::milliseconds timeout, const WorkPtr& work) {
+  impl_->launch(work, timeout, {output, input}, [&](ncclComm_t comm, cudaStream_t stream) {
+    if (output.numel() == 0) return;
+    LS_NCCL_CHECK(ncclReduceScatter(input.data_ptr(), output.data_ptr(),
+                                    static_cast<size_t>(output.numel()),
+                                    nccl_type(output.dtype()), nccl_op(op), comm, stream));
+  });
+}
+
+// NCCL has no barrier: an all-reduce of one element, whose wait() blocks the host.
+void ProcessGroupNCCL::do_barrier(std::chrono::milliseconds timeout, const WorkPtr& work) {
+  Tensor one = empty({1}, TensorOptions(kFloat32).with_device(cuda_device(impl_->device())));
+  one.zero_();
+  impl_->launch(
+      work, timeout, {one},
+      [&](ncclComm_t comm, cudaStream_t stream) {
+        LS_NCCL_CHECK(ncclAllReduce(one.data_ptr(), one.data_ptr(), 1, ncclFloat32, ncclSum,
+                                    comm, stream));
+      },
+      /*host_blocking=*/true);
+}
+
+}  // namespace lockstep::dist
