@@ -1,23 +1,37 @@
-// DataParallel: replicas on threads, gradients summed into replica 0.
+// DataParallel: replicas on threads (on the CPU or one per device), gradients summed into
+// replica 0.
 #include "lockstep/distributed/data_parallel.h"
 
+#include <algorithm>
 #include <cstring>
 #include <exception>
+#include <optional>
 #include <thread>
 
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/base/error.h"
 #include "lockstep/ops/elementwise.h"
+#include "lockstep/tensor/cuda.h"
 
 namespace lockstep::dist {
 
 DataParallel::DataParallel(const std::function<std::shared_ptr<nn::Module>()>& make_replica,
-                           int replicas) {
+                           int replicas)
+    : DataParallel(make_replica, std::vector<Device>(static_cast<size_t>(std::max(replicas, 0)),
+                                                     kCPU)) {
   LS_CHECK(replicas >= 1, "DataParallel: expected at least one replica, got ", replicas);
+}
+
+DataParallel::DataParallel(const std::function<std::shared_ptr<nn::Module>()>& make_replica,
+                           std::vector<Device> devices)
+    : devices_(std::move(devices)) {
+  const int replicas = static_cast<int>(devices_.size());
+  LS_CHECK(replicas >= 1, "DataParallel: expected at least one replica (device), got none");
   LS_CHECK(make_replica != nullptr, "DataParallel: no replica factory given");
   for (int k = 0; k < replicas; ++k) {
     auto m = make_replica();
     LS_CHECK(m != nullptr, "DataParallel: the factory returned no module for replica ", k);
+    if (!devices_[k].is_cpu()) m->to(devices_[k]);
     replicas_.push_back(std::move(m));
   }
   const auto ref = replicas_[0]->named_parameters();
@@ -58,19 +72,37 @@ double DataParallel::forward_backward(const Tensor& input, const Tensor& target,
   LS_CHECK(k_used >= 1, "DataParallel: empty batch");
   broadcast_from_replica0();
 
-  std::vector<double> losses(static_cast<size_t>(k_used), 0.0);
-  std::vector<std::exception_ptr> errors(static_cast<size_t>(k_used));
+  // Note [Replicas on devices]: each replica's thread has the CUDA runtime's per-thread state of
+  // its own (current device, current stream), so work handed between threads is ordered with
+  // events: the replica's thread waits for the copies this thread queued (parameters, above),
+  // and this thread waits for the replica's backward before it reads the gradients.
+  const auto k_count = static_cast<size_t>(k_used);
+  std::vector<cuda::Event> copied(k_count), computed(k_count);
+  for (int k = 0; k < k_used; ++k) {
+    if (devices_[k].is_cuda()) copied[k].record(cuda::current_stream(devices_[k].index));
+  }
+
+  std::vector<double> losses(k_count, 0.0);
+  std::vector<std::exception_ptr> errors(k_count);
   auto run = [&](int k) {
     try {
+      const Device dev = devices_[k];
+      std::optional<cuda::DeviceGuard> on_device;
+      if (dev.is_cuda()) {
+        on_device.emplace(dev.index);
+        copied[k].wait(cuda::current_stream());
+      }
       // Chunk k: sizes differ by at most one, the first (batch % k_used) chunks one larger.
       const int64_t base = batch / k_used, extra = batch % k_used;
       const int64_t start = k * base + std::min<int64_t>(k, extra);
       const int64_t n = base + (k < extra ? 1 : 0);
       nn::Module& m = *replicas_[k];
       if (k > 0) m.zero_grad(/*set_to_none=*/true);
-      Tensor l = loss(m.forward(input.narrow(0, start, n)), target.narrow(0, start, n));
+      Tensor l = loss(m.forward(input.narrow(0, start, n).to(dev)),
+                      target.narrow(0, start, n).to(dev));
       losses[k] = l.item() * static_cast<double>(n) / static_cast<double>(batch);
       mul(l, static_cast<double>(n) / static_cast<double>(batch)).backward();
+      if (dev.is_cuda()) computed[k].record(cuda::current_stream());
     } catch (...) {
       errors[k] = std::current_exception();
     }
@@ -83,18 +115,20 @@ double DataParallel::forward_backward(const Tensor& input, const Tensor& target,
     if (e) std::rethrow_exception(e);
   }
 
-  // Replica 0 accumulated its own chunk; add the others'.
+  // Replica 0 accumulated its own chunk; add the others' (gathered to its device).
   autograd::NoGradGuard no_grad;
   auto dst = replicas_[0]->parameters();
   for (int k = 1; k < k_used; ++k) {
+    if (devices_[k].is_cuda()) computed[k].wait(cuda::current_stream(devices_[k].index));
     const auto src = replicas_[k]->parameters();
     for (size_t i = 0; i < dst.size(); ++i) {
       const Tensor g = src[i].grad();
       if (!g.defined()) continue;
+      const Tensor here = g.to(dst[i].device());
       if (dst[i].grad().defined()) {
-        dst[i].grad().add_(g);
+        dst[i].grad().add_(here);
       } else {
-        dst[i].set_grad(g.clone());
+        dst[i].set_grad(here.is_same(g) ? g.clone() : here);
       }
     }
   }

@@ -11,12 +11,14 @@
 #include <thread>
 
 #include "distributed/bind_address.h"
+#include "distributed/builtin_backends.h"
 #include "lockstep/base/error.h"
 #include "lockstep/base/log.h"
 #include "lockstep/base/worker_env.h"
 #include "lockstep/distributed/error_file.h"
 #include "lockstep/distributed/store/prefix_store.h"
 #include "lockstep/distributed/store/tcp_store.h"
+#include "lockstep/tensor/cuda.h"
 
 namespace lockstep::dist {
 
@@ -114,7 +116,61 @@ World& default_world_locked(Default& d) {
   return *d.world;
 }
 
+// Note [A GPU per rank]
+// The article's pitfall: every process forgets set_device(local_rank) and all of them allocate
+// on GPU 0. connect_world therefore binds the calling thread (the CUDA runtime's current device
+// is per thread, like lockstep::cuda's) to cuda:LOCAL_RANK whenever GPUs exist, before the
+// backend builds its communicator there. It binds even if the program called set_device before:
+// lockstep cannot tell that call from the default device 0, and a binding that depended on it
+// would differ between ranks. A program that wants another mapping says so
+// (InitOptions::cuda_device: an index, or kKeepDevice), or calls set_device afterwards. With
+// more local ranks than GPUs the CPU backends share GPUs round-robin (their cuda tensors are
+// staged through host memory), while NCCL, which cannot run two ranks on one GPU, is refused
+// before anything connects, with what to do instead.
+void bind_device(World& w, const InitOptions& opts) {
+  if (opts.cuda_device == kKeepDevice) {
+    w.cuda_device = cuda::is_available() ? cuda::current_device() : -1;
+    return;
+  }
+  int device = -1;
+  if (opts.cuda_device) {
+    device = *opts.cuda_device;
+  } else {
+    const DeviceChoice choice = choose_device(w.backend, w.env.local_rank,
+                                              w.env.local_world_size, cuda::device_count());
+    if (!choice.error.empty()) LS_THROW("init_process_group: ", choice.error);
+    device = choice.device;
+  }
+  if (device < 0) return;
+  cuda::set_device(device);  // checks the index
+  w.cuda_device = device;
+  log_debug("rank ", w.env.rank, " (local rank ", w.env.local_rank, ") bound to cuda:", device);
+}
+
 }  // namespace
+
+DeviceChoice choose_device(const std::string& backend, int local_rank, int local_world_size,
+                           int device_count) {
+  const bool nccl = backend == "nccl";
+  if (device_count <= 0) {
+    if (!nccl) return {};
+    return {-1, lockstep::detail::str_cat(
+                    "the nccl backend needs a CUDA GPU per rank, but this machine shows none "
+                    "(no GPU, no driver, or CUDA_VISIBLE_DEVICES hides them); on CPUs use the "
+                    "gloo backend")};
+  }
+  if (nccl && local_world_size > device_count) {
+    return {-1, lockstep::detail::str_cat(
+                    env::kLocalWorldSize, "=", local_world_size, " ranks on this machine, but ",
+                    device_count, device_count == 1 ? " GPU is" : " GPUs are",
+                    " visible: under nccl two local ranks would share one GPU, which NCCL cannot "
+                    "do; start at most ",
+                    device_count,
+                    " ranks per machine (lockstep run --nproc-per-node gpu), or use the gloo "
+                    "backend, which moves cuda tensors through host memory")};
+  }
+  return {local_rank % device_count, ""};
+}
 
 World connect_world(DistEnv env, const InitOptions& opts) {
   LS_CHECK(opts.rank.has_value() == opts.world_size.has_value(),
@@ -135,6 +191,11 @@ World connect_world(DistEnv env, const InitOptions& opts) {
   }
   if (backend.empty()) backend = kDefaultBackend;
   if (!has_backend(backend)) {
+    const std::string why = detail::why_not_built(backend);
+    if (!why.empty()) {
+      LS_THROW("init_process_group: backend '", backend, "' (from ", from, ") is not available: ",
+               why);
+    }
     std::string known;
     for (const auto& name : backend_names()) known += (known.empty() ? "" : ", ") + name;
     LS_THROW("init_process_group: unknown backend '", backend, "' (from ", from,
@@ -144,6 +205,7 @@ World connect_world(DistEnv env, const InitOptions& opts) {
   w.env = env;
   w.backend = backend;
   if (env.world_size == 1 && opts.store == nullptr) {
+    bind_device(w, opts);
     w.group = std::make_shared<WorldOfOneGroup>(opts.timeout);
     return w;
   }
@@ -185,6 +247,7 @@ World connect_world(DistEnv env, const InitOptions& opts) {
     const detail::BindChoice bind = detail::choose_bind(env);
     w.bind_address = bind.address;
     w.bind_interface = bind.interface;
+    bind_device(w, opts);
   } catch (const Error& e) {
     w.store->set("error", lockstep::detail::str_cat("rank ", env.rank, ": ", e.message()));
     throw;

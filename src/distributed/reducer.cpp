@@ -61,9 +61,10 @@ void Reducer::build_buckets(const std::vector<size_t>& order) {
     // The bucket being filled is the first (small cap) or a later one (large cap).
     const int64_t limit = buckets.size() == 1 ? opts_.first_bucket_bytes : opts_.bucket_bytes;
     if (buckets.empty() || buckets.back().dtype != p.dtype() ||
-        (bytes > 0 && bytes + p.nbytes() > limit)) {
+        !(buckets.back().device == p.device()) || (bytes > 0 && bytes + p.nbytes() > limit)) {
       buckets.emplace_back();
       buckets.back().dtype = p.dtype();
+      buckets.back().device = p.device();
       bytes = 0;
     }
     Bucket& b = buckets.back();
@@ -75,7 +76,9 @@ void Reducer::build_buckets(const std::vector<size_t>& order) {
   }
   for (size_t bi = 0; bi < buckets.size(); ++bi) {
     Bucket& b = buckets[bi];
-    b.flat = zeros({b.numel + 1}, b.dtype);
+    // On the parameters' device, so that the gradients accumulate straight into it there.
+    b.flat = empty({b.numel + 1}, TensorOptions(b.dtype).with_device(b.device));
+    b.flat.zero_();
     b.pending = static_cast<int>(b.params.size());
     b.handle.index = static_cast<int>(bi);
     b.handle.buffer = b.flat;
@@ -144,6 +147,13 @@ void Reducer::on_grad_ready(size_t i) {
 
 // Buckets go out in index order on every rank, whatever order they fill in: a later bucket that
 // is ready first waits for the earlier ones (collectives must match across ranks).
+//
+// On a GPU the gradients are produced by kernels on the current stream, still running when the
+// hook fires; the backend orders the collective after them (NCCL: its stream waits on an event
+// of the current stream; a CPU backend's staging copy waits for the stream), so backward goes on
+// queueing kernels while the bucket is reduced. finalize()'s wait() makes the current stream
+// wait for each reduction (NCCL: on the device, not the host), so the optimizer's kernels that
+// follow read the averaged gradients.
 void Reducer::launch_ready() {
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
     Bucket& b = buckets_[next_launch_++];

@@ -31,6 +31,7 @@ class Reducer {
  private:
   struct Bucket {
     DType dtype = DType::f32;
+    Device device;  // the parameters' (one bucket, one device)
     std::vector<size_t> params;  // indices into params_
     int64_t numel = 0;           // gradient elements (the flat buffer has one more: status)
     Tensor flat;

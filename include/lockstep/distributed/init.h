@@ -85,7 +85,23 @@ struct InitOptions {
   // Override the environment's values (both or neither).
   std::optional<int> rank;
   std::optional<int> world_size;
+  // The GPU the calling thread is bound to (Note [A GPU per rank] in init.cpp). Unset:
+  // cuda:LOCAL_RANK where GPUs exist (choose_device); an index: that GPU; kKeepDevice: leave the
+  // thread's current device as it is (a program that chose it itself).
+  std::optional<int> cuda_device;
 };
+inline constexpr int kKeepDevice = -1;
+
+// The GPU a rank binds to, from the numbers alone (so the refusals are tested without a GPU):
+// with GPUs, cuda:(local_rank % device_count); without, none (-1). Under NCCL, which cannot put
+// two ranks on one GPU, more local ranks than GPUs, or no GPU at all, is an `error` that says
+// what to do instead.
+struct DeviceChoice {
+  int device = -1;
+  std::string error;
+};
+DeviceChoice choose_device(const std::string& backend, int local_rank, int local_world_size,
+                           int device_count);
 
 // The world group of `env`, without touching the process-wide default: what
 // init_process_group() does, for tests (ranks as threads over a HashStore) and for programs that
@@ -101,6 +117,8 @@ struct World {
   // set.
   std::string bind_address;
   std::string bind_interface;
+  // The GPU connect_world bound the calling thread to, or -1.
+  int cuda_device = -1;
   // How many groups of each rank list this process made (new_group's store namespace).
   std::map<std::string, int> groups_made;
 };
