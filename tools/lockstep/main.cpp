@@ -85,7 +85,7 @@ int main(int argc, char** argv) {
   };
   option("--nproc-per-node", raw.nproc,
          "workers on this machine: 1 to " + std::to_string(kMaxNprocPerNode) +
-             ", or auto (one per GPU, else 1)")
+             ", gpu (one per GPU), cpu (one per CPU) or auto (one per GPU, else one per CPU)")
       ->capture_default_str();
   option("--nnodes", raw.nnodes, "machines in the job")->capture_default_str();
   option("--node-rank", raw.node_rank, "this machine's rank in [0, nnodes)")->capture_default_str();

@@ -17,6 +17,7 @@
 #include "run_options.h"
 
 #include <arpa/inet.h>
+#include <sched.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -28,11 +29,13 @@
 #include <cstdlib>
 #include <filesystem>
 #include <sstream>
+#include <thread>
 
 #include "lockstep/base/syscall.h"
 #include "lockstep/base/worker_env.h"
 #include "lockstep/distributed/init.h"
 #include "lockstep/distributed/store/tcp_store.h"
+#include "lockstep/tensor/cuda.h"
 
 namespace lockstep::launch {
 
@@ -80,17 +83,42 @@ double parse_seconds(const std::string& text, const std::string& source, double 
   return v;
 }
 
-int count_gpus() {
-  int n = 0;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator("/dev", ec)) {
-    const std::string name = e.path().filename().string();
-    if (name.size() > 6 && name.rfind("nvidia", 0) == 0 &&
-        name.find_first_not_of("0123456789", 6) == std::string::npos) {
-      ++n;
-    }
+// Note [nproc-per-node words]
+// torchrun's words for --nproc-per-node: `gpu` = one worker per visible GPU (an error without
+// one), `cpu` = one per CPU, `auto` = one per GPU when there is one, else one per CPU. GPUs are
+// counted by the CUDA runtime (0 in a build without CUDA, and with CUDA_VISIBLE_DEVICES empty);
+// CPUs are those this process may run on (its affinity mask, which a container or taskset
+// narrows; torchrun counts os.cpu_count(), every CPU of the machine).
+int count_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof(set), &set) == 0) {
+    const int n = CPU_COUNT(&set);
+    if (n > 0) return n;
   }
-  return n;
+  const unsigned n = std::thread::hardware_concurrency();
+  return n > 0 ? static_cast<int>(n) : 1;
+}
+
+int nproc_from_word(const std::string& word, const std::string& source) {
+  auto report = [&](int n, const std::string& why) {
+    std::fprintf(stderr, "lockstep run: --nproc-per-node %s = %d (%s)\n", word.c_str(), n,
+                 why.c_str());
+    return n;
+  };
+  if (word == "cpu") {
+    return report(std::min(count_cpus(), kMaxNprocPerNode), "one per CPU");
+  }
+  const int gpus = lockstep::cuda::device_count();
+  if (gpus > 0) return report(std::min(gpus, kMaxNprocPerNode), "one per GPU");
+  if (word == "auto") {
+    return report(std::min(count_cpus(), kMaxNprocPerNode), "no GPU found: one per CPU");
+  }
+  throw UsageError(source + " gpu starts one worker per GPU, but no CUDA GPU is visible (" +
+                   (lockstep::cuda::compiled_with_cuda()
+                        ? "no GPU, no driver, or CUDA_VISIBLE_DEVICES hides them"
+                        : "this build of lockstep has no CUDA support") +
+                   "); give a number of workers, or cpu, or auto (one per GPU, else one per CPU)");
 }
 
 // PROGRAM as execve needs it: a path with a '/' as given, else the first executable on PATH.
@@ -290,14 +318,11 @@ void check_log_dir(const std::string& dir) {
 RunOptions check_run_options(const RawRunOptions& raw, const std::vector<std::string>& command) {
   RunOptions o;
   auto src = [&](const char* flag) { return source_of(raw, flag); };
-  if (raw.nproc == "auto") {
-    const int gpus = count_gpus();
-    o.nproc_per_node = gpus > 0 ? std::min(gpus, kMaxNprocPerNode) : 1;
-    std::fprintf(stderr, "lockstep run: --nproc-per-node auto = %d (%s)\n", o.nproc_per_node,
-                 gpus > 0 ? "one per GPU" : "no GPU found");
+  if (raw.nproc == "auto" || raw.nproc == "gpu" || raw.nproc == "cpu") {
+    o.nproc_per_node = nproc_from_word(raw.nproc, src("--nproc-per-node"));
   } else {
-    o.nproc_per_node = static_cast<int>(
-        parse_int(raw.nproc, src("--nproc-per-node"), 1, kMaxNprocPerNode, ", or auto"));
+    o.nproc_per_node = static_cast<int>(parse_int(raw.nproc, src("--nproc-per-node"), 1,
+                                                  kMaxNprocPerNode, ", or gpu, cpu or auto"));
   }
   o.nnodes = static_cast<int>(parse_int(raw.nnodes, src("--nnodes"), 1, kMaxNnodes));
   o.node_rank = static_cast<int>(parse_int(raw.node_rank, src("--node-rank"), 0, o.nnodes - 1,
