@@ -7,6 +7,7 @@
 #include "lockstep/distributed/init.h"
 #include "lockstep/distributed/store/hash_store.h"
 #include "lockstep/distributed/store/tcp_store.h"
+#include "lockstep/tensor/cuda.h"
 #include "testing.h"
 
 using namespace lockstep;
@@ -233,13 +234,65 @@ TEST(ConnectWorld, BackendIsTheOptionsThenLockstepBackendThenGloo) {
 }
 
 TEST(ConnectWorld, UnknownBackendFromTheEnvironmentListsTheRegisteredOnes) {
-  const DistEnv env = read_dist_env(env_of({{"LOCKSTEP_BACKEND", "nccl"}}));
-  expect_error([&] { connect_world(env); }, {"unknown backend 'nccl' (from LOCKSTEP_BACKEND)",
+  const DistEnv env = read_dist_env(env_of({{"LOCKSTEP_BACKEND", "ucc"}}));
+  expect_error([&] { connect_world(env); }, {"unknown backend 'ucc' (from LOCKSTEP_BACKEND)",
                                              "expected one of", "gloo", "shm"});
   InitOptions o;
   o.backend = "mpi";
   expect_error([&] { connect_world(DistEnv{}, o); },
                {"unknown backend 'mpi' (from InitOptions::backend)", "gloo", "shm"});
+}
+
+// "nccl" is a backend of CUDA builds; elsewhere asking for it says why it is missing rather than
+// calling it unknown, and with CUDA but no GPU init refuses it before anything connects.
+TEST(ConnectWorld, NcclIsRegisteredInCudaBuildsAndExplainedElsewhere) {
+  EXPECT_EQ(has_backend("nccl"), cuda::compiled_with_cuda());
+  const DistEnv env = read_dist_env(env_of({{"LOCKSTEP_BACKEND", "nccl"}}));
+  if (!cuda::compiled_with_cuda()) {
+    expect_error([&] { connect_world(env); },
+                 {"backend 'nccl' (from LOCKSTEP_BACKEND) is not available", "no CUDA support",
+                  "-DLOCKSTEP_CUDA", "gloo"});
+    BackendConfig c;
+    c.store = std::make_shared<HashStore>(30s);
+    c.size = 2;
+    expect_error([&] { create_process_group("nccl", c); },
+                 {"backend 'nccl' is not available", "no CUDA support"});
+  } else if (!cuda::is_available()) {
+    expect_error([&] { connect_world(env); },
+                 {"init_process_group", "nccl backend needs a CUDA GPU", "gloo"});
+  } else {
+    EXPECT_EQ(connect_world(env).backend, "nccl");  // a world of one on cuda:0
+    EXPECT_EQ(cuda::current_device(), 0);
+  }
+}
+
+// Note [A GPU per rank] in src/distributed/init.cpp: the binding and the refusals as numbers.
+TEST(ChooseDevice, CudaLocalRankWhereGpusExistNoneWithout) {
+  EXPECT_EQ(choose_device("gloo", 0, 1, 0).device, -1);
+  EXPECT_EQ(choose_device("gloo", 0, 1, 0).error, "");
+  EXPECT_EQ(choose_device("nccl", 3, 8, 8).device, 3);
+  EXPECT_EQ(choose_device("nccl", 3, 8, 8).error, "");
+  EXPECT_EQ(choose_device("gloo", 7, 8, 8).device, 7);
+  // CPU backends share GPUs round-robin (their cuda tensors are staged through host memory):
+  // two ranks on one GPU is how DDP on CUDA is tested on a machine with one GPU.
+  EXPECT_EQ(choose_device("gloo", 1, 2, 1).device, 0);
+  EXPECT_EQ(choose_device("shm", 5, 8, 4).device, 1);
+  EXPECT_EQ(choose_device("gloo", 5, 8, 4).error, "");
+}
+
+TEST(ChooseDevice, NcclRefusesSharedGpusAndNoGpuSayingWhatToDo) {
+  const DeviceChoice none = choose_device("nccl", 0, 1, 0);
+  EXPECT_EQ(none.device, -1);
+  EXPECT_THAT(none.error, ::testing::HasSubstr("nccl backend needs a CUDA GPU per rank"));
+  EXPECT_THAT(none.error, ::testing::HasSubstr("gloo"));
+  const DeviceChoice shared = choose_device("nccl", 1, 2, 1);
+  EXPECT_EQ(shared.device, -1);
+  for (const char* part : {"LOCAL_WORLD_SIZE=2 ranks on this machine, but 1 GPU is visible",
+                           "share one GPU", "--nproc-per-node gpu", "gloo"}) {
+    EXPECT_THAT(shared.error, ::testing::HasSubstr(part));
+  }
+  EXPECT_THAT(choose_device("nccl", 0, 8, 4).error, ::testing::HasSubstr("4 GPUs are visible"));
+  EXPECT_EQ(choose_device("nccl", 3, 4, 4).error, "");  // as many ranks as GPUs
 }
 
 // A rank whose rank 0 never comes (nothing listens at MASTER_ADDR:MASTER_PORT), or whose

@@ -1,6 +1,7 @@
 // `lockstep run`'s checks before anything starts: numbers out of range named with their range
 // (as the flag or as its LOCKSTEP_ variable), the store token of a job on several machines
 // (Note [Store token] in tools/lockstep/run_options.cpp), and a log directory that cannot be used.
+#include <sched.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -100,6 +101,54 @@ TEST_F(Launcher, MasterPortZeroTakesAFreePortOnOneMachine) {
   const Outcome multi = run_launcher(
       run_args({"--nnodes", "2", "--master-port", "0", "--run-id", "zero"}, out_), dir_, "multi");
   expect_usage_error(multi, out_, {"--master-port", "one machine"});
+}
+
+// torchrun's words (Note [nproc-per-node words] in tools/lockstep/run_options.cpp), with every GPU
+// hidden (CUDA_VISIBLE_DEVICES empty), so the outcome is the same with or without one.
+TEST_F(Launcher, NprocGpuWithoutAGpuIsRefusedSayingWhatToGiveInstead) {
+  const Outcome o = run_launcher(run_args({"--standalone", "--nproc-per-node", "gpu"}, out_), dir_,
+                                 "gpu", {"CUDA_VISIBLE_DEVICES="});
+  expect_usage_error(o, out_, {"--nproc-per-node gpu", "no CUDA GPU is visible", "cpu", "auto"});
+}
+
+// Runs `lockstep run --nproc-per-node WORD` with every GPU hidden and this thread (hence the
+// launcher it spawns) on one CPU, so that a count of CPUs is 1 on any machine.
+Outcome run_on_one_cpu(const std::string& word, const fs::path& out, const fs::path& dir) {
+  cpu_set_t old_set, one;
+  CPU_ZERO(&old_set);
+  EXPECT_EQ(::sched_getaffinity(0, sizeof(old_set), &old_set), 0);
+  int first = 0;
+  while (first < CPU_SETSIZE && !CPU_ISSET(first, &old_set)) ++first;
+  CPU_ZERO(&one);
+  CPU_SET(first, &one);
+  EXPECT_EQ(::sched_setaffinity(0, sizeof(one), &one), 0);
+  const Outcome o =
+      run_launcher(run_args({"--standalone", "--nproc-per-node", word, "--master-port", "0"}, out),
+                   dir, word, {"CUDA_VISIBLE_DEVICES="});
+  EXPECT_EQ(::sched_setaffinity(0, sizeof(old_set), &old_set), 0);
+  return o;
+}
+
+TEST_F(Launcher, NprocAutoWithoutAGpuStartsOneWorkerPerCpu) {
+  const Outcome o = run_on_one_cpu("auto", out_, dir_);
+  ASSERT_TRUE(o.exited_with(0)) << o.describe();
+  EXPECT_THAT(o.err, HasSubstr("--nproc-per-node auto = 1 (no GPU found: one per CPU)"));
+  const auto reports = read_env_reports(out_);
+  ASSERT_EQ(reports.size(), 1u) << o.describe();
+  EXPECT_EQ(reports.at(0).at("LOCAL_WORLD_SIZE"), "1");
+}
+
+TEST_F(Launcher, NprocCpuStartsOneWorkerPerCpu) {
+  const Outcome o = run_on_one_cpu("cpu", out_, dir_);
+  ASSERT_TRUE(o.exited_with(0)) << o.describe();
+  EXPECT_THAT(o.err, HasSubstr("--nproc-per-node cpu = 1 (one per CPU)"));
+  EXPECT_EQ(read_env_reports(out_).size(), 1u) << o.describe();
+}
+
+TEST_F(Launcher, NprocAnUnknownWordListsTheWordsAndTheRange) {
+  const Outcome o = run_launcher(run_args({"--standalone", "--nproc-per-node", "gpus"}, out_),
+                                 dir_, "word");
+  expect_usage_error(o, out_, {"--nproc-per-node", "from 1 to 4096", "gpu, cpu or auto"});
 }
 
 TEST_F(Launcher, SeveralMachinesWithoutASecretAreRefused) {
