@@ -205,21 +205,12 @@ class ProcessGroupNCCL::Impl {
     work->device_ = device_;
     work->host_blocking_ = host_blocking;
     work->timeout_ = timeout;
+    // A poisoned group fails at once, without waiting for an abort in progress (comm_mu_).
+    if (refuse_if_broken(*work)) return;
     std::exception_ptr error;
     {
       std::unique_lock<std::timed_mutex> comm(comm_mu_);
-      std::string broken;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        broken = broken_;
-      }
-      if (!broken.empty()) {
-        work_finish(*work, make_error(lockstep::detail::str_cat(
-                               who_, ": ", work->description(),
-                               " was not run: this group failed earlier (", broken,
-                               "); build a new group to continue")));
-        return;
-      }
+      if (refuse_if_broken(*work)) return;
       try {
         cuda::DeviceGuard on(device_);
         // The group's stream waits for what the caller queued so far: the tensors' producers.
@@ -258,6 +249,19 @@ class ProcessGroupNCCL::Impl {
  private:
   std::exception_ptr make_error(const std::string& msg) const {
     return std::make_exception_ptr(Error(msg, __FILE__, __LINE__));
+  }
+
+  bool refuse_if_broken(Work& work) {
+    std::string broken;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      broken = broken_;
+    }
+    if (broken.empty()) return false;
+    work_finish(work, make_error(lockstep::detail::str_cat(
+                          who_, ": ", work.description(), " was not run: this group failed earlier (",
+                          broken, "); build a new group to continue")));
+    return true;
   }
 
   // Fails `culprit` with `reason` and every other work in flight as aborted because of it,
