@@ -241,6 +241,8 @@ class ProcessGroupNCCL::Impl {
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
+      // Queued while the group was failing (fail_all waits for comm_mu_ before it aborts): the
+      // watchdog fails it with the others once the abort is done.
       in_flight_.push_back(work);
     }
     cv_.notify_all();
@@ -327,7 +329,25 @@ class ProcessGroupNCCL::Impl {
         oldest = in_flight_.front();
       }
       if (aborting_.load()) {
-        std::this_thread::sleep_for(kWatchdogPoll);
+        // Queued while the group was failing: fail them too, once the abort is done.
+        if (!aborted_.load()) {
+          std::this_thread::sleep_for(kWatchdogPoll);
+          continue;
+        }
+        std::deque<std::shared_ptr<WorkNCCL>> late;
+        std::string first;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          late.swap(in_flight_);
+          first = broken_;
+        }
+        for (const auto& w : late) {
+          w->keep_.clear();
+          w->steps_.clear();
+          work_finish(*w, make_error(lockstep::detail::str_cat(
+                              who_, ": ", w->description(),
+                              " failed: the communicator was aborted after ", first)));
+        }
         continue;
       }
       // An error NCCL found on its own (a peer that failed, a network error).
