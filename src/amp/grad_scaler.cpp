@@ -1,13 +1,17 @@
 // GradScaler: dynamic loss scaling.
 #include "lockstep/amp/grad_scaler.h"
 
+#include <algorithm>
 #include <atomic>
+#include <utility>
+#include <vector>
 #include <cmath>
 
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/base/error.h"
 #include "lockstep/ops/elementwise.h"
 #include "lockstep/ops/reduce.h"
+#include "ops/kernels.h"
 #include "tensor/parallel.h"
 
 namespace lockstep::amp {
@@ -72,12 +76,27 @@ void GradScaler::unscale_(optim::Optimizer& opt) {
   autograd::NoGradGuard no_grad;
   const double inv = 1.0 / scale_;
   bool found = false;
+  // Device gradients: one multi-tensor kernel per device does the unscale and the inf check of
+  // all of them, and the flag is read once (Note [Multi-tensor kernels]).
+  std::vector<std::pair<Device, std::vector<Tensor>>> on_devices;
   for (auto& group : opt.param_groups()) {
     for (auto& p : group.params) {
       Tensor g = p.grad();
       if (!g.defined()) continue;
+      if (!g.device().is_cpu() && g.is_contiguous()) {
+        auto it = std::find_if(on_devices.begin(), on_devices.end(),
+                               [&](const auto& e) { return e.first == g.device(); });
+        if (it == on_devices.end()) it = on_devices.insert(on_devices.end(), {g.device(), {}});
+        it->second.push_back(g);
+        continue;
+      }
       found = unscale_and_check(g, inv) || found;
     }
+  }
+  for (auto& [device, grads] : on_devices) {
+    const Tensor found_inf = zeros({1}, TensorOptions(kFloat32).with_device(device));
+    detail::kernel(&detail::Kernels::unscale_check, device, "GradScaler")(grads, inv, found_inf);
+    found = found_inf.item() != 0 || found;
   }
   unscaled_ = &opt;
   found_inf_ = found;

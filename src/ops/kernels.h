@@ -2,6 +2,8 @@
 // type, as ggml has one table of operations per backend.
 #pragma once
 
+#include <vector>
+
 #include "lockstep/base/error.h"
 #include "lockstep/ops/nn.h"
 #include "lockstep/tensor/tensor.h"
@@ -70,6 +72,20 @@ enum class PoolKind : uint8_t { max, avg };
 struct TargetCheck {
   int64_t count = 0;
   BadIndex bad;
+};
+
+// Per-tensor scalars of the fused optimizer updates (src/optim/optimizer.cpp).
+struct SgdScalars {
+  double lr = 0, weight_decay = 0, momentum = 0, dampening = 0;
+  bool nesterov = false;
+};
+struct AdamWScalars {
+  double lr = 0, weight_decay = 0, beta1 = 0, beta2 = 0, eps = 0;
+};
+// What differs between the tensors of one AdamW update: the step count's bias corrections.
+struct AdamWStep {
+  double step_size = 0;  // lr / (1 - beta1^t)
+  double bc2_sqrt = 1;   // sqrt(1 - beta2^t)
 };
 
 struct Kernels {
@@ -210,6 +226,25 @@ struct Kernels {
   LS_KERNEL_ENTRY(batch_norm_backward, const Tensor& dx, const Tensor& dweight,
                   const Tensor& dbias, const Tensor& g, const Tensor& x, const Tensor& mean,
                   const Tensor& var, const Tensor& weight, double eps, bool training)
+  // -- multi-tensor updates (src/amp/grad_scaler.cpp, src/optim/optimizer.cpp) --
+  // One launch over a list of contiguous tensors of one device, however many (Note [Multi-tensor
+  // kernels] in src/ops/cuda/multi_tensor.cu). The CPU keeps its own parallel loops in amp/ and
+  // optim/ and leaves these null.
+  // Every g of grads (f32, f64, bf16 or f16) *= inv in place; found_inf (f32, 1 element, same
+  // device) becomes 1 when any result is inf or NaN and is left alone otherwise.
+  LS_KERNEL_ENTRY(unscale_check, const std::vector<Tensor>& grads, double inv,
+                  const Tensor& found_inf)
+  // SGD with momentum (PyTorch's formula, as src/optim/optimizer.cpp); params, grads and bufs
+  // pairwise of one shape and dtype (f32/f64); bufs empty when momentum is 0; first[i]: buffer i
+  // is new (it takes the gradient as it is).
+  LS_KERNEL_ENTRY(sgd_update, const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                  const std::vector<Tensor>& bufs, const std::vector<uint8_t>& first,
+                  const SgdScalars& o)
+  // Decoupled AdamW; exp_avg and exp_avg_sq like the params; steps[i] for tensor i.
+  LS_KERNEL_ENTRY(adamw_update, const std::vector<Tensor>& params,
+                  const std::vector<Tensor>& grads, const std::vector<Tensor>& exp_avg,
+                  const std::vector<Tensor>& exp_avg_sq, const std::vector<AdamWStep>& steps,
+                  const AdamWScalars& o)
 #undef LS_KERNEL_ENTRY
 };
 

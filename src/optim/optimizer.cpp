@@ -3,9 +3,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/ops/elementwise.h"
+#include "lockstep/ops/reduce.h"
+#include "ops/kernels.h"
 #include "tensor/dispatch.h"
 #include "tensor/parallel.h"
 
@@ -19,10 +22,38 @@ void check_param(const Tensor& p, const char* name) {
   LS_CHECK(p.defined() && p.is_leaf(), name, ": parameters must be leaf tensors");
   LS_CHECK(p.dtype() == kFloat32 || p.dtype() == kFloat64, name,
            ": parameters must be f32 or f64, got ", dtype_name(p.dtype()));
-  LS_CHECK(p.is_contiguous() && p.device().is_cpu(), name,
-           ": parameters must be contiguous CPU tensors, got shape ", p.shape().str(),
-           " strides ", p.strides().str());
+  LS_CHECK(p.is_contiguous(), name, ": parameters must be contiguous tensors, got shape ",
+           p.shape().str(), " strides ", p.strides().str());
 }
+
+// Note [Fused updates on devices]
+// On the CPU each parameter is updated by its own parallel loop (the loop is the fusion). On a
+// device, one launch per parameter would cost more than the arithmetic, so a step gathers its
+// group's parameters per device and runs the multi-tensor kernel of the device's table once
+// (sgd_update, adamw_update in src/ops/kernels.h), with the same formulas as the loops here.
+struct DeviceList {
+  std::vector<Tensor> params, grads, bufs, bufs2;
+  std::vector<uint8_t> first;
+  std::vector<detail::AdamWStep> steps;
+};
+
+struct DeviceLess {
+  bool operator()(const Device& a, const Device& b) const {
+    return a.type != b.type ? a.type < b.type : a.index < b.index;
+  }
+};
+
+struct DeviceLists {
+  std::map<Device, DeviceList, DeviceLess> by_device;
+  void add(const Tensor& p, const Tensor& g, const Tensor& b, const Tensor& b2, bool first) {
+    DeviceList& l = by_device[p.device()];
+    l.params.push_back(p);
+    l.grads.push_back(g);
+    if (b.defined()) l.bufs.push_back(b);
+    if (b2.defined()) l.bufs2.push_back(b2);
+    l.first.push_back(first ? 1 : 0);
+  }
+};
 
 // A contiguous gradient of the parameter's dtype (copies only in unusual cases).
 Tensor grad_of(const Tensor& p) {
@@ -64,7 +95,7 @@ int64_t Optimizer::num_params() const { return static_cast<int64_t>(state_.size(
 
 Tensor& Optimizer::state(int64_t index, const std::string& field, const Tensor& like) {
   Tensor& t = state_[static_cast<size_t>(index)][field];
-  if (!t.defined()) t = zeros(like.shape(), like.dtype());
+  if (!t.defined()) t = zeros(like.shape(), TensorOptions(like.dtype()).with_device(like.device()));
   return t;
 }
 
@@ -140,12 +171,17 @@ void SGD::step() {
   autograd::NoGradGuard no_grad;
   int64_t index = 0;
   for (auto& group : groups_) {
+    DeviceLists lists;
     for (Tensor& p : group.params) {
       const int64_t i = index++;
       if (!p.grad().defined()) continue;
       Tensor g = grad_of(p);
       const bool first = !state_[i].count("momentum_buffer");
       Tensor buf = opts_.momentum != 0 ? state(i, "momentum_buffer", p) : Tensor();
+      if (!p.device().is_cpu()) {
+        lists.add(p, g, buf, Tensor(), first);
+        continue;
+      }
       const double lr = group.lr, wd = group.weight_decay, mom = opts_.momentum;
       const double damp = opts_.dampening;
       const bool nesterov = opts_.nesterov;
@@ -166,6 +202,13 @@ void SGD::step() {
         });
       });
     }
+    const detail::SgdScalars o{group.lr, group.weight_decay, opts_.momentum, opts_.dampening,
+                               opts_.nesterov};
+    for (auto& [device, l] : lists.by_device) {
+      if (opts_.momentum == 0) l.bufs.clear();
+      detail::kernel(&detail::Kernels::sgd_update, device, "SGD")(l.params, l.grads, l.bufs,
+                                                                  l.first, o);
+    }
   }
   ++steps_;
 }
@@ -185,6 +228,7 @@ void AdamW::step() {
   ++steps_;
   int64_t index = 0;
   for (auto& group : groups_) {
+    DeviceLists lists;
     for (Tensor& p : group.params) {
       const int64_t i = index++;
       if (!p.grad().defined()) continue;
@@ -199,6 +243,11 @@ void AdamW::step() {
       const double b1 = opts_.beta1, b2 = opts_.beta2, eps = opts_.eps;
       const double bc1 = 1 - std::pow(b1, t), bc2 = 1 - std::pow(b2, t);
       const double step_size = lr / bc1, bc2_sqrt = std::sqrt(bc2);
+      if (!p.device().is_cpu()) {
+        lists.add(p, g, m, v, false);
+        lists.by_device[p.device()].steps.push_back({step_size, bc2_sqrt});
+        continue;
+      }
       cpu::dispatch_float(p.dtype(), "AdamW", [&]<typename T>() {
         T* pp = p.data<T>();
         const T* gp = g.data<T>();
@@ -215,6 +264,12 @@ void AdamW::step() {
         });
       });
     }
+    const detail::AdamWScalars o{group.lr, group.weight_decay, opts_.beta1, opts_.beta2,
+                                 opts_.eps};
+    for (auto& [device, l] : lists.by_device) {
+      detail::kernel(&detail::Kernels::adamw_update, device, "AdamW")(l.params, l.grads, l.bufs,
+                                                                      l.bufs2, l.steps, o);
+    }
   }
 }
 
@@ -227,9 +282,21 @@ double clip_grad_norm(const std::vector<Tensor>& params, double max_norm, double
   autograd::NoGradGuard no_grad;
   const bool inf_norm = std::isinf(norm_type);
   double acc = 0;
+  // Device gradients: partial norms stay on the device (f64 sums), read once at the end, so
+  // clipping costs one host synchronisation per step, not one per parameter.
+  Tensor device_acc;
   for (const Tensor& p : params) {
     if (!p.grad().defined()) continue;
     Tensor g = grad_of(p);
+    if (!g.device().is_cpu()) {
+      const Tensor a = abs(g.to(kFloat64));
+      Tensor part = inf_norm ? max(a) : sum(mul(a, a));
+      if (device_acc.defined() && part.device() != device_acc.device()) part = part.to(device_acc.device());
+      device_acc = !device_acc.defined() ? part
+                   : inf_norm            ? maximum(device_acc, part)
+                                         : add(device_acc, part);
+      continue;
+    }
     double part = 0;
     cpu::dispatch_float(g.dtype(), "clip_grad_norm", [&]<typename T>() {
       const T* x = g.data<T>();
@@ -246,6 +313,10 @@ double clip_grad_norm(const std::vector<Tensor>& params, double max_norm, double
         });
       }
     });
+    acc = inf_norm ? (std::isnan(part) || part > acc ? part : acc) : acc + part;
+  }
+  if (device_acc.defined()) {
+    const double part = device_acc.item();
     acc = inf_norm ? (std::isnan(part) || part > acc ? part : acc) : acc + part;
   }
   const double total = std::isinf(norm_type) ? acc : std::sqrt(acc);
