@@ -208,6 +208,7 @@ Tensor writable_contiguous(const Tensor& dst) {
 // from directly and asynchronously (pageable memory would go through a staging block).
 Tensor pinned_empty_like(const Tensor& t) {
 #ifdef LOCKSTEP_WITH_CUDA
+  if (t.numel() == 0) return empty({0}, t.dtype());  // nothing to copy either way
   const Dims shape{t.numel()};
   auto storage = std::make_shared<StorageImpl>(static_cast<size_t>(t.nbytes()),
                                                &cuda::pinned_allocator());
