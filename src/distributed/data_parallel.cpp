@@ -17,8 +17,8 @@ namespace lockstep::dist {
 
 DataParallel::DataParallel(const std::function<std::shared_ptr<nn::Module>()>& make_replica,
                            int replicas)
-    : DataParallel(make_replica, std::vector<Device>(static_cast<size_t>(std::max(replicas, 0)),
-                                                     kCPU)) {
+    : DataParallel(make_replica,
+                   std::vector<Device>(static_cast<size_t>(std::max(replicas, 0)), kCPU)) {
   LS_CHECK(replicas >= 1, "DataParallel: expected at least one replica, got ", replicas);
 }
 
@@ -98,8 +98,8 @@ double DataParallel::forward_backward(const Tensor& input, const Tensor& target,
       const int64_t n = base + (k < extra ? 1 : 0);
       nn::Module& m = *replicas_[k];
       if (k > 0) m.zero_grad(/*set_to_none=*/true);
-      Tensor l = loss(m.forward(input.narrow(0, start, n).to(dev)),
-                      target.narrow(0, start, n).to(dev));
+      Tensor l =
+          loss(m.forward(input.narrow(0, start, n).to(dev)), target.narrow(0, start, n).to(dev));
       losses[k] = l.item() * static_cast<double>(n) / static_cast<double>(batch);
       mul(l, static_cast<double>(n) / static_cast<double>(batch)).backward();
       if (dev.is_cuda()) computed[k].record(cuda::current_stream());

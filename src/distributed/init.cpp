@@ -136,8 +136,8 @@ void bind_device(World& w, const InitOptions& opts) {
   if (opts.cuda_device) {
     device = *opts.cuda_device;
   } else {
-    const DeviceChoice choice = choose_device(w.backend, w.env.local_rank,
-                                              w.env.local_world_size, cuda::device_count());
+    const DeviceChoice choice =
+        choose_device(w.backend, w.env.local_rank, w.env.local_world_size, cuda::device_count());
     if (!choice.error.empty()) LS_THROW("init_process_group: ", choice.error);
     device = choice.device;
   }
@@ -193,8 +193,8 @@ World connect_world(DistEnv env, const InitOptions& opts) {
   if (!has_backend(backend)) {
     const std::string why = detail::why_not_built(backend);
     if (!why.empty()) {
-      LS_THROW("init_process_group: backend '", backend, "' (from ", from, ") is not available: ",
-               why);
+      LS_THROW("init_process_group: backend '", backend, "' (from ", from,
+               ") is not available: ", why);
     }
     std::string known;
     for (const auto& name : backend_names()) known += (known.empty() ? "" : ", ") + name;

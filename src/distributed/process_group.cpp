@@ -210,8 +210,8 @@ Tensor pinned_empty_like(const Tensor& t) {
 #ifdef LOCKSTEP_WITH_CUDA
   if (t.numel() == 0) return empty({0}, t.dtype());  // nothing to copy either way
   const Dims shape{t.numel()};
-  auto storage = std::make_shared<StorageImpl>(static_cast<size_t>(t.nbytes()),
-                                               &cuda::pinned_allocator());
+  auto storage =
+      std::make_shared<StorageImpl>(static_cast<size_t>(t.nbytes()), &cuda::pinned_allocator());
   return Tensor(std::make_shared<TensorImpl>(std::move(storage), shape, contiguous_strides(shape),
                                              0, t.dtype()));
 #else
@@ -426,8 +426,8 @@ Tensor on_host(const Tensor& t) { return t.device().is_cpu() ? t : t.to(kCPU); }
 // Two broadcasts: the length (so receivers can size their buffer), then the bytes.
 Bytes ProcessGroup::broadcast_object(const Bytes& object, int root) {
   const Device dev = object_device();
-  Tensor length = on_device(
-      full({1}, rank_ == root ? static_cast<double>(object.size()) : 0.0, kInt64), dev);
+  Tensor length =
+      on_device(full({1}, rank_ == root ? static_cast<double>(object.size()) : 0.0, kInt64), dev);
   broadcast(length, {.root = root})->wait();
   const int64_t n = on_host(length).data<int64_t>()[0];
   Tensor data = empty({n}, kUInt8);

@@ -100,8 +100,8 @@ TEST(Nccl, WorldOfOneRunsEveryCollectiveOnTheDevice) {
   EXPECT_EQ(pg->device(), cuda::current_device());
   const TensorOptions f32 = TensorOptions(kFloat32).with_device(gpu());
   Tensor x = arange(0.0, 6.0, 1.0, f32);
-  for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::min, ReduceOp::max,
-                      ReduceOp::product}) {
+  for (ReduceOp op :
+       {ReduceOp::sum, ReduceOp::avg, ReduceOp::min, ReduceOp::max, ReduceOp::product}) {
     pg->all_reduce(x, {.op = op})->wait();  // with one rank, every reduction is the identity
     EXPECT_EQ(values(x), (std::vector<double>{0, 1, 2, 3, 4, 5})) << reduce_op_name(op);
   }
@@ -179,15 +179,14 @@ TEST(Nccl, WatchdogAbortsAStuckCollectiveAndPoisonsTheGroup) {
   ASSERT_TRUE(stuck->is_completed()) << "the watchdog did not fail the stuck collective";
   EXPECT_GE(std::chrono::steady_clock::now() - t0, 900ms);
   block.release();  // the abort may wait for the device
-  lockstep::testing::expect_error([&] { stuck->wait(); },
-                                  {"rank 0/1 (nccl)", "all_reduce #2", "timed out after 1 s",
-                                   "aborted"});
+  lockstep::testing::expect_error([&] { stuck->wait(); }, {"rank 0/1 (nccl)", "all_reduce #2",
+                                                           "timed out after 1 s", "aborted"});
   // Poisoned: every later collective fails at once, naming the first failure.
   lockstep::testing::expect_error([&] { pg->all_reduce(x)->wait(); },
                                   {"all_reduce #3", "was not run", "all_reduce #2",
                                    "timed out after 1 s", "build a new group"});
-  lockstep::testing::expect_error([&] { pg->barrier()->synchronize(); }, {"barrier #4",
-                                                                           "was not run"});
+  lockstep::testing::expect_error([&] { pg->barrier()->synchronize(); },
+                                  {"barrier #4", "was not run"});
 }
 
 // DDP's reducer on the device through NCCL: buckets on the GPU, all-reduces launched from the
@@ -264,9 +263,9 @@ TEST(GlooStaging, DdpTwoRanksOnOneGpuEqualsOneProcessOnTheWholeBatch) {
         auto ddp = std::make_shared<DistributedDataParallel>(model, pg, o);
         optim::SGD opt(ddp->parameters(), {.lr = 0.1, .momentum = 0.9});
         for (int s = 0; s < kSteps; ++s) {
-          Data mine = shard(Data{data.x.narrow(0, s * kBatch, kBatch),
-                                 data.y.narrow(0, s * kBatch, kBatch)},
-                            r, 2);
+          Data mine = shard(
+              Data{data.x.narrow(0, s * kBatch, kBatch), data.y.narrow(0, s * kBatch, kBatch)}, r,
+              2);
           opt.zero_grad();
           cross_entropy(ddp->forward(mine.x.to(gpu())), mine.y.to(gpu())).backward();
           opt.step();

@@ -34,9 +34,7 @@ class StepsAtQueueTime : public ProcessGroup {
     t.mul_(2.0);
     queue(w);
   }
-  void do_broadcast(Tensor, int, std::chrono::milliseconds, const WorkPtr& w) override {
-    queue(w);
-  }
+  void do_broadcast(Tensor, int, std::chrono::milliseconds, const WorkPtr& w) override { queue(w); }
   void do_all_gather(Tensor out, Tensor in, std::chrono::milliseconds, const WorkPtr& w) override {
     out.copy_(in);
     queue(w);
@@ -89,8 +87,7 @@ TEST(DeviceBackend, StridedOutputsAreWrittenBackByTheQueuedSteps) {
   Tensor in = arange(0.0, 6.0, 1.0, kFloat32);
   pg.all_gather(out, in)->wait();
   EXPECT_EQ(pg.steps_run, 1);
-  EXPECT_EQ(out.contiguous().view({6}).to_vector<float>(),
-            (std::vector<float>{0, 1, 2, 3, 4, 5}));
+  EXPECT_EQ(out.contiguous().view({6}).to_vector<float>(), (std::vector<float>{0, 1, 2, 3, 4, 5}));
   // Object collectives travel on object_device() and come back to the host.
   EXPECT_EQ(to_string(pg.broadcast_object(to_bytes("abc"), 0)), "abc");
   EXPECT_EQ(to_string(pg.all_gather_object(to_bytes("xy"))[0]), "xy");

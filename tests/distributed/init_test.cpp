@@ -235,8 +235,8 @@ TEST(ConnectWorld, BackendIsTheOptionsThenLockstepBackendThenGloo) {
 
 TEST(ConnectWorld, UnknownBackendFromTheEnvironmentListsTheRegisteredOnes) {
   const DistEnv env = read_dist_env(env_of({{"LOCKSTEP_BACKEND", "ucc"}}));
-  expect_error([&] { connect_world(env); }, {"unknown backend 'ucc' (from LOCKSTEP_BACKEND)",
-                                             "expected one of", "gloo", "shm"});
+  expect_error([&] { connect_world(env); },
+               {"unknown backend 'ucc' (from LOCKSTEP_BACKEND)", "expected one of", "gloo", "shm"});
   InitOptions o;
   o.backend = "mpi";
   expect_error([&] { connect_world(DistEnv{}, o); },

@@ -146,8 +146,8 @@ TEST_F(Launcher, NprocCpuStartsOneWorkerPerCpu) {
 }
 
 TEST_F(Launcher, NprocAnUnknownWordListsTheWordsAndTheRange) {
-  const Outcome o = run_launcher(run_args({"--standalone", "--nproc-per-node", "gpus"}, out_),
-                                 dir_, "word");
+  const Outcome o =
+      run_launcher(run_args({"--standalone", "--nproc-per-node", "gpus"}, out_), dir_, "word");
   expect_usage_error(o, out_, {"--nproc-per-node", "from 1 to 4096", "gpu, cpu or auto"});
 }
 

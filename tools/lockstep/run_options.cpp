@@ -17,8 +17,8 @@
 #include "run_options.h"
 
 #include <arpa/inet.h>
-#include <sched.h>
 #include <fcntl.h>
+#include <sched.h>
 #include <sys/stat.h>
 #include <unistd.h>
 

@@ -204,7 +204,9 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
     return work.take_steps();
   }
   // The public calls' buffers are staged for this device (cuda tensors on a CPU backend).
-  bool stages(Device device) const { return !supports(device) && device.is_cuda() && supports(kCPU); }
+  bool stages(Device device) const {
+    return !supports(device) && device.is_cuda() && supports(kCPU);
+  }
 
  private:
   WorkPtr make_work(std::string_view op, std::string detail);

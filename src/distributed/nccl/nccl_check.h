@@ -13,9 +13,9 @@ namespace lockstep::dist::detail {
 
 }  // namespace lockstep::dist::detail
 
-#define LS_NCCL_CHECK(call)                                                                  \
-  do {                                                                                       \
-    ncclResult_t ls_nccl_result_ = (call);                                                   \
-    if (ls_nccl_result_ != ncclSuccess) [[unlikely]]                                         \
+#define LS_NCCL_CHECK(call)                                                                   \
+  do {                                                                                        \
+    ncclResult_t ls_nccl_result_ = (call);                                                    \
+    if (ls_nccl_result_ != ncclSuccess) [[unlikely]]                                          \
       ::lockstep::dist::detail::throw_nccl_error(ls_nccl_result_, #call, __FILE__, __LINE__); \
   } while (0)

@@ -129,7 +129,7 @@ class WorkNCCL : public Work {
   cuda::Event end_;
   Clock::time_point deadline_;
   std::chrono::milliseconds timeout_{0};
-  std::vector<Tensor> keep_;                   // alive until the end event was reached
+  std::vector<Tensor> keep_;                  // alive until the end event was reached
   std::vector<std::function<void()>> steps_;  // likewise what their closures hold
 };
 
@@ -159,8 +159,8 @@ class ProcessGroupNCCL::Impl {
       try {
         b = config.store->get(kUniqueIdKey);
       } catch (const Error& e) {
-        LS_THROW(who_, ": NCCL's unique id from rank 0 did not arrive through the store: ",
-                 e.message());
+        LS_THROW(who_,
+                 ": NCCL's unique id from rank 0 did not arrive through the store: ", e.message());
       }
       if (b.size() != sizeof(id.internal)) {
         LS_THROW(who_, ": rank 0 could not create NCCL's unique id: ", to_string(b));
@@ -170,8 +170,8 @@ class ProcessGroupNCCL::Impl {
     try {
       LS_NCCL_CHECK(ncclCommInitRank(&comm_, config.size, id, config.rank));
     } catch (const Error& e) {
-      LS_THROW(who_, ": creating the NCCL communicator on cuda:", device_, " failed: ",
-               e.message(), " (two ranks on one GPU are not possible with NCCL)");
+      LS_THROW(who_, ": creating the NCCL communicator on cuda:", device_, " failed: ", e.message(),
+               " (two ranks on one GPU are not possible with NCCL)");
     }
     stream_ = cuda::Stream::create(device_, /*high_priority=*/true);
     watchdog_ = std::thread([this] { watch(); });
@@ -260,9 +260,10 @@ class ProcessGroupNCCL::Impl {
       broken = broken_;
     }
     if (broken.empty()) return false;
-    work_finish(work, make_error(lockstep::detail::str_cat(
-                          who_, ": ", work.description(), " was not run: this group failed earlier (",
-                          broken, "); build a new group to continue")));
+    work_finish(work,
+                make_error(lockstep::detail::str_cat(who_, ": ", work.description(),
+                                                     " was not run: this group failed earlier (",
+                                                     broken, "); build a new group to continue")));
     return true;
   }
 
@@ -279,9 +280,8 @@ class ProcessGroupNCCL::Impl {
     }
     cv_.notify_all();
     // The waiting callers learn of it first: an abort may take long (it waits for the device).
-    work_finish(*culprit,
-                make_error(lockstep::detail::str_cat(who_, ": ", culprit->description(), " ",
-                                                     reason)));
+    work_finish(*culprit, make_error(lockstep::detail::str_cat(who_, ": ", culprit->description(),
+                                                               " ", reason)));
     for (const auto& w : victims) {
       if (w == culprit) continue;
       work_finish(*w, make_error(lockstep::detail::str_cat(
@@ -361,10 +361,11 @@ class ProcessGroupNCCL::Impl {
       }
       if (async != ncclSuccess && async != ncclInProgress) {
         const char* last = ncclGetLastError(nullptr);
-        fail_all(oldest, lockstep::detail::str_cat(
-                             "failed: NCCL reported an error: ", ncclGetErrorString(async),
-                             last != nullptr && *last != '\0' ? lockstep::detail::str_cat(" (", last, ")")
-                                                              : std::string()));
+        fail_all(oldest,
+                 lockstep::detail::str_cat(
+                     "failed: NCCL reported an error: ", ncclGetErrorString(async),
+                     last != nullptr && *last != '\0' ? lockstep::detail::str_cat(" (", last, ")")
+                                                      : std::string()));
         continue;
       }
       bool done = false;
@@ -443,8 +444,8 @@ WorkPtr ProcessGroupNCCL::create_work(std::string description, int64_t seq) {
   return std::make_shared<WorkNCCL>(std::move(description), seq);
 }
 
-void ProcessGroupNCCL::do_all_reduce(Tensor tensor, ReduceOp op,
-                                     std::chrono::milliseconds timeout, const WorkPtr& work) {
+void ProcessGroupNCCL::do_all_reduce(Tensor tensor, ReduceOp op, std::chrono::milliseconds timeout,
+                                     const WorkPtr& work) {
   impl_->launch(work, timeout, {tensor}, [&](ncclComm_t comm, cudaStream_t stream) {
     if (tensor.numel() == 0) return;
     LS_NCCL_CHECK(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(),
@@ -464,8 +465,8 @@ void ProcessGroupNCCL::do_broadcast(Tensor tensor, int root, std::chrono::millis
   });
 }
 
-void ProcessGroupNCCL::do_all_gather(Tensor output, Tensor input,
-                                     std::chrono::milliseconds timeout, const WorkPtr& work) {
+void ProcessGroupNCCL::do_all_gather(Tensor output, Tensor input, std::chrono::milliseconds timeout,
+                                     const WorkPtr& work) {
   impl_->launch(work, timeout, {output, input}, [&](ncclComm_t comm, cudaStream_t stream) {
     if (input.numel() == 0) return;
     LS_NCCL_CHECK(ncclAllGather(input.data_ptr(), output.data_ptr(),
@@ -478,8 +479,8 @@ void ProcessGroupNCCL::do_reduce_scatter(Tensor output, Tensor input, ReduceOp o
   impl_->launch(work, timeout, {output, input}, [&](ncclComm_t comm, cudaStream_t stream) {
     if (output.numel() == 0) return;
     LS_NCCL_CHECK(ncclReduceScatter(input.data_ptr(), output.data_ptr(),
-                                    static_cast<size_t>(output.numel()),
-                                    nccl_type(output.dtype()), nccl_op(op), comm, stream));
+                                    static_cast<size_t>(output.numel()), nccl_type(output.dtype()),
+                                    nccl_op(op), comm, stream));
   });
 }
 
@@ -490,8 +491,8 @@ void ProcessGroupNCCL::do_barrier(std::chrono::milliseconds timeout, const WorkP
   impl_->launch(
       work, timeout, {one},
       [&](ncclComm_t comm, cudaStream_t stream) {
-        LS_NCCL_CHECK(ncclAllReduce(one.data_ptr(), one.data_ptr(), 1, ncclFloat32, ncclSum,
-                                    comm, stream));
+        LS_NCCL_CHECK(
+            ncclAllReduce(one.data_ptr(), one.data_ptr(), 1, ncclFloat32, ncclSum, comm, stream));
       },
       /*host_blocking=*/true);
 }
