@@ -149,10 +149,40 @@ struct Model {
   std::function<double(const data::Batch& batch, double weight, bool sync)> forward_backward;
 };
 
+// The device this rank trains on: the CPU, or with --device cuda the GPU init_process_group made
+// current (cuda:LOCAL_RANK under the launcher).
+Device train_device(const Config& cfg) {
+  return cfg.device == "cuda" ? cuda_device(cuda::current_device()) : kCPU;
+}
+
 Model build_model(const Config& cfg, const std::shared_ptr<dist::ProcessGroup>& pg, Generator& gen,
                   amp::GradScaler& scaler) {
   Model m;
   m.params = examples::build_fashion_mnist_model(cfg.model, gen);
+  if (cfg.dp > 1 && cfg.device == "cuda") {
+    // --dp K --device cuda: one replica per GPU, cuda:0..K-1, the batch split across them and
+    // the gradients summed on cuda:0 (the article's DataParallel).
+    std::vector<Device> devices;
+    for (int k = 0; k < static_cast<int>(cfg.dp); ++k) devices.push_back(cuda_device(k));
+    m.dp = std::make_unique<dist::DataParallel>(
+        [&cfg] {
+          Generator g(cfg.seed);
+          return examples::build_fashion_mnist_model(cfg.model, g);
+        },
+        devices);
+    m.params = m.dp->module();
+    m.forward_backward = [dp = m.dp.get()](const data::Batch& batch, double weight, bool) {
+      return dp->forward_backward(batch.input, batch.target,
+                                  [weight](const Tensor& out, const Tensor& t) {
+                                    return mul(cross_entropy(out, t), weight);
+                                  });
+    };
+    return m;
+  }
+  // --device cuda: this rank's GPU, the one init_process_group bound it to (cuda:LOCAL_RANK).
+  // The model moves there before DDP wraps it, so DDP's buckets and broadcasts are on the GPU.
+  const Device device = train_device(cfg);
+  m.params->to(device);
   if (cfg.dp > 1) {
     // --dp K: DataParallel, K replicas on threads in this one process (the baseline).
     LS_CHECK(pg->size() == 1,
@@ -175,13 +205,14 @@ Model build_model(const Config& cfg, const std::shared_ptr<dist::ProcessGroup>& 
   // In this thread, under autocast with --amp; the loss scaler scales what backward starts from.
   const DType amp_dtype = cfg.amp == "fp16" ? kFloat16 : kBFloat16;
   const bool amp_on = cfg.amp != "none";
-  auto local = [amp_dtype, amp_on, &scaler](nn::Module& net, const data::Batch& batch,
-                                            double weight) {
+  auto local = [amp_dtype, amp_on, device, &scaler](nn::Module& net, const data::Batch& batch,
+                                                    double weight) {
     Tensor loss;
     {
       amp::autocast ac(amp_dtype, amp_on);
-      Tensor logits = net.forward(batch.input);    // (B,10), bf16/f16 under autocast
-      loss = cross_entropy(logits, batch.target);  // () in f32 always
+      // To the GPU (asynchronously, through pinned staging) when training there.
+      Tensor logits = net.forward(batch.input.to(device));  // (B,10), bf16/f16 under autocast
+      loss = cross_entropy(logits, batch.target.to(device));  // () in f32 always
     }
     scaler.scale(mul(loss, weight)).backward();
     return loss.item() * weight;
@@ -234,7 +265,8 @@ class TestCrash {
 
 // Each rank evaluates its share of the test set (the non-padding sampler: every sample once over
 // all ranks); the counts are summed across ranks.
-double test_accuracy(nn::Module& model, const data::MnistDataset& test, dist::ProcessGroup& pg) {
+double test_accuracy(nn::Module& model, const data::MnistDataset& test, dist::ProcessGroup& pg,
+                     const Device& device) {
   NoGradGuard no_grad;
   model.eval();
   data::DistributedSampler shard(
@@ -246,9 +278,9 @@ double test_accuracy(nn::Module& model, const data::MnistDataset& test, dist::Pr
     const size_t n = std::min<size_t>(kEvalBatch, idx.size() - start);
     std::vector<int64_t> rows(idx.begin() + start, idx.begin() + start + n);
     Tensor which = from_vector(rows, {static_cast<int64_t>(n)});
-    Tensor logits = model.forward(index_select(test.images(), 0, which));  // (n,10)
+    Tensor logits = model.forward(index_select(test.images(), 0, which).to(device));  // (n,10)
     correct += static_cast<int64_t>(
-        sum(eq(argmax(logits, 1), index_select(test.labels(), 0, which))).item());
+        sum(eq(argmax(logits, 1).to(kCPU), index_select(test.labels(), 0, which))).item());
   }
   counts.set_at({0}, static_cast<double>(correct));
   counts.set_at({1}, static_cast<double>(idx.size()));
@@ -495,12 +527,14 @@ void Trainer::start() {
   if (main_rank_) {
     std::printf(
         "model=%s params=%lld threads=%d train=%lld test=%lld batch=%lld world_size=%d "
-        "global_batch=%lld backend=%s\n",
+        "global_batch=%lld backend=%s device=%s\n",
         cfg_.model.c_str(), static_cast<long long>(model_.params->num_parameters()),
         get_num_threads(), static_cast<long long>(train_data_->size()),
         static_cast<long long>(test_data_ ? test_data_->size() : 0),
         static_cast<long long>(cfg_.batch_size), world_,
-        static_cast<long long>(cfg_.batch_size * world_), std::string(pg_->backend()).c_str());
+        static_cast<long long>(cfg_.batch_size * world_), std::string(pg_->backend()).c_str(),
+        model_.dp ? model_.dp->devices().front().str().c_str()
+                  : train_device(cfg_).str().c_str());
     std::printf(
         "amp=%s accum_steps=%lld effective_batch=%lld lr=%g (scaling %s from base batch %lld) "
         "schedule=%s warmup_steps=%lld optimizer_steps=%lld\n",
@@ -678,7 +712,8 @@ double Trainer::mean_loss() {
 
 // Test accuracy over all ranks' shares of the test set, recorded with --metrics.
 double Trainer::evaluate() {
-  const double accuracy = test_accuracy(*model_.params, *test_data_, *pg_);
+  const Device device = model_.dp ? model_.dp->devices().front() : train_device(cfg_);
+  const double accuracy = test_accuracy(*model_.params, *test_data_, *pg_, device);
   if (metrics_)
     metrics_->write(
         io::EvalRecord{.step = pos_.step, .epoch = pos_.epoch, .test_accuracy = accuracy});

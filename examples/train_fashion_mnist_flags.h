@@ -15,6 +15,7 @@
 #include <string>
 #include <type_traits>
 
+#include "lockstep/tensor/cuda.h"
 #include "lockstep/data/data.h"
 #include "lockstep/distributed/process_group.h"
 
@@ -48,6 +49,7 @@ struct Config {
   bool ddp_stats = false;
   int64_t dp = 1;
   std::string amp = "none";         // none | bf16 | fp16
+  std::string device = "cpu";       // cpu | cuda (each rank on its local GPU)
   int64_t accum_steps = 1;          // micro-batches per optimizer step
   std::string lr_scaling = "none";  // linear | sqrt | none, relative to base_batch
   int64_t base_batch = 64;
@@ -187,6 +189,11 @@ inline int parse_flags(int argc, char** argv, Config& cfg) {
   add_number(app, "--dp", cfg.dp, I{1, kMaxThreads},
              "DataParallel with K replicas on threads (one process)");
   app.add_flag("--ddp-stats", cfg.ddp_stats, "Print DDP's bucket and communication statistics");
+  app.add_option("--device", cfg.device,
+                 "Where the model trains: cpu, or cuda (each rank on its local GPU, "
+                 "cuda:LOCAL_RANK; with --dp K, replicas on cuda:0..K-1)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
   app.add_option("--amp", cfg.amp, "Mixed precision: autocast to bf16, or fp16 with loss scaling")
       ->check(CLI::IsMember({"none", "bf16", "fp16"}))
       ->capture_default_str();
@@ -214,6 +221,17 @@ inline int parse_flags(int argc, char** argv, Config& cfg) {
         "--amp runs in the calling thread's autocast scope; DataParallel's replica "
         "threads have none, so --amp cannot be combined with --dp " +
         std::to_string(cfg.dp));
+  }
+  if (cfg.device == "cuda" && !cuda::is_available()) {
+    return usage_error(cuda::compiled_with_cuda()
+                           ? "--device cuda: no GPU is visible to this process"
+                           : "--device cuda: this build of lockstep has no CUDA support "
+                             "(build it where the CUDA toolkit is installed)");
+  }
+  if (cfg.device == "cuda" && cfg.dp > cuda::device_count()) {
+    return usage_error("--dp " + std::to_string(cfg.dp) + " with --device cuda needs " +
+                       std::to_string(cfg.dp) + " GPUs, but " +
+                       std::to_string(cuda::device_count()) + " are visible");
   }
   if ((cfg.save_every > 0 || cfg.resume == "auto") && cfg.save.empty()) {
     return usage_error(std::string(cfg.save_every > 0 ? "--save-every" : "--resume auto") +

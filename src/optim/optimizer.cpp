@@ -151,7 +151,7 @@ void Optimizer::load_state_dict(const NamedTensors& state) {
     }
     LS_CHECK(t.shape() == params[idx]->shape(), name_, ": state '", name, "' has shape ",
              t.shape().str(), " but parameter ", idx, " has shape ", params[idx]->shape().str());
-    fresh[idx][field] = t.to(params[idx]->dtype()).clone();
+    fresh[idx][field] = t.to(params[idx]->dtype()).to(params[idx]->device()).clone();
   }
   LS_CHECK(have_step, name_, ": state has no 'step' entry");
   state_ = std::move(fresh);
