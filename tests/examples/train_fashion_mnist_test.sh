@@ -201,6 +201,38 @@ EOF
     awk -v a="$f32" -v b="$b16" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(d <= 0.01 && b >= 0.85) }' \
       || fail "bf16 accuracy $b16 against f32 $f32"
     ;;
+  device)
+    # --device cuda where no GPU is: a usage error (exit 2) that says why, before any data is
+    # read. With a GPU: the cuda case below runs instead, and this one checks the flag's range.
+    expect_exit 2 "--device" --device tpu
+    if ! "$exe" --device cuda --max-steps 0 --no-eval > "$work/out" 2>&1; then
+      grep -q -e "no GPU is visible" -e "no CUDA support" "$work/out" \
+        || { cat "$work/out"; fail "--device cuda without a GPU gave no reason"; }
+      expect_exit 2 "no" --device cuda
+    fi
+    ;;
+  cuda)
+    # On a GPU (label gpu; skipped, exit 77, where there is none): the MLP and the CNN learn on
+    # cuda as on the CPU, bf16 autocast too; 100 steps end within 1e-3 of the CPU's loss; and 2
+    # ranks on one GPU train through gloo (staging through pinned host memory).
+    if ! "$exe" --device cuda --max-steps 1 --no-eval --log-every 0 > "$work/probe" 2>&1; then
+      echo "SKIP: no CUDA device: $(tail -n 1 "$work/probe")"
+      exit 77
+    fi
+    train_check 0.75 --model mlp --max-steps 250 --device cuda
+    train_check 0.70 --model cnn --max-steps 150 --device cuda
+    train_check 0.75 --model mlp --max-steps 250 --device cuda --amp bf16
+    "$exe" --log-every 0 --max-steps 100 --threads 1 > "$work/cpu" 2>&1 || fail "cpu run failed"
+    "$exe" --log-every 0 --max-steps 100 --device cuda > "$work/gpu" 2>&1 || fail "cuda run failed"
+    a=$(final_loss "$work/cpu"); b=$(final_loss "$work/gpu")
+    awk -v a="$a" -v b="$b" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(d <= 1e-3) }' \
+      || fail "100 steps: cpu loss $a, cuda loss $b"
+    if [ -x "$tool" ]; then
+      "$tool" run --standalone --nproc-per-node 2 "$exe" --log-every 0 --max-steps 100 \
+        --device cuda --backend gloo > "$work/ddp" 2>&1 || { cat "$work/ddp"; fail "DDP on cuda failed"; }
+      tail -n 1 "$work/ddp"
+    fi
+    ;;
   accum)
     # --accum-steps 4: steps and the schedule count optimizer steps; the effective batch and the
     # linearly scaled lr are printed.
