@@ -12,9 +12,11 @@ namespace {
 // Note [Random tensors] fixes which Philox block and lanes every element draws, so a fill's
 // values do not depend on the device. Each thread computes one Philox block and writes the
 // elements that block feeds (4 for a 32-bit draw, 2 for a 64-bit one), in a grid-stride loop.
-// The arithmetic after the draw is the CPU kernel's, in double where it is in double, with
-// explicitly rounded operations (__dmul_rn, __dadd_rn) because nvcc would otherwise contract
-// `low + span * u` into one fused multiply-add, which the CPU build (no -march) never does.
+// The value of each element is computed by the host/device functions of src/ops/cuda/philox.cuh
+// (uniform_value, normal_value, randint_value): the CPU kernel's arithmetic, in double where it
+// is in double, with explicitly rounded operations (__dmul_rn, __dadd_rn) because nvcc would
+// otherwise contract `low + span * u` into one fused multiply-add, which the CPU build (no
+// -march) never does; tests/ops/philox_test.cpp checks their host side against the CPU kernels.
 // rand, randint and arange are bit-identical to the CPU. randn goes through log, sin and cos,
 // which CUDA's libm computes within 1-2 ulp where glibc rounds (nearly always) correctly: a f64
 // randn may differ from the CPU's in its last bits; after rounding to f32/bf16/f16 a difference
@@ -42,14 +44,7 @@ __global__ void rand_uniform_kernel(T* out, int64_t n, uint64_t seed, uint64_t s
     for (int k = 0; k < per_block; ++k) {
       const int64_t i = j * per_block + k;
       if (i >= n) break;
-      double u;
-      if constexpr (wide) {
-        u = philox::to_unit_double(b.x[2 * k], b.x[2 * k + 1]);
-      } else {
-        u = static_cast<double>(philox::to_unit_float(b.x[k]));
-      }
-      const double v = __dadd_rn(low, __dmul_rn(span, u));
-      out[i] = convert<T>(v < high ? v : low);
+      out[i] = convert<T>(philox::uniform_value(b, k, wide, low, high, span));
     }
   }
 }
@@ -64,16 +59,10 @@ __global__ void rand_normal_kernel(T* out, int64_t n, uint64_t seed, uint64_t st
   for (int64_t j = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; j < blocks; j += stride) {
     const philox::Block b = philox::philox(seed, start + static_cast<uint64_t>(j));
 #pragma unroll
-    for (int pair = 0; pair < 4; pair += 2) {
-      const int64_t i0 = j * 4 + pair;
-      if (i0 >= n) break;
-      const double u1 = (static_cast<double>(b.x[pair]) + 1.0) * 0x1.0p-32;  // (0, 1], exact
-      const double u2 = static_cast<double>(b.x[pair + 1]) * 0x1.0p-32;
-      const double r = sqrt(-2.0 * log(u1));  // -2 * x is exact
-      const double angle = __dmul_rn(2.0 * M_PI, u2);
-      out[i0] = convert<T>(__dadd_rn(mean, __dmul_rn(std, __dmul_rn(r, cos(angle)))));
-      if (i0 + 1 < n)
-        out[i0 + 1] = convert<T>(__dadd_rn(mean, __dmul_rn(std, __dmul_rn(r, sin(angle)))));
+    for (int k = 0; k < 4; ++k) {
+      const int64_t i = j * 4 + k;
+      if (i >= n) break;
+      out[i] = convert<T>(philox::normal_value(b, k, mean, std));
     }
   }
 }
@@ -90,8 +79,7 @@ __global__ void randint_kernel(T* out, int64_t n, uint64_t seed, uint64_t start,
     for (int k = 0; k < 2; ++k) {
       const int64_t i = j * 2 + k;
       if (i >= n) break;
-      const uint64_t r = static_cast<uint64_t>(b.x[2 * k]) << 32 | b.x[2 * k + 1];
-      out[i] = convert<T>(low + static_cast<int64_t>(r % span));
+      out[i] = convert<T>(philox::randint_value(b, k, low, span));
     }
   }
 }

@@ -53,6 +53,7 @@ struct DimList {
 
   // Element offset of row-major position i.
   __device__ int64_t offset(int64_t i) const {
+    if (n == 1) return i * strides[0];  // the common case, without a 64-bit division
     int64_t off = 0;
     for (int d = n - 1; d >= 0; --d) {
       off += (i % shape[d]) * strides[d];
@@ -292,9 +293,14 @@ int64_t outputs_of(const ReducePlan& p) {
 void sum(const Tensor& out, const Tensor& a, const ReducePlan& p, double scale) {
   TensorDeviceGuard guard(a);
   const int64_t outputs = outputs_of(p);
-  dispatch_numeric(a.dtype(), "sum", [&]<typename T>() {
-    using Out = std::conditional_t<std::is_floating_point_v<T>, T, int64_t>;
-    run_reduce<T>("sum", a, p, outputs, SumReducer<T, Out>{data_of<Out>(out), scale, 0.0});
+  // Bool sums too (counting trues), as on the CPU; 16-bit floats arrive as f32 (the front).
+  dispatch_all(a.dtype(), "sum", [&]<typename T>() {
+    if constexpr (is_half_v<T>) {
+      LS_THROW("sum: unreachable 16-bit float input on cuda (the front sums them as f32)");
+    } else {
+      using Out = std::conditional_t<std::is_floating_point_v<T>, T, int64_t>;
+      run_reduce<T>("sum", a, p, outputs, SumReducer<T, Out>{data_of<Out>(out), scale, 0.0});
+    }
   });
 }
 

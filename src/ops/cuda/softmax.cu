@@ -218,7 +218,7 @@ __global__ void dropout_mask_kernel(uint8_t* mask, int64_t n, uint64_t seed, uin
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const int64_t i = j * 4 + k;
-      if (i < n) mask[i] = philox::lane_unit(b.x[k]) >= p;
+      if (i < n) mask[i] = philox::keep_value(b, k, p);
     }
   }
 }
