@@ -11,8 +11,11 @@ namespace lockstep::cuda_ops {
 namespace {
 
 // Note [CUDA softmax]
-// One warp per row when the row has at most kWarpRowLimit elements, else one block of kBlock
-// threads per row. Each thread takes the elements t, t + threads, ... of the row; partial
+// Rows are spread three ways: one thread per row when the rows lie side by side in memory
+// (softmax over a dim that is not the innermost, with many rows: neighbouring threads read
+// neighbouring addresses, and each row is summed in the CPU's order); otherwise one warp per row
+// when the row has at most kWarpRowLimit elements, else one block of kBlock threads per row.
+// In a warp or block row each thread takes the elements t, t + threads, ... of the row; partial
 // results combine through a fixed butterfly of warp shuffles (and, for a block, the warps'
 // results in warp order), so every run gives the same bits. As on the CPU: the max is taken in
 // T and ignores NaN (std::max's `mx < x ? x : mx`; a NaN then poisons the sum), exponentials in
@@ -72,13 +75,19 @@ struct AddOp {
   __device__ T operator()(T a, T b) const { return a + b; }
 };
 
-// The combination of v over the threads of the row (a warp, or the whole block), the same in
-// every thread. `scratch` holds one value per warp (block rows only).
+// Who works on one row (Note [CUDA softmax]).
+enum class RowMode : int { thread, warp, block };
+
+// The combination of v over the threads of the row (none, a warp, or the whole block), in a
+// fixed order; every thread of the row gets it (up to the sign of a zero maximum, which the
+// butterfly may leave differing between lanes and which no output depends on except through
+// x - max of a zero x). `scratch` holds one value per warp (block rows only).
 template <typename T, typename Op>
-__device__ T row_reduce(T v, Op op, bool block_row, T* scratch) {
+__device__ T row_reduce(T v, Op op, RowMode mode, T* scratch) {
+  if (mode == RowMode::thread) return v;
 #pragma unroll
   for (int m = kWarp / 2; m > 0; m /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, m));
-  if (!block_row) return v;
+  if (mode == RowMode::warp) return v;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int warps = blockDim.x / kWarp;
   __syncthreads();  // scratch may still be read from the previous reduction
@@ -89,42 +98,64 @@ __device__ T row_reduce(T v, Op op, bool block_row, T* scratch) {
   return r;
 }
 
-// The row this thread works on, its first element and the step between its elements; false
-// when the thread has no row (a warp past the last row).
+// The row this thread works on in iteration `it` of the grid-stride loop, its first element
+// and the step between its elements.
 struct RowWork {
   int64_t row, first, threads;
-  bool block_row;
 };
 
-__device__ inline RowWork row_work(bool block_row, int64_t iteration) {
-  if (block_row) return RowWork{iteration, threadIdx.x, blockDim.x, true};
-  const int64_t warps = blockDim.x / kWarp;
-  return RowWork{iteration * warps + threadIdx.x / kWarp, threadIdx.x % kWarp, kWarp, false};
+// Rows per block and iteration: one per thread, per warp, or per block.
+__host__ __device__ inline int64_t rows_per_block(RowMode mode) {
+  return mode == RowMode::thread ? kBlock : mode == RowMode::warp ? kBlock / kWarp : 1;
 }
 
-// Rows handled per iteration of the grid-stride loop below: one per block, or one per warp.
+__device__ inline RowWork row_work(RowMode mode, int64_t it) {
+  switch (mode) {
+    case RowMode::thread:
+      return RowWork{it * blockDim.x + threadIdx.x, 0, 1};
+    case RowMode::warp:
+      return RowWork{it * (blockDim.x / kWarp) + threadIdx.x / kWarp, threadIdx.x % kWarp, kWarp};
+    case RowMode::block:
+      break;
+  }
+  return RowWork{it, threadIdx.x, blockDim.x};
+}
+
+// Thread rows when each element's row neighbour is the next address over (softmax over a dim
+// that is not the innermost: neighbouring threads then read neighbouring addresses) and there
+// are rows enough to fill the GPU; otherwise a warp per row, a block per long row.
+template <int N>
+RowMode row_mode(const RowIndex<N>& rows) {
+  bool adjacent = rows.ndim > 0;
+  for (int k = 0; k < N; ++k)
+    adjacent = adjacent && rows.step[k] != 1 && rows.strides[k][rows.ndim - 1] == 1;
+  if (adjacent && rows.count >= 16 * kBlock) return RowMode::thread;
+  return rows.length > kWarpRowLimit ? RowMode::block : RowMode::warp;
+}
+
+// Block rows: every thread of the block runs the same iterations (row_reduce synchronizes);
+// warp rows stop by whole warps, so the shuffles always have their full warp.
 template <typename T>
-__global__ void softmax_forward_kernel(T* y, const T* x, RowIndex<2> rows, bool block_row,
+__global__ void softmax_forward_kernel(T* y, const T* x, RowIndex<2> rows, RowMode mode,
                                        bool log) {
   __shared__ double scratch_d[kBlock / kWarp];
   __shared__ T scratch_t[kBlock / kWarp];
-  const int64_t per_iter = block_row ? 1 : blockDim.x / kWarp;
+  const int64_t per_iter = rows_per_block(mode);
   const int64_t iterations = (rows.count + per_iter - 1) / per_iter;
   const int64_t n = rows.length, sy = rows.step[0], sx = rows.step[1];
-  // Block rows: every thread of the block runs the same iterations (row_reduce synchronizes).
   for (int64_t it = blockIdx.x; it < iterations; it += gridDim.x) {
-    const RowWork w = row_work(block_row, it);
-    if (!block_row && w.row >= rows.count) break;  // whole warps only: shuffles stay full
+    const RowWork w = row_work(mode, it);
+    if (mode != RowMode::block && w.row >= rows.count) break;
     int64_t off[2];
     rows.offsets(w.row, off);
     T* yr = y + off[0];
     const T* xr = x + off[1];
     T mx = -INFINITY;
     for (int64_t i = w.first; i < n; i += w.threads) mx = cpu_max(mx, xr[i * sx]);
-    mx = row_reduce(mx, MaxOp{}, block_row, scratch_t);
+    mx = row_reduce(mx, MaxOp{}, mode, scratch_t);
     double sum = 0;
     for (int64_t i = w.first; i < n; i += w.threads) sum += d_exp(xr[i * sx] - mx);
-    sum = row_reduce(sum, AddOp{}, block_row, scratch_d);
+    sum = row_reduce(sum, AddOp{}, mode, scratch_d);
     if (log) {
       // (x - max) - log(sum): x - max is exact, so large logits keep their precision.
       const T log_sum = static_cast<T>(::log(sum));
@@ -139,14 +170,14 @@ __global__ void softmax_forward_kernel(T* y, const T* x, RowIndex<2> rows, bool 
 // softmax: dx = y * (g - sum(g * y)); log_softmax: dx = g - exp(y) * sum(g).
 template <typename T>
 __global__ void softmax_backward_kernel(T* dx, const T* g, const T* y, RowIndex<3> rows,
-                                        bool block_row, bool log) {
+                                        RowMode mode, bool log) {
   __shared__ double scratch_d[kBlock / kWarp];
-  const int64_t per_iter = block_row ? 1 : blockDim.x / kWarp;
+  const int64_t per_iter = rows_per_block(mode);
   const int64_t iterations = (rows.count + per_iter - 1) / per_iter;
   const int64_t n = rows.length, sd = rows.step[0], sg = rows.step[1], sy = rows.step[2];
   for (int64_t it = blockIdx.x; it < iterations; it += gridDim.x) {
-    const RowWork w = row_work(block_row, it);
-    if (!block_row && w.row >= rows.count) break;
+    const RowWork w = row_work(mode, it);
+    if (mode != RowMode::block && w.row >= rows.count) break;
     int64_t off[3];
     rows.offsets(w.row, off);
     T* dr = dx + off[0];
@@ -159,7 +190,7 @@ __global__ void softmax_backward_kernel(T* dx, const T* g, const T* y, RowIndex<
       for (int64_t i = w.first; i < n; i += w.threads)
         acc += static_cast<double>(gr[i * sg]) * yr[i * sy];
     }
-    const T s = static_cast<T>(row_reduce(acc, AddOp{}, block_row, scratch_d));
+    const T s = static_cast<T>(row_reduce(acc, AddOp{}, mode, scratch_d));
     if (log) {
       for (int64_t i = w.first; i < n; i += w.threads)
         dr[i * sd] = gr[i * sg] - d_exp(yr[i * sy]) * s;
@@ -169,9 +200,8 @@ __global__ void softmax_backward_kernel(T* dx, const T* g, const T* y, RowIndex<
   }
 }
 
-// Blocks for `rows` rows: one row per block, or kBlock / kWarp rows per block.
-unsigned row_grid(int64_t rows, bool block_row) {
-  const int64_t per_block = block_row ? 1 : kBlock / kWarp;
+unsigned row_grid(int64_t rows, RowMode mode) {
+  const int64_t per_block = rows_per_block(mode);
   return static_cast<unsigned>(std::min<int64_t>((rows + per_block - 1) / per_block, 65535LL * 8));
 }
 
@@ -181,11 +211,10 @@ void softmax(const Tensor& y, const Tensor& x, int64_t dim, bool log) {
   TensorDeviceGuard guard(y);
   const Tensor* ops[] = {&y, &x};
   const RowIndex<2> rows(x.shape(), dim, ops);
-  const bool block_row = rows.length > kWarpRowLimit;
+  const RowMode mode = row_mode(rows);
   dispatch_float(x.dtype(), op, [&]<typename T>() {
-    softmax_forward_kernel<T><<<row_grid(rows.count, block_row), kBlock, 0,
-                                current_cuda_stream()>>>(data_of<T>(y), data_of<const T>(x), rows,
-                                                         block_row, log);
+    softmax_forward_kernel<T><<<row_grid(rows.count, mode), kBlock, 0, current_cuda_stream()>>>(
+        data_of<T>(y), data_of<const T>(x), rows, mode, log);
   });
   check_launch(op, y);
 }
@@ -197,11 +226,11 @@ void softmax_backward(const Tensor& dx, const Tensor& g, const Tensor& y, int64_
   TensorDeviceGuard guard(dx);
   const Tensor* ops[] = {&dx, &g, &y};
   const RowIndex<3> rows(y.shape(), dim, ops);
-  const bool block_row = rows.length > kWarpRowLimit;
+  const RowMode mode = row_mode(rows);
   dispatch_float(y.dtype(), op, [&]<typename T>() {
-    softmax_backward_kernel<T><<<row_grid(rows.count, block_row), kBlock, 0,
+    softmax_backward_kernel<T><<<row_grid(rows.count, mode), kBlock, 0,
                                  current_cuda_stream()>>>(
-        data_of<T>(dx), data_of<const T>(g), data_of<const T>(y), rows, block_row, log);
+        data_of<T>(dx), data_of<const T>(g), data_of<const T>(y), rows, mode, log);
   });
   check_launch(op, dx);
 }
