@@ -1,6 +1,7 @@
 // CUDA kernels of the index ops: the range check, index_select, gather and their adjoints
 // index_add and scatter_add, with the semantics of src/ops/cpu/index.cpp.
 #include <algorithm>
+#include <cub/device/device_radix_sort.cuh>
 
 #include "ops/cuda/kernels.h"
 #include "ops/cuda/loops.cuh"
@@ -14,13 +15,16 @@ using detail::BadIndex;
 // Note [CUDA index adjoints]
 // index_add and scatter_add are deterministic and add in the CPU kernels' order, with no
 // atomics: each thread owns a set of destination elements that no other thread touches and
-// adds its contributions to them in index order. index_add: one thread per (outer slice,
-// column of the inner rows), walking the k indices in order (the CPU's order per column, so the
-// sums are bit-identical to the CPU's); scatter_add: one thread per line along `dim`, walking
-// the line. The price is parallelism: index_add of few columns and many indices (embedding
-// backward with a small embedding dim over many tokens) runs few long threads; a segmented sum
-// over sorted indices would be the faster deterministic version if that ever shows in a
-// profile. atomicAdd would be faster still but gives different bits from run to run.
+// adds its contributions to them in index order, so the sums are bit-identical to the CPU's.
+// - index_add over a single outer slice (embedding backward, index_select's backward along dim
+//   0) with many indices: the positions 0..k-1 are sorted by their index with cub's radix sort,
+//   which is stable, so each destination row's contributions stay in position order; then one
+//   thread per (destination row, column) adds them. Parallel over the rows and columns
+//   touched, whatever the number of repeats (a row that many indices hit is one long thread).
+// - index_add otherwise: one thread per (outer slice, column of the inner rows), walking the k
+//   indices in order.
+// - scatter_add: one thread per line along `dim`, walking the line.
+// atomicAdd would be simpler but gives different bits from run to run.
 
 template <typename F>
 decltype(auto) dispatch_index(DType t, const char* op, F&& f) {
@@ -143,6 +147,58 @@ __global__ void index_add_kernel(T* dst, const T* src, const I* index, int64_t o
   }
 }
 
+__global__ void iota_kernel(int64_t* out, int64_t n) {
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += stride) out[i] = i;
+}
+
+// dst (n, inner) += src (k, inner) row pos[p] into row keys[p], keys sorted (stably) by value:
+// thread (p, j) with p the first position of its key adds the key's whole run in column j.
+template <typename T, typename I>
+__global__ void index_add_sorted_kernel(T* dst, const T* src, const I* keys, const int64_t* pos,
+                                        int64_t k, int64_t inner) {
+  const int64_t total = k * inner;
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t e = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; e < total; e += stride) {
+    const int64_t p = e / inner, j = e % inner;
+    const I key = keys[p];
+    if (p > 0 && keys[p - 1] == key) continue;  // not the first of its run
+    T* to = dst + static_cast<int64_t>(key) * inner + j;
+    T acc = *to;  // the CPU's `to[j] += from[j]`, one rounding per add, in position order
+    for (int64_t q = p; q < k && keys[q] == key; ++q) acc += src[pos[q] * inner + j];
+    *to = acc;
+  }
+}
+
+// Indices below this count take the column kernel (the sort's fixed cost is not worth it).
+constexpr int64_t kSortedIndexAddMin = 256;
+
+template <typename T, typename I>
+void index_add_sorted(const Tensor& dst, const Tensor& index, const Tensor& src, int64_t k,
+                      int64_t n, int64_t inner) {
+  cudaStream_t stream = current_cuda_stream();
+  const TensorOptions on = TensorOptions(kInt64).with_device(dst.device());
+  Tensor keys = empty({k}, TensorOptions(index.dtype()).with_device(dst.device()));
+  Tensor pos_in = empty({k}, on), pos = empty({k}, on);
+  iota_kernel<<<grid_for(k), kBlock, 0, stream>>>(data_of<int64_t>(pos_in), k);
+  check_launch("index_select backward", dst);
+  // Indices are checked to lie in [0, n): their low `bits` bits order them.
+  int bits = 1;
+  while (bits < 63 && (int64_t{1} << bits) < n) ++bits;
+  size_t temp_bytes = 0;
+  LS_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+      nullptr, temp_bytes, data_of<const I>(index), data_of<I>(keys),
+      data_of<const int64_t>(pos_in), data_of<int64_t>(pos), k, 0, bits, stream));
+  Tensor temp = empty({std::max<int64_t>(1, static_cast<int64_t>(temp_bytes))},
+                      TensorOptions(kUInt8).with_device(dst.device()));
+  LS_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+      temp.data_ptr(), temp_bytes, data_of<const I>(index), data_of<I>(keys),
+      data_of<const int64_t>(pos_in), data_of<int64_t>(pos), k, 0, bits, stream));
+  index_add_sorted_kernel<T, I><<<grid_for(k * inner), kBlock, 0, stream>>>(
+      data_of<T>(dst), data_of<const T>(src), data_of<const I>(keys), data_of<const int64_t>(pos),
+      k, inner);
+}
+
 void index_add(const Tensor& dst, int64_t d, const Tensor& index, const Tensor& src) {
   const int64_t k = index.numel();
   const int64_t outer = span_numel(dst.shape(), 0, d);
@@ -150,6 +206,15 @@ void index_add(const Tensor& dst, int64_t d, const Tensor& index, const Tensor& 
   if (k == 0 || outer * inner == 0) return;
   TensorDeviceGuard guard(dst);
   const int64_t n = dst.shape()[d];
+  if (outer == 1 && k >= kSortedIndexAddMin) {
+    dispatch_float(dst.dtype(), "index_select backward", [&]<typename T>() {
+      dispatch_index(index.dtype(), "index_select backward", [&]<typename I>() {
+        index_add_sorted<T, I>(dst, index, src, k, n, inner);
+      });
+    });
+    check_launch("index_select backward", dst);
+    return;
+  }
   dispatch_float(dst.dtype(), "index_select backward", [&]<typename T>() {
     dispatch_index(index.dtype(), "index_select backward", [&]<typename I>() {
       index_add_kernel<T, I><<<grid_for(outer * inner), kBlock, 0, current_cuda_stream()>>>(
