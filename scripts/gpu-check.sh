@@ -1,0 +1,363 @@
+#!/usr/bin/env bash
+# The GPU check of lockstep (docs/GPU.md): one prepared script for a lent GPU machine, which has
+# the CUDA toolkit, PyTorch and python3 but none of lockstep's other dependencies (OpenBLAS, Gloo,
+# GoogleTest, ...) and no package registry. So the programs are built here and travel as a pack.
+#
+#   scripts/gpu-check.sh [--dry | --device] [--build-dir DIR] [--pack DIR] OUTDIR
+#
+# Here (no GPU; the default when nvidia-smi is absent or sees no GPU), or with --dry: builds
+# test_cuda and cuda_bench with CUDA into build/gpu-check (or takes them from --build-dir, which
+# is then not rebuilt), packs them with the shared libraries the GPU image lacks into
+# build/gpu-pack/ (one gzipped tarball), checks that the pack fits what travels (60 MiB), and
+# writes OUTDIR/summary.md and OUTDIR/results.json with the GPU part reported as skipped.
+#
+# On the GPU machine (the default when a GPU is visible, or --device): unpacks build/gpu-pack,
+# finds the CUDA libraries the image has (the toolkit's lib dirs, and the nvidia-* Python
+# packages beside PyTorch for cuDNN and NCCL), runs test_cuda (the `gpu` tests), cuda_bench
+# (GEMM through lockstep and through cuBLASLt directly, copy bandwidth, Fashion-MNIST training
+# steps) and bench/pytorch_cuda.py (the same in PyTorch eager), and writes into OUTDIR:
+# summary.md, results.json, test_cuda.json (GoogleTest's), test_cuda.log, cuda_bench.json,
+# pytorch_cuda.json, bench.log. Finishes in well under 8 minutes on an H200.
+#
+# With the device tool of this workplace, after a dry run here:
+#   run(command="bash scripts/gpu-check.sh --device $OUT", carry=["build/gpu-pack"])
+#
+# Exit status: 0 when everything ran and every test passed (or the dry run packed within the
+# limit), 1 when a test failed or a step broke, 2 on bad usage.
+set -uo pipefail
+
+usage() {
+  sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' >&2
+  exit 2
+}
+
+repo=$(cd "$(dirname "$0")/.." && pwd)
+mode=auto
+build_dir=""
+pack_dir="$repo/build/gpu-pack"
+out=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry) mode=dry ;;
+    --device) mode=device ;;
+    --build-dir) build_dir=$2; shift ;;
+    --pack) pack_dir=$2; shift ;;
+    -h|--help) usage ;;
+    -*) echo "gpu-check: unknown option $1" >&2; usage ;;
+    *) [ -z "$out" ] || usage; out=$1 ;;
+  esac
+  shift
+done
+[ -n "$out" ] || usage
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+mkdir -p "$pack_dir"
+pack_dir=$(cd "$pack_dir" && pwd)
+
+# What travels with the working tree is at most 64 MiB; the pack gets 60 of them.
+readonly limit_bytes=$((60 * 1024 * 1024))
+readonly tarball="$pack_dir/lockstep-gpu-pack.tar.gz"
+started=$(date +%s)
+
+log() { echo "gpu-check: $*" >&2; }
+
+gpu_visible() {
+  command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '
+}
+
+if [ "$mode" = auto ]; then
+  if gpu_visible; then mode=device; else mode=dry; fi
+fi
+
+# ---------------------------------------------------------------------------------------------
+# Here: build and pack.
+
+# Libraries never packed: the C runtime, which every Linux has (the GPU image's is newer), and the
+# CUDA libraries, which the GPU image has (its toolkit, its driver, PyTorch's nvidia-* packages)
+# and which are far too large to travel (cuBLASLt alone is ~500 MB).
+readonly system_libs='^(linux-vdso|libc|libm|libdl|librt|libpthread|ld-linux[^ ]*|libstdc\+\+|libgcc_s|libresolv|libutil)\.so'
+readonly cuda_libs='^lib(cuda|cudart|cublas|cublasLt|cudnn[a-z_]*|nccl|nvrtc[a-z-]*|nvJitLink|curand|cufft|cusparse|cusolver|nvToolsExt|cupti)\.so'
+
+build() {
+  if [ -n "$build_dir" ]; then
+    [ -x "$build_dir/tests/test_cuda" ] || { log "no tests/test_cuda in $build_dir"; return 1; }
+    return 0
+  fi
+  build_dir="$repo/build/gpu-check"
+  local launcher=()
+  if command -v ccache >/dev/null 2>&1; then
+    launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+  fi
+  # sm_90 machine code only: the lent GPU is an H200 (Hopper), and one architecture halves the
+  # CUDA compile time and the binaries' size.
+  cmake -S "$repo" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_CUDA_ARCHITECTURES=90-real "${launcher[@]}" >"$out/build.log" 2>&1 || {
+    log "configure failed (see $out/build.log)"; return 1; }
+  local targets=(test_cuda)
+  if ninja -C "$build_dir" -t targets all 2>/dev/null | grep -q '^cuda_bench:'; then
+    targets+=(cuda_bench)
+  fi
+  log "building ${targets[*]} in $build_dir"
+  ninja -C "$build_dir" -j "${GPU_CHECK_JOBS:-2}" "${targets[@]}" >>"$out/build.log" 2>&1 || {
+    log "build failed (see $out/build.log)"; return 1; }
+}
+
+pack() {
+  local stage="$pack_dir/stage"
+  rm -rf "$stage" "$tarball" "$pack_dir/manifest.txt"
+  mkdir -p "$stage/bin" "$stage/lib"
+  local bins=("$build_dir/tests/test_cuda")
+  [ -x "$build_dir/bench/cuda_bench" ] && bins+=("$build_dir/bench/cuda_bench")
+  local bin
+  {
+    echo "# lockstep GPU pack, $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    for bin in "${bins[@]}"; do
+      cp "$bin" "$stage/bin/"
+      echo "bin $(basename "$bin")"
+    done
+    # ldd lists every library loaded at start, dependencies of dependencies included.
+    for bin in "${bins[@]}"; do ldd "$bin"; done | awk '$2 == "=>" {print $1, $3}' | sort -u |
+      while read -r name path; do
+        if [[ "$name" =~ $system_libs ]]; then continue; fi
+        if [[ "$name" =~ $cuda_libs ]]; then echo "from-device $name"; continue; fi
+        if [ "$path" = "not" ]; then echo "missing-here $name"; continue; fi
+        cp -L "$path" "$stage/lib/$name"
+        echo "lib $name $(stat -c %s "$stage/lib/$name")"
+      done
+  } >"$pack_dir/manifest.txt"
+  cp "$pack_dir/manifest.txt" "$stage/"
+  # gzip: about a quarter of the size in a few seconds of one core (xz -6 halves that again but
+  # takes ten times longer, too slow for the ctest); python3's tarfile unpacks it on the device.
+  tar -C "$stage" -czf "$tarball" . || return 1
+  rm -rf "$stage"
+}
+
+pack_bytes() { du -cb "$pack_dir" | tail -1 | cut -f1; }
+
+# ---------------------------------------------------------------------------------------------
+# On the GPU machine: unpack, find the CUDA libraries, run.
+
+unpack() {
+  local dest=$1
+  rm -rf "$dest" && mkdir -p "$dest"
+  python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
+    "$tarball" "$dest"
+}
+
+# The image's CUDA libraries: the toolkit, the driver's folder, and the nvidia-* wheels beside
+# PyTorch (cuDNN and NCCL may exist only there).
+cuda_library_path() {
+  local dirs=() d
+  for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_64-linux/lib \
+           /usr/local/cuda-*/lib64 /usr/local/cuda-*/targets/x86_64-linux/lib \
+           /usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/lib/x86_64-linux-gnu; do
+    [ -d "$d" ] && dirs+=("$d")
+  done
+  local py
+  py=$(python3 - <<'EOF' 2>/dev/null
+import glob, os
+try:
+    import nvidia
+    roots = list(nvidia.__path__)
+except Exception:
+    roots = []
+seen = []
+for root in roots:
+    for d in sorted(glob.glob(os.path.join(root, "*", "lib")) + glob.glob(os.path.join(root, "*", "*", "lib"))):
+        if d not in seen and glob.glob(os.path.join(d, "*.so*")):
+            seen.append(d)
+print(":".join(seen))
+EOF
+)
+  local joined
+  joined=$(IFS=:; echo "${dirs[*]}")
+  echo "${joined}${py:+:$py}"
+}
+
+run_device() {
+  local dest=/tmp/lockstep-gpu-pack
+  [ -f "$tarball" ] || { log "no pack at $tarball: run the dry mode here first"; return 1; }
+  log "unpacking $(basename "$tarball") into $dest"
+  unpack "$dest" || { log "unpacking failed"; return 1; }
+  export LD_LIBRARY_PATH="$dest/lib:$(cuda_library_path)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  {
+    echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+    nvidia-smi -L 2>&1
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1
+    for b in "$dest"/bin/*; do
+      echo "== ldd $(basename "$b") (unresolved)"
+      ldd "$b" | grep 'not found' || echo "(none)"
+    done
+  } >"$out/bench.log" 2>&1
+  cat "$out/bench.log" >&2
+
+  log "test_cuda"
+  local test_rc=0
+  timeout 240 "$dest/bin/test_cuda" --gtest_output="json:$out/test_cuda.json" \
+    >"$out/test_cuda.log" 2>&1 || test_rc=$?
+  tail -5 "$out/test_cuda.log" >&2
+  if [ -x "$dest/bin/cuda_bench" ]; then
+    log "cuda_bench"
+    timeout 150 "$dest/bin/cuda_bench" --json "$out/cuda_bench.json" >>"$out/bench.log" 2>&1 ||
+      echo "cuda_bench exited with $?" >>"$out/bench.log"
+  else
+    echo "cuda_bench not in the pack (a build without CUDA)" >>"$out/bench.log"
+  fi
+  log "bench/pytorch_cuda.py"
+  PYTHONUNBUFFERED=1 timeout 90 python3 "$repo/bench/pytorch_cuda.py" --json "$out/pytorch_cuda.json" \
+    >>"$out/bench.log" 2>&1 || echo "pytorch_cuda.py exited with $?" >>"$out/bench.log"
+  return "$test_rc"
+}
+
+# ---------------------------------------------------------------------------------------------
+# summary.md and results.json, from whatever the steps left in OUTDIR.
+
+summarize() {
+  local mode=$1 status=$2 reason=$3
+  python3 - "$out" "$mode" "$status" "$reason" "$(pack_bytes)" "$limit_bytes" \
+    "$pack_dir/manifest.txt" "$(( $(date +%s) - started ))" \
+    "$(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown)" <<'EOF'
+import json, os, sys
+out, mode, status, reason, pack_bytes, limit, manifest, secs, commit = sys.argv[1:]
+pack_bytes, limit, secs = int(pack_bytes), int(limit), int(secs)
+
+def load(name):
+    try:
+        with open(os.path.join(out, name)) as f:
+            return json.load(f)
+    except Exception:
+        return None
+
+files = []
+if os.path.exists(manifest):
+    for line in open(manifest):
+        parts = line.split()
+        if parts and parts[0] in ("bin", "lib", "from-device", "missing-here"):
+            files.append({"kind": parts[0], "name": parts[1],
+                          "bytes": int(parts[2]) if len(parts) > 2 else None})
+res = {"mode": mode, "commit": commit, "seconds": secs,
+       "pack": {"bytes": pack_bytes, "limit_bytes": limit, "fits": pack_bytes <= limit,
+                "files": files},
+       "gpu": {"status": status, "reason": reason}}
+md = [f"# lockstep GPU check ({mode})", "",
+      f"Commit {commit}, {secs} s. Pack: {pack_bytes / 2**20:.1f} MiB of {limit / 2**20:.0f} MiB"
+      f" ({'fits' if pack_bytes <= limit else 'TOO LARGE'}); libraries taken from the GPU image: "
+      + (", ".join(f["name"] for f in files if f["kind"] == "from-device") or "none") + ".", ""]
+
+if status != "ran":
+    md += [f"GPU part: **skipped** ({reason}).", ""]
+else:
+    tests = load("test_cuda.json")
+    t = {"total": 0, "passed": 0, "failed": 0, "skipped": 0, "failures": []}
+    if tests:
+        for suite in tests.get("testsuites", []):
+            for case in suite.get("testsuite", []):
+                t["total"] += 1
+                name = f"{suite['name']}.{case['name']}"
+                if case.get("failures"):
+                    t["failed"] += 1
+                    msg = "\n".join(f.get("failure", "") for f in case["failures"])
+                    t["failures"].append({"name": name, "message": msg[:4000]})
+                elif case.get("result") == "SKIPPED" or case.get("status") == "NOTRUN":
+                    t["skipped"] += 1
+                else:
+                    t["passed"] += 1
+    else:
+        t["error"] = "no test_cuda.json (test_cuda crashed or did not start: see test_cuda.log)"
+    res["gpu"]["tests"] = t
+    ls, pt = load("cuda_bench.json"), load("pytorch_cuda.json")
+    res["gpu"]["device"] = (ls or pt or {}).get("device")
+    res["gpu"]["lockstep_bench"], res["gpu"]["pytorch_bench"] = ls, pt
+    md += [f"Device: {res['gpu']['device']}.", "",
+           f"## Tests (test_cuda): {t['passed']} passed, {t['failed']} failed, "
+           f"{t['skipped']} skipped of {t['total']}", ""]
+    if "error" in t:
+        md += [t["error"], ""]
+    for f in t["failures"][:40]:
+        first = f["message"].strip().splitlines()
+        md.append(f"- FAILED {f['name']}: " + " / ".join(first[:3])[:600])
+    md.append("")
+
+    def key(r):
+        return (r.get("m"), r.get("dtype"), r.get("model"), r.get("batch"))
+    ptg = {key(r): r for r in (pt or {}).get("gemm", [])}
+    ptt = {key(r): r for r in (pt or {}).get("train", [])}
+    gemm_rows, train_rows = [], []
+    md += ["## GEMM (TFLOP/s; f32 runs as TF32 in all three)", "",
+           "| shape | dtype | lockstep | cuBLASLt | PyTorch | lockstep / cuBLASLt | lockstep / PyTorch |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in (ls or {}).get("gemm", []):
+        if "error" in r:
+            md.append(f"| {r.get('what')} | | error: {r['error'][:200]} | | | | |")
+            continue
+        p = ptg.get(key(r), {})
+        row = {"shape": f"{r['m']}x{r['n']}x{r['k']}", "dtype": r["dtype"],
+               "lockstep_tflops": r["lockstep_tflops"], "cublaslt_tflops": r["cublaslt_tflops"],
+               "torch_tflops": p.get("torch_tflops"), "vs_cublaslt": r["ratio"],
+               "vs_torch": r["lockstep_tflops"] / p["torch_tflops"] if p.get("torch_tflops") else None,
+               "max_rel_diff": r.get("max_rel_diff")}
+        gemm_rows.append(row)
+        fmt = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"
+        md.append(f"| {row['shape']} | {row['dtype']} | {fmt(row['lockstep_tflops'])} | "
+                  f"{fmt(row['cublaslt_tflops'])} | {fmt(row['torch_tflops'])} | "
+                  f"{fmt(row['vs_cublaslt'], 2)} | {fmt(row['vs_torch'], 2)} |")
+    c, pc = (ls or {}).get("copy") or {}, (pt or {}).get("copy") or {}
+    md += ["", "## Device-to-device copy, 1 GiB (GB/s, read + write)", "",
+           f"lockstep copy_: {c.get('lockstep_gbs', '-')}; cudaMemcpyAsync: "
+           f"{c.get('cudamemcpy_gbs', '-')}; PyTorch copy_: {pc.get('torch_gbs', '-')}.", "",
+           "## Training step, synthetic Fashion-MNIST batches, SGD momentum (samples/s)", "",
+           "| model | batch | dtype | lockstep | PyTorch eager | lockstep / PyTorch |",
+           "| --- | --- | --- | --- | --- | --- |"]
+    for r in (ls or {}).get("train", []):
+        if "error" in r:
+            md.append(f"| {r.get('what')} | | | error: {r['error'][:200]} | | |")
+            continue
+        p = ptt.get(key(r), {})
+        ratio = r["samples_per_s"] / p["samples_per_s"] if p.get("samples_per_s") else None
+        train_rows.append({"model": r["model"], "batch": r["batch"], "dtype": r["dtype"],
+                           "lockstep_samples_per_s": r["samples_per_s"],
+                           "torch_samples_per_s": p.get("samples_per_s"), "vs_torch": ratio})
+        md.append(f"| {r['model']} | {r['batch']} | {r['dtype']} | {r['samples_per_s']:.0f} | "
+                  f"{p.get('samples_per_s', 0):.0f} | {'-' if ratio is None else f'{ratio:.2f}'} |")
+    res["gpu"]["ratios"] = {"gemm": gemm_rows, "train": train_rows}
+    goals = {
+        "ops_within_tolerance": bool(tests) and t["failed"] == 0 and t["total"] > 0,
+        "gemm_ge_90pct_cublaslt": bool(gemm_rows) and all(g["vs_cublaslt"] >= 0.9 for g in gemm_rows),
+        "train_ge_pytorch": bool(train_rows) and all(
+            g["vs_torch"] is not None and g["vs_torch"] >= 1.0 for g in train_rows),
+    }
+    res["gpu"]["goals"] = goals
+    md += ["", "## Goals (issue 16)", ""] + [f"- {k}: {'met' if v else 'NOT met'}"
+                                             for k, v in goals.items()]
+    md.append("")
+with open(os.path.join(out, "results.json"), "w") as f:
+    json.dump(res, f, indent=2)
+with open(os.path.join(out, "summary.md"), "w") as f:
+    f.write("\n".join(md) + "\n")
+print("\n".join(md))
+EOF
+}
+
+# ---------------------------------------------------------------------------------------------
+
+rc=0
+if [ "$mode" = dry ]; then
+  if build && pack; then
+    bytes=$(pack_bytes)
+    log "pack: $bytes bytes in $pack_dir (limit $limit_bytes)"
+    if [ "$bytes" -gt "$limit_bytes" ]; then
+      log "the pack is larger than what travels; its largest files:"
+      sort -k3 -n -r "$pack_dir/manifest.txt" | head -5 >&2
+      rc=1
+    fi
+  else
+    rc=1
+  fi
+  if gpu_visible; then why="dry run requested"; else why="no GPU here (nvidia-smi absent or sees none)"; fi
+  summarize dry skipped "$why" >/dev/null || rc=1
+  log "wrote $out/summary.md and $out/results.json"
+else
+  run_device || rc=1
+  summarize device ran "" || rc=1
+fi
+exit "$rc"
