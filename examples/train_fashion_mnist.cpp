@@ -356,7 +356,10 @@ class Trainer {
         sampler_(std::make_shared<data::DistributedSampler>(train_data_->size(), world_,
                                                             pg_->rank(), true, cfg.seed)),
         loader_(train_data_, sampler_,
-                {.batch_size = cfg.batch_size, .num_workers = cfg.workers, .prefetch = 4}),
+                {.batch_size = cfg.batch_size,
+                 .num_workers = cfg.workers,
+                 .prefetch = 4,
+                 .pin_memory = cfg.device == "cuda"}),
         // The schedule counts optimizer steps (a step is accum_steps micro-batches).
         full_epoch_batches_(loader_.num_batches()),
         steps_per_epoch_((full_epoch_batches_ + cfg.accum_steps - 1) / cfg.accum_steps),

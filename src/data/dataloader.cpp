@@ -58,7 +58,7 @@ void copy_row(const Tensor& batch, int64_t i, const Tensor& sample, const char* 
 // Loads dataset[indices[0..n)] straight into a fresh batch. Returns nullopt when `stop` is
 // raised partway (the loader is shutting down).
 std::optional<Batch> load_batch(const Dataset& dataset, const int64_t* indices, int64_t n,
-                                const std::atomic<bool>* stop) {
+                                const std::atomic<bool>* stop, bool pin) {
   Batch b;
   b.indices.assign(indices, indices + n);
   for (int64_t i = 0; i < n; ++i) {
@@ -67,8 +67,11 @@ std::optional<Batch> load_batch(const Dataset& dataset, const int64_t* indices, 
     LS_CHECK(e.input.defined() && e.target.defined(), "DataLoader: dataset index ", indices[i],
              " returned an example with an undefined input or target");
     if (i == 0) {
-      b.input = empty(batch_shape(n, e.input), e.input.dtype());
-      b.target = empty(batch_shape(n, e.target), e.target.dtype());
+      // pin_memory: page-locked, so the copy to a GPU is one asynchronous DMA.
+      b.input = pin ? empty_pinned(batch_shape(n, e.input), e.input.dtype())
+                    : empty(batch_shape(n, e.input), e.input.dtype());
+      b.target = pin ? empty_pinned(batch_shape(n, e.target), e.target.dtype())
+                     : empty(batch_shape(n, e.target), e.target.dtype());
     }
     copy_row(b.input, i, e.input, "input", indices[i]);
     copy_row(b.target, i, e.target, "target", indices[i]);
@@ -105,6 +108,7 @@ struct DataLoader::Epoch {
   int64_t batch_size = 1;
   int64_t num_batches = 0;
   int64_t prefetch = 1;
+  bool pin_memory = false;
 
   std::mutex mu;
   std::condition_variable room;   // workers: a batch number may be claimed
@@ -144,7 +148,8 @@ struct DataLoader::Epoch {
       }
       Result r;
       try {
-        r.batch = load_batch(*dataset, indices.data() + batch_begin(k), batch_length(k), &stop);
+        r.batch = load_batch(*dataset, indices.data() + batch_begin(k), batch_length(k), &stop,
+                             pin_memory);
         if (!r.batch) return;  // stopping
         r.batch->index = k;
       } catch (...) {
@@ -192,6 +197,7 @@ void DataLoader::start_epoch() {
   const auto n = static_cast<int64_t>(e->indices.size());
   e->num_batches = options_.drop_last ? n / e->batch_size : (n + e->batch_size - 1) / e->batch_size;
   e->prefetch = options_.prefetch;
+  e->pin_memory = options_.pin_memory;
   for (const int64_t i : e->indices) {
     LS_CHECK(i >= 0 && i < dataset_->size(), "DataLoader: the sampler yielded index ", i,
              " for a dataset of size ", dataset_->size());
@@ -215,7 +221,8 @@ std::optional<Batch> DataLoader::next() {
   if (options_.num_workers == 0) {
     try {
       r.batch =
-          load_batch(*dataset_, e.indices.data() + e.batch_begin(k), e.batch_length(k), nullptr);
+          load_batch(*dataset_, e.indices.data() + e.batch_begin(k), e.batch_length(k), nullptr,
+                     e.pin_memory);
       r.batch->index = k;
     } catch (...) {
       r.error = std::current_exception();

@@ -112,6 +112,15 @@ Tensor Tensor::to(Device d) const {
   return out;
 }
 
+Tensor Tensor::pin_memory() const {
+  detail::check_defined(*this, "pin_memory");
+  LS_CHECK(device().is_cpu(), "pin_memory: expected a CPU tensor, got one on ", device().str());
+  if (is_pinned()) return *this;
+  Tensor out = empty_pinned(shape(), dtype());
+  detail::kernel(&Kernels::copy, kCPU, "pin_memory")(out, *this);
+  return out;
+}
+
 template <typename T>
 std::vector<T> Tensor::to_vector() const {
   detail::check_defined(*this, "to_vector");

@@ -43,6 +43,26 @@ Tensor empty(const Dims& shape, TensorOptions opts) {
   return t;
 }
 
+Tensor empty_pinned(const Dims& shape, DType dtype) {
+#ifdef LOCKSTEP_WITH_CUDA
+  if (cuda::is_available()) {
+    const size_t nbytes = checked_nbytes(shape, dtype, "empty_pinned");
+    auto storage = std::make_shared<StorageImpl>(nbytes, &cuda::pinned_allocator());
+    return Tensor(std::make_shared<TensorImpl>(std::move(storage), shape, contiguous_strides(shape),
+                                               0, dtype));
+  }
+#endif
+  return empty(shape, dtype);
+}
+
+bool Tensor::is_pinned() const {
+#ifdef LOCKSTEP_WITH_CUDA
+  if (defined() && device().is_cpu() && cuda::is_available())
+    return cuda::is_pinned(storage()->data());
+#endif
+  return false;
+}
+
 Tensor empty_strided(const Dims& shape, const Dims& strides, TensorOptions opts) {
   checked_nbytes(shape, opts.dtype, "empty_strided");
   LS_CHECK(shape.size() == strides.size(), "empty_strided: shape ", shape.str(), " and strides ",

@@ -54,6 +54,8 @@ void* Tensor::data_ptr() const {
 
 double Tensor::item() const {
   LS_CHECK(numel() == 1, "item(): expected a tensor with one element, got shape ", shape().str());
+  // A device tensor: one synchronising copy back, as PyTorch's .item().
+  if (!device().is_cpu()) return detach().to(kCPU).item();
   return at(Dims::filled(dim(), 0));
 }
 

@@ -22,6 +22,10 @@ struct DataLoaderOptions {
   // Memory held is at most this many batches; with num_workers > prefetch, the extra workers
   // idle. Ignored when num_workers is 0.
   int64_t prefetch = 2;
+  // Collate into page-locked (pinned) host memory, so that batch.input.to(cuda) is one
+  // asynchronous DMA with no staging copy (PyTorch's pin_memory). Ordinary memory where no GPU
+  // is visible (empty_pinned).
+  bool pin_memory = false;
 };
 
 // Samples stacked along a new dim 0: input (B, ...), target (B, ...), both contiguous.

@@ -103,9 +103,12 @@ class Tensor {
   Tensor to(DType t) const;  // this tensor when already of dtype t
   Tensor to(Device d) const;
   Tensor clone() const;
+  // A copy in pinned memory (this tensor if it is already pinned); CPU tensors only.
+  Tensor pin_memory() const;
+  bool is_pinned() const;
 
   // ---- element access (for tests and debugging; not fast) ----
-  double item() const;  // a one-element tensor's value
+  double item() const;  // a one-element tensor's value (a device tensor is copied back first)
   double at(const Dims& index) const;
   void set_at(const Dims& index, double value);
   template <typename T>
@@ -151,6 +154,10 @@ Tensor ones(const Dims& shape, TensorOptions opts = {});
 Tensor full(const Dims& shape, double value, TensorOptions opts = {});
 Tensor scalar_tensor(double value, TensorOptions opts = {});
 Tensor empty_like(const Tensor& t);
+// A CPU tensor in page-locked (pinned) memory from the CUDA pinned pool: a copy from or to a GPU
+// is then one asynchronous DMA. Where no GPU is visible (or without CUDA support) pinning has no
+// purpose and this is ordinary CPU memory (is_pinned() says which).
+Tensor empty_pinned(const Dims& shape, DType dtype);
 Tensor zeros_like(const Tensor& t);
 Tensor ones_like(const Tensor& t);
 // [start, end) in steps of `step`.
