@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "lockstep/data/dataloader.h"
+#include "lockstep/tensor/cuda.h"
 #include "testing.h"
 
 using namespace lockstep;
@@ -131,6 +132,29 @@ TEST(DataLoader, OrderIsTheSamplersForAnyWorkerCount) {
       expect_epoch(loader, sampler->indices(), 8, false);
     }
   }
+}
+
+// pin_memory changes where batches live, never what they hold: pinned where a GPU is visible,
+// ordinary memory where none is (pinning would buy nothing there).
+TEST(DataLoader, PinMemoryBatchesHoldTheSameSamples) {
+  auto ds = std::make_shared<ProbeDataset>(37);
+  for (int64_t workers : {0, 2}) {
+    auto sampler = std::make_shared<DistributedSampler>(37, 1, 0, true, 5);
+    DataLoader loader(ds, sampler, {.batch_size = 8, .num_workers = workers, .pin_memory = true});
+    SCOPED_TRACE("workers " + std::to_string(workers));
+    expect_epoch(loader, sampler->indices(), 8, false);
+    loader.set_epoch(1);
+    for (Batch& b : loader) {
+      EXPECT_EQ(b.input.is_pinned(), lockstep::cuda::is_available());
+      EXPECT_EQ(b.target.is_pinned(), lockstep::cuda::is_available());
+    }
+  }
+  // pin_memory() of a CPU tensor: equal values; of a pinned one: the same tensor.
+  Tensor t = arange(0, 12, 1, kFloat32).reshape({3, 4});
+  Tensor p = t.pin_memory();
+  EXPECT_EQ(p.to_vector<float>(), t.to_vector<float>());
+  EXPECT_EQ(p.is_pinned(), lockstep::cuda::is_available());
+  if (p.is_pinned()) EXPECT_TRUE(p.pin_memory().is_same(p));
 }
 
 TEST(DataLoader, NextAndEpochBoundaries) {
