@@ -169,26 +169,32 @@ ConvAlgoCache& conv_algo_cache() {
   return cache;
 }
 
-// Picks from cuDNN's ranked results (Note [cuDNN convolutions]).
+// Picks from cuDNN's ranked results (Note [cuDNN convolutions]). For f32 without TF32 an
+// algorithm that cuDNN rates with tensor-op math is skipped and the rest run with FMA math (the
+// v7 heuristics may report CUDNN_DEFAULT_MATH for them, which would allow TF32).
 template <typename Perf>
 ConvAlgo pick(const Perf* results, int count, const ConvTypes& types, bool want_deterministic,
               const char* direction) {
-  const Perf* first_ok = nullptr;
+  const bool fma_only = types.math == CUDNN_FMA_MATH;
+  const Perf* chosen = nullptr;
   for (int i = 0; i < count; ++i) {
     const Perf& r = results[i];
     if (r.status != CUDNN_STATUS_SUCCESS || r.memory > kMaxConvWorkspaceBytes) continue;
-    // f32 without TF32: only FMA math.
-    if (types.math == CUDNN_FMA_MATH && r.mathType != CUDNN_FMA_MATH) continue;
-    if (first_ok == nullptr) first_ok = &r;
-    if (!want_deterministic || r.determinism == CUDNN_DETERMINISTIC)
-      return {static_cast<int>(r.algo), r.mathType, 0};
+    if (fma_only &&
+        (r.mathType == CUDNN_TENSOR_OP_MATH || r.mathType == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION))
+      continue;
+    if (chosen == nullptr) chosen = &r;
+    if (!want_deterministic || r.determinism == CUDNN_DETERMINISTIC) {
+      chosen = &r;
+      break;
+    }
   }
-  LS_CHECK(first_ok != nullptr, "conv2d: cuDNN has no ", direction,
+  LS_CHECK(chosen != nullptr, "conv2d: cuDNN has no ", direction,
            " algorithm for this shape and dtype");
-  return {static_cast<int>(first_ok->algo), first_ok->mathType, 0};
+  return {static_cast<int>(chosen->algo), fma_only ? CUDNN_FMA_MATH : chosen->mathType, 0};
 }
 
-constexpr int kMaxAlgos = 16;
+constexpr int kMaxAlgos = 32;  // more than cuDNN has per direction
 
 ConvAlgo forward_algo(cudnnHandle_t h, const ConvDescs& d, const ConvKey& key) {
   return conv_algo_cache().get(key, [&] {

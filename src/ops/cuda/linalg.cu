@@ -76,12 +76,13 @@ Owned<cublasLtMatmulPreference_t> make_preference(const std::array<uint32_t, 4>&
 
 // The largest power of two (up to kMaxAlignment) dividing the address: cuBLASLt picks kernels
 // for the alignment it is promised.
-uint32_t alignment_of(const void* p) {
-  const auto a = reinterpret_cast<uintptr_t>(p);
+uint32_t alignment_of(uintptr_t a) {
   int64_t align = 1;
   while (align < kMaxAlignment && a % (2 * align) == 0) align *= 2;
   return static_cast<uint32_t>(align);
 }
+
+uint32_t alignment_of(const void* p) { return alignment_of(reinterpret_cast<uintptr_t>(p)); }
 
 // The types of one product.
 struct GemmTypes {
@@ -114,7 +115,7 @@ struct Heuristic {
 
 class HeuristicCache {
  public:
-  using Key = std::array<int64_t, 26>;
+  using Key = std::array<int64_t, 19>;
 
   // The cached answer for `key`, or ask(): called without the lock (two threads may both ask
   // for a new key; they get the same answer).
@@ -233,6 +234,15 @@ void gemm_kernel(const Tensor& c, const Tensor& a_in, const Tensor& b_in, const 
   // The alignments every call of the plan can promise: the base pointers' and the offsets'.
   std::array<uint32_t, 4> align = {alignment_of(pb), alignment_of(pa), alignment_of(pc),
                                    alignment_of(pc)};
+  // A strided batch steps each pointer by its batch stride.
+  auto stride_alignment = [](int64_t stride_bytes) {
+    return alignment_of(static_cast<uintptr_t>(stride_bytes));  // 0: kMaxAlignment
+  };
+  if (p.batch > 1) {
+    align[0] = std::min(align[0], stride_alignment(p.b_batch_stride * ab_size));
+    align[1] = std::min(align[1], stride_alignment(p.a_batch_stride * ab_size));
+    align[2] = align[3] = std::min(align[2], stride_alignment(p.c_batch_stride * cd_size));
+  }
   for (int64_t i = 1; i < p.calls(); ++i) {
     int64_t oa, ob, oc;
     p.offsets(i, &oa, &ob, &oc);
@@ -258,32 +268,14 @@ void gemm_kernel(const Tensor& c, const Tensor& a_in, const Tensor& b_in, const 
       return Heuristic{result.algo, result.workspaceSize};
     };
   };
-  HeuristicCache::Key key = {cuda::current_device(),
-                             static_cast<int64_t>(a.dtype()),
-                             static_cast<int64_t>(types.compute),
-                             p.m,
-                             p.n,
-                             p.k,
-                             p.a_op.trans,
-                             p.a_op.ld,
-                             p.b_op.trans,
-                             p.b_op.ld,
-                             p.batch,
-                             p.a_batch_stride,
-                             p.b_batch_stride,
-                             p.c_batch_stride,
-                             align[0],
-                             align[1],
-                             align[2],
-                             bias_align,
-                             bias.defined(),
-                             0,
-                             0,
-                             0,
-                             0,
-                             0,
-                             0,
-                             0};
+  // The shape key; its last two entries say whether the epilogue (and its alignment) apply.
+  // clang-format off
+  HeuristicCache::Key key = {
+      cuda::current_device(), static_cast<int64_t>(a.dtype()),
+      static_cast<int64_t>(types.compute), p.m, p.n, p.k, p.a_op.trans, p.a_op.ld, p.b_op.trans,
+      p.b_op.ld, p.batch, p.a_batch_stride, p.b_batch_stride, p.c_batch_stride, align[0],
+      align[1], align[2], bias_align, bias.defined()};
+  // clang-format on
   std::optional<Heuristic> h;
   const void* epilogue_bias = nullptr;
   if (bias.defined()) {
