@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <iostream>
 #include <limits>
 #include <string>
 #include <vector>
@@ -111,7 +112,9 @@ void check(const std::string& name, const Fn& fn, const std::vector<Input>& inpu
       cpu_in.push_back(inputs[i].on(kCPU, diff[i], &cpu_leaf[i]));
     cpu_out = fn(cpu_in);
   } catch (const Error& e) {
-    // Not an op the CPU takes: CUDA must refuse it too.
+    // Not an op the CPU takes: CUDA must refuse it too. Said in the log, so that a case the CPU
+    // refuses by mistake (a wrong shape in the test) shows.
+    std::cerr << "[ refused  ] " << name << ": the CPU says: " << e.what() << "\n";
     bool threw = false;
     try {
       for (size_t i = 0; i < inputs.size(); ++i)
@@ -140,6 +143,7 @@ void check(const std::string& name, const Fn& fn, const std::vector<Input>& inpu
       cpu_out[0].backward(g);
     } catch (const Error& e) {
       // No backward on the CPU for this dtype: none on CUDA either.
+      std::cerr << "[ refused  ] " << name << " backward: the CPU says: " << e.what() << "\n";
       bool threw = false;
       try {
         gpu_out[0].backward(g.to(gpu()));
@@ -172,24 +176,23 @@ void check(const std::string& name, const Fn& fn, const std::vector<Input>& inpu
 // one element moved at a time (a fill of a one-element view, so nothing leaves the device but
 // the objective). autograd::gradcheck reads and writes elements through at()/set_at(), which
 // are CPU-only, so this is its device twin.
-void gradcheck_on_gpu(const std::string& name,
-                      const std::function<Tensor(const std::vector<Tensor>&)>& fn,
-                      const std::vector<Tensor>& cpu_inputs, double atol = 1e-5,
-                      double rtol = 1e-3, double eps = 1e-6) {
-  SCOPED_TRACE(name);
+// The first mismatch ("" when none), naming the input, the element and both values.
+std::string gradcheck_on_gpu_message(const std::function<Tensor(const std::vector<Tensor>&)>& fn,
+                                     const std::vector<Tensor>& cpu_inputs, double atol,
+                                     double rtol, double eps, int64_t* checked) {
   try {
     std::vector<Tensor> xs;
     std::vector<size_t> diff;
     for (size_t i = 0; i < cpu_inputs.size(); ++i) {
       Tensor x = cpu_inputs[i].to(gpu()).contiguous();
       if (x.dtype() == kFloat64) {
-        x.requires_grad_();
+        x = x.detach().requires_grad_();
         diff.push_back(i);
       }
       xs.push_back(x);
     }
     const Tensor out = fn(xs);
-    ASSERT_TRUE(out.device().is_cuda()) << name;
+    if (!(out.device() == gpu())) return "result on " + out.device().str();
     const Tensor w = uniform(out.shape(), kFloat64, -1, 1).to(gpu());
     auto objective = [&]() { return sum(mul(fn(xs), w)).to(kCPU).item(); };
     std::vector<Tensor> wrt;
@@ -198,7 +201,7 @@ void gradcheck_on_gpu(const std::string& name,
     autograd::NoGradGuard no_grad;
     for (size_t k = 0; k < diff.size(); ++k) {
       const Tensor& x = xs[diff[k]];
-      const std::vector<double> orig = cpu_inputs[diff[k]].contiguous().to_vector<double>();
+      const std::vector<double> orig = x.to(kCPU).to_vector<double>();
       const std::vector<double> a = analytic[k].defined()
                                         ? analytic[k].to(kCPU).contiguous().to_vector<double>()
                                         : std::vector<double>(orig.size(), 0.0);
@@ -211,14 +214,27 @@ void gradcheck_on_gpu(const std::string& name,
         const double fm = objective();
         e.fill_(orig[j]);
         const double numeric = (fp - fm) / (2 * eps);
-        ASSERT_LE(std::abs(a[j] - numeric), atol + rtol * std::abs(numeric))
-            << name << ": input " << diff[k] << " (shape " << x.shape().str() << ") element " << j
-            << ": analytic " << a[j] << " vs numeric " << numeric << " on CUDA";
+        ++*checked;
+        if (!(std::abs(a[j] - numeric) <= atol + rtol * std::abs(numeric)))
+          return "input " + std::to_string(diff[k]) + " (shape " + x.shape().str() +
+                 ") element " + std::to_string(j) + ": analytic " + std::to_string(a[j]) +
+                 " vs numeric " + std::to_string(numeric);
       }
     }
   } catch (const Error& e) {
-    ADD_FAILURE() << name << ": CUDA threw: " << e.what();
+    return std::string("threw: ") + e.what();
   }
+  return "";
+}
+
+void gradcheck_on_gpu(const std::string& name,
+                      const std::function<Tensor(const std::vector<Tensor>&)>& fn,
+                      const std::vector<Tensor>& cpu_inputs, double atol = 1e-5,
+                      double rtol = 1e-3, double eps = 1e-6) {
+  int64_t checked = 0;
+  EXPECT_EQ(gradcheck_on_gpu_message(fn, cpu_inputs, atol, rtol, eps, &checked), "")
+      << "gradcheck on " << gpu().str() << ": " << name;
+  EXPECT_GT(checked, 0) << name << ": no element checked";
 }
 
 Tensor f64(const Dims& shape, double lo = -1, double hi = 1) {
@@ -865,26 +881,36 @@ TEST_F(BackendOps, FactoriesMatchCpu) {
         Generator gen(99);
         const TensorOptions o = TensorOptions(dt).with_device(d);
         return cat({rand({1001}, gen, o, -2, 3), rand({7}, gen, o),
-                    scalar_tensor(static_cast<double>(gen.offset()), o)});
+                    full({1}, static_cast<double>(gen.offset()), o)});
       });
       on_both("randn " + n, [dt](Device d) {
         Generator gen(123);
         const TensorOptions o = TensorOptions(dt).with_device(d);
         return cat({randn({1001}, gen, o, 1, 2), randn({7}, gen, o),
-                    scalar_tensor(static_cast<double>(gen.offset()), o)});
+                    full({1}, static_cast<double>(gen.offset()), o)});
       });
     } else {
       on_both("randint " + n, [dt](Device d) {
         Generator gen(5);
         const TensorOptions o = TensorOptions(dt).with_device(d);
         return cat({randint(-7, 1000, {1001}, gen, o), randint(0, 3, {9}, gen, o),
-                    scalar_tensor(static_cast<double>(gen.offset()), o)});
+                    full({1}, static_cast<double>(gen.offset()), o)});
       });
     }
   }
 }
 
 // ---- gradchecks on CUDA (f64) ----
+
+// The device gradcheck catches a wrong gradient (detach() hides half of x * x's).
+TEST_F(BackendOps, GradcheckOnCudaCatchesAWrongGradient) {
+  int64_t checked = 0;
+  const std::string msg = gradcheck_on_gpu_message(
+      [](const std::vector<Tensor>& x) { return mul(x[0], x[0].detach()); }, {f64({3}, 0.5, 1)},
+      1e-5, 1e-3, 1e-6, &checked);
+  EXPECT_THAT(msg, ::testing::HasSubstr("analytic"));
+  EXPECT_EQ(checked, 1);
+}
 
 TEST_F(BackendOps, GradcheckOnCuda) {
   using V = const std::vector<Tensor>&;
