@@ -258,7 +258,8 @@ void run_reduce(const char* op, const Tensor& a, const ReducePlan& p, int64_t ou
       splits = std::clamp<int64_t>(kTargetGroups / outputs, 1,
                                    std::max<int64_t>(1, count / (int64_t{group} * 16)));
   }
-  const int64_t chunk = ceil_div(count, splits);
+  // At least 1: an empty reduction (count 0) stores the identity, never divides by 0 below.
+  const int64_t chunk = std::max<int64_t>(1, ceil_div(count, splits));
   splits = std::max<int64_t>(1, ceil_div(count, chunk));
   Tensor partial;
   Acc* part = nullptr;
