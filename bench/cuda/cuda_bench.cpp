@@ -3,8 +3,10 @@
 // training-step throughput of the Fashion-MNIST MLP and CNN on synthetic batches. Plain C++ timed
 // with CUDA events (the GPU machine has no Google Benchmark); writes one JSON object.
 //
-//   cuda_bench [--json FILE] [--quick]
+//   cuda_bench [--json FILE] [--quick] [--only gemm|copy|train]
 //
+// --only runs one section (the others come out empty), so that a crash in one (a sticky CUDA
+// error poisons the process) leaves the others' numbers: scripts/gpu-check.sh runs each apart.
 // bench/pytorch_cuda.py measures the same things in PyTorch eager; gpu-check.sh puts the ratios
 // side by side. Each figure is the mean over timed repetitions after warm-up ones, all queued on
 // lockstep's current stream between two events, so host overhead counts only where it would
@@ -221,7 +223,7 @@ std::string join(const std::vector<std::string>& items) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string json_path;
+  std::string json_path, only;
   bool quick = false;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -229,11 +231,16 @@ int main(int argc, char** argv) {
       json_path = argv[++i];
     } else if (arg == "--quick") {
       quick = true;
+    } else if (arg == "--only" && i + 1 < argc &&
+               (std::string(argv[i + 1]) == "gemm" || std::string(argv[i + 1]) == "copy" ||
+                std::string(argv[i + 1]) == "train")) {
+      only = argv[++i];
     } else {
-      std::cerr << "usage: cuda_bench [--json FILE] [--quick]\n";
+      std::cerr << "usage: cuda_bench [--json FILE] [--quick] [--only gemm|copy|train]\n";
       return 2;
     }
   }
+  auto wanted = [&](const char* section) { return only.empty() || only == section; };
   if (!cuda::is_available()) {
     std::cerr << "cuda_bench: no GPU visible (cuda::device_count() == 0)\n";
     return 3;
@@ -241,16 +248,19 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop{};
   BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::vector<std::string> gemms, trains;
-  for (int64_t size : {int64_t{4096}, int64_t{8192}})
-    for (DType dt : {kBFloat16, kFloat32})
-      gemms.push_back(guarded("gemm " + std::to_string(size) + " " + std::string(dtype_name(dt)),
-                              [&] { return gemm_json(size, dt, quick); }));
-  const std::string copy = guarded("copy", [&] { return copy_json(quick); });
-  for (const char* kind : {"mlp", "cnn"})
-    for (int64_t batch : {int64_t{64}, int64_t{512}})
-      for (bool bf16 : {false, true})
-        trains.push_back(guarded(std::string("train ") + kind,
-                                 [&] { return train_json(kind, batch, bf16, quick); }));
+  if (wanted("gemm"))
+    for (int64_t size : {int64_t{4096}, int64_t{8192}})
+      for (DType dt : {kBFloat16, kFloat32})
+        gemms.push_back(guarded("gemm " + std::to_string(size) + " " + std::string(dtype_name(dt)),
+                                [&] { return gemm_json(size, dt, quick); }));
+  const std::string copy = wanted("copy") ? guarded("copy", [&] { return copy_json(quick); })
+                                          : std::string("null");
+  if (wanted("train"))
+    for (const char* kind : {"mlp", "cnn"})
+      for (int64_t batch : {int64_t{64}, int64_t{512}})
+        for (bool bf16 : {false, true})
+          trains.push_back(guarded(std::string("train ") + kind,
+                                   [&] { return train_json(kind, batch, bf16, quick); }));
   const cuda::MemoryStats mem = cuda::memory_stats();
   const std::string json =
       "{\n  \"device\": \"" + std::string(prop.name) + "\",\n  \"gemm\": " + join(gemms) +
