@@ -188,7 +188,7 @@ run_device() {
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1
     for b in "$dest"/bin/*; do
       echo "== ldd $(basename "$b") (unresolved)"
-      ldd "$b" | grep 'not found' || echo "(none)"
+      ldd "$b" 2>&1 | grep 'not found' || echo "(none)"
     done
   } >"$out/bench.log" 2>&1
   cat "$out/bench.log" >&2
@@ -234,6 +234,9 @@ for name in (l.strip() for l in open(listed)):
         why = notes.get(name, "no result (crashed before writing its JSON)")
         suites.setdefault(suite, []).append(
             {"name": case, "result": "COMPLETED", "failures": [{"failure": why}]})
+if not any(l.strip() for l in open(listed)):
+    suites["test_cuda"] = [{"name": "start", "result": "COMPLETED", "failures": [
+        {"failure": "test_cuda listed no tests: it did not start (see test_cuda.log)"}]}]
 json.dump({"testsuites": [{"name": s, "testsuite": c} for s, c in suites.items()]},
           open(dest, "w"), indent=1)
 EOF
@@ -309,6 +312,9 @@ md = [f"# lockstep GPU check ({mode})", "",
       f" ({'fits' if pack_bytes <= limit else 'TOO LARGE'}); libraries taken from the GPU image: "
       + (", ".join(f["name"] for f in files if f["kind"] == "from-device") or "none") + ".", ""]
 
+if not any(f["kind"] == "bin" and f["name"] == "cuda_bench" for f in files):
+    md += ["The pack holds no cuda_bench: it was built without CUDA, so its tests would only "
+           "skip on a GPU (build where nvcc is, or pass a CUDA build with --build-dir).", ""]
 if status != "ran":
     md += [f"GPU part: **skipped** ({reason}).", ""]
 else:
