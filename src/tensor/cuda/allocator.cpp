@@ -9,6 +9,7 @@
 #include <mutex>
 #include <set>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "lockstep/base/log.h"
@@ -308,8 +309,10 @@ class PinnedPool final : public Allocator {
   }
 
   // A pinned tensor freed while a copy still reads it waits for the streams that copy ran on.
+  // Each fence is waited for on its own device: the legacy default stream (nullptr) means the
+  // current device's, so an event recorded with another device current would not order it.
   void deallocate(void* ptr, size_t) override {
-    std::vector<cudaStream_t> used;
+    std::vector<std::pair<cudaStream_t, int>> used;
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = uses_.find(ptr);
@@ -319,15 +322,26 @@ class PinnedPool final : public Allocator {
       }
     }
     if (used.empty()) return release(ptr, nullptr, false);
-    for (size_t i = 1; i < used.size(); ++i) cudaStreamSynchronize(used[i]);
-    release(ptr, used[0], true);
+    int prev = 0;
+    cudaGetDevice(&prev);
+    for (size_t i = 1; i < used.size(); ++i) {
+      cudaSetDevice(used[i].second);
+      cudaStreamSynchronize(used[i].first);
+    }
+    cudaSetDevice(used[0].second);
+    release(ptr, used[0].first, true);
+    cudaSetDevice(prev);
   }
 
+  // Called with the stream's device current (the copy's device guard).
   void fence(void* ptr, cudaStream_t stream) {
+    int device = 0;
+    cudaGetDevice(&device);
     std::lock_guard<std::mutex> lock(mu_);
     if (size_of_.count(ptr) == 0) return;
     auto& u = uses_[ptr];
-    if (std::find(u.begin(), u.end(), stream) == u.end()) u.push_back(stream);
+    const std::pair<cudaStream_t, int> use{stream, device};
+    if (std::find(u.begin(), u.end(), use) == u.end()) u.push_back(use);
   }
   Device device() const override { return kCPU; }
 
@@ -374,7 +388,8 @@ class PinnedPool final : public Allocator {
 
   std::mutex mu_;
   std::unordered_map<void*, size_t> size_of_;
-  std::unordered_map<void*, std::vector<cudaStream_t>> uses_;  // fence(): streams per block
+  // fence(): (stream, its device) per block
+  std::unordered_map<void*, std::vector<std::pair<cudaStream_t, int>>> uses_;
   std::map<size_t, std::vector<void*>> free_;
   std::deque<std::pair<void*, cudaEvent_t>> pending_;
 };
