@@ -10,10 +10,6 @@
 #include "lockstep/base/error.h"
 #include "lockstep/tensor/cuda.h"
 
-#ifdef LOCKSTEP_WITH_CUDA
-#include "tensor/cuda/runtime.h"  // the pinned pool (Note [Staging device tensors])
-#endif
-
 namespace lockstep::dist {
 
 std::string_view reduce_op_name(ReduceOp op) {
@@ -204,19 +200,11 @@ Tensor writable_contiguous(const Tensor& dst) {
              : empty({dst.numel()}, TensorOptions(dst.dtype()).with_device(dst.device()));
 }
 
-// A CPU tensor of t's shape and dtype in page-locked memory, which the device copies to and
-// from directly and asynchronously (pageable memory would go through a staging block).
+// A CPU tensor of t's elements (flat) and dtype in page-locked memory, which the device copies
+// to and from directly and asynchronously (pageable memory would go through a staging block).
 Tensor pinned_empty_like(const Tensor& t) {
-#ifdef LOCKSTEP_WITH_CUDA
   if (t.numel() == 0) return empty({0}, t.dtype());  // nothing to copy either way
-  const Dims shape{t.numel()};
-  auto storage =
-      std::make_shared<StorageImpl>(static_cast<size_t>(t.nbytes()), &cuda::pinned_allocator());
-  return Tensor(std::make_shared<TensorImpl>(std::move(storage), shape, contiguous_strides(shape),
-                                             0, t.dtype()));
-#else
-  return empty({t.numel()}, t.dtype());  // no cuda tensor exists in this build
-#endif
+  return empty_pinned({t.numel()}, t.dtype());
 }
 
 }  // namespace
