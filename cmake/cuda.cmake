@@ -54,6 +54,8 @@ if(NOT LOCKSTEP_CUDA STREQUAL "OFF")
       set(lockstep_cuda_why "nvcc found but not: ${lockstep_cuda_missing}")
     else()
       set(LOCKSTEP_WITH_CUDA ON)
+      # For the installed package config: where find_package(lockstep) looks for the toolkit.
+      get_filename_component(LOCKSTEP_CUDA_TOOLKIT_ROOT "${CUDAToolkit_BIN_DIR}" DIRECTORY)
     endif()
   else()
     set(lockstep_cuda_why "no nvcc found (set CUDACXX or put the toolkit's bin/ on the PATH)")
