@@ -20,6 +20,7 @@ using namespace std::chrono_literals;
 namespace {
 
 constexpr const char* kModeEnv = "LOCKSTEP_TEST_DDP_MODE";
+constexpr const char* kBackendEnv = "DDP_TEST_BACKEND";  // not LOCKSTEP_: the spawner drops those
 constexpr const char* kReportEnv = "LOCKSTEP_TEST_DDP_REPORT";
 constexpr auto kHangGuard = std::chrono::seconds(240);
 constexpr int kSteps = 5;
@@ -116,6 +117,8 @@ int worker(const std::string& mode) {
   try {
     InitOptions io;
     io.timeout = 60s;
+    // The backend under test (the spawner passes no LOCKSTEP_ variable through).
+    if (const char* b = std::getenv(kBackendEnv)) io.backend = b;
     auto pg = init_process_group(io);
     const int r = rank(), world = world_size();
     if (mode == "mismatch") {
@@ -167,7 +170,7 @@ int worker(const std::string& mode) {
         }
       }
     }
-    report(ddp->stats().str());
+    report("backend " + std::string(pg->backend()) + ": " + ddp->stats().str());
     destroy_process_group();
     return 0;
   } catch (const std::exception& e) {
@@ -183,19 +186,30 @@ int worker(const std::string& mode) {
   std::exit(worker(mode));
 }();
 
-class DDPProcesses : public ::testing::TestWithParam<int> {};
+// World size, backend (through kBackendEnv, which the ranks inherit).
+class DDPProcesses : public ::testing::TestWithParam<std::tuple<int, const char*>> {};
 
 TEST_P(DDPProcesses, ShardsEqualOneProcessAndRanksStayIdentical) {
-  const auto results = lockstep::testing::run_ranks_as_processes(GetParam(), kModeEnv, "train",
+  const auto [world, backend] = GetParam();
+  ::setenv(kBackendEnv, backend, 1);
+  const auto results = lockstep::testing::run_ranks_as_processes(world, kModeEnv, "train",
                                                                  kReportEnv, kHangGuard);
+  ::unsetenv(kBackendEnv);
   for (size_t r = 0; r < results.size(); ++r) {
     EXPECT_TRUE(lockstep::testing::exited_zero(results[r]))
         << "rank " << r << ": " << results[r].report;
   }
   EXPECT_THAT(results[0].report, ::testing::HasSubstr("rebuilt in ready order"));
+  EXPECT_THAT(results[0].report, ::testing::StartsWith(std::string("backend ") + backend));
 }
 
-INSTANTIATE_TEST_SUITE_P(WorldSizes, DDPProcesses, ::testing::Values(2, 4));
+INSTANTIATE_TEST_SUITE_P(WorldSizesAndBackends, DDPProcesses,
+                         ::testing::Combine(::testing::Values(2, 4),
+                                            ::testing::Values("gloo", "shm")),
+                         [](const auto& info) {
+                           return std::string(std::get<1>(info.param)) + "_" +
+                                  std::to_string(std::get<0>(info.param));
+                         });
 
 TEST(DDPProcesses, SamplerShardsDifferAndParametersStayBitIdenticalOverEpochs) {
   const auto results =
