@@ -222,6 +222,10 @@ inline int parse_flags(int argc, char** argv, Config& cfg) {
         "threads have none, so --amp cannot be combined with --dp " +
         std::to_string(cfg.dp));
   }
+  if (cfg.backend == "nccl" && cfg.device != "cuda") {
+    return usage_error("--backend nccl reduces CUDA tensors only: add --device cuda (on CPUs "
+                       "use gloo, shm or hier)");
+  }
   if (cfg.device == "cuda" && !cuda::is_available()) {
     return usage_error(cuda::compiled_with_cuda()
                            ? "--device cuda: no GPU is visible to this process"

@@ -167,16 +167,18 @@ EOF
         || { cat "$work/$b" "$work/$b.err"; fail "--backend $b failed"; }
       cat "$work/$b" "$work/$b.err"
     done
-    grep -q "^\[rank0\]: model=mlp .* backend=gloo$" "$work/gloo" || fail "gloo run not on gloo"
-    grep -q "^\[rank0\]: model=mlp .* backend=shm$" "$work/shm" || fail "--backend shm not on shm"
-    grep -q "^\[rank0\]: model=mlp .* backend=shm$" "$work/env" || fail "LOCKSTEP_BACKEND=shm not on shm"
+    grep -q "^\[rank0\]: model=mlp .* backend=gloo device=cpu$" "$work/gloo" || fail "gloo run not on gloo"
+    grep -q "^\[rank0\]: model=mlp .* backend=shm device=cpu$" "$work/shm" || fail "--backend shm not on shm"
+    grep -q "^\[rank0\]: model=mlp .* backend=shm device=cpu$" "$work/env" || fail "LOCKSTEP_BACKEND=shm not on shm"
     final() { tail -n 1 "$1" | sed -n 's/^\[rank0\]: final \(test_accuracy=[0-9.]* train_loss=[0-9.]* steps=[0-9]*\) .*/\1/p'; }
     g=$(final "$work/gloo")
     [ -n "$g" ] || fail "no final line from the gloo run"
     for b in shm env; do
       [ "$(final "$work/$b")" = "$g" ] || fail "$b ended on '$(final "$work/$b")', gloo on '$g'"
     done
-    expect_exit 2 "backend" --backend nccl --max-steps 1
+    # nccl: not a backend of a build without CUDA; with CUDA, it needs --device cuda.
+    expect_exit 2 "nccl" --backend nccl --max-steps 1
+    expect_exit 2 "backend" --backend ucc --max-steps 1
     ;;
   amp)
     # One epoch of the MLP with bf16 autocast reaches the f32 target (cosine schedule: 0.869 in
