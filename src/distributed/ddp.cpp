@@ -8,6 +8,7 @@
 #include "distributed/reducer.h"
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/base/error.h"
+#include "lockstep/distributed/join.h"
 
 namespace lockstep::dist {
 
@@ -118,8 +119,10 @@ void check_same_model(ProcessGroup& pg, const nn::Module& m) {
   }
 }
 
-// Broadcasts rank 0's values of `tensors`, one fused call per dtype.
-void broadcast_from_rank0(ProcessGroup& pg, const std::vector<Tensor>& tensors) {
+}  // namespace
+
+// Broadcasts rank `root`'s values of `tensors`, one fused call per dtype.
+void broadcast_tensors(ProcessGroup& pg, const std::vector<Tensor>& tensors, int root) {
   std::vector<std::vector<Tensor>> by_dtype;
   for (const Tensor& t : tensors) {
     auto it = std::find_if(by_dtype.begin(), by_dtype.end(),
@@ -130,10 +133,8 @@ void broadcast_from_rank0(ProcessGroup& pg, const std::vector<Tensor>& tensors) 
       it->push_back(t);
     }
   }
-  for (auto& group : by_dtype) pg.broadcast(group, {.root = 0})->wait();
+  for (auto& group : by_dtype) pg.broadcast(group, {.root = root})->wait();
 }
-
-}  // namespace
 
 // ---- DistributedDataParallel ----
 
@@ -153,7 +154,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> mod
   std::vector<Tensor> state;
   for (const auto& [name, t] : module_->named_parameters()) state.push_back(t);
   for (const auto& [name, t] : module_->named_buffers()) state.push_back(t);
-  if (pg_->size() > 1 && !state.empty()) broadcast_from_rank0(*pg_, state);
+  if (pg_->size() > 1 && !state.empty()) broadcast_tensors(*pg_, state, 0);
 
   std::vector<std::pair<std::string, Tensor>> params;
   for (const auto& [name, t] : module_->named_parameters()) {
@@ -164,11 +165,22 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> mod
 
 DistributedDataParallel::~DistributedDataParallel() = default;
 
-Tensor DistributedDataParallel::forward(const Tensor& x) {
+void DistributedDataParallel::broadcast_buffers(int root) {
   if (opts_.broadcast_buffers && pg_->size() > 1 && module_->is_training()) {
     const std::vector<Tensor> buffers = module_->buffers();
-    if (!buffers.empty()) broadcast_from_rank0(*pg_, buffers);
+    if (!buffers.empty()) broadcast_tensors(*pg_, buffers, root);
   }
+}
+
+Tensor DistributedDataParallel::forward(const Tensor& x) {
+  int buffer_root = 0;
+  if (join_ != nullptr && autograd::grad_enabled() && module_->is_training()) {
+    // Note [Join]: tell ranks that ran out of data what this step does.
+    const Join::Header h = join_->exchange(true, !reducer_->no_sync());
+    reducer_->set_contributors(h.active);
+    buffer_root = h.first_active;
+  }
+  broadcast_buffers(buffer_root);
   reducer_->prepare_forward();
   return module_->forward(x);
 }

@@ -162,6 +162,27 @@ void Reducer::launch_ready() {
   }
 }
 
+// Every parameter counts as ready with a zero gradient, so the buckets go out in the order the
+// contributing ranks launch them, and finalize() takes the same path (unused-parameter status,
+// the first step's bucket rebuild) as on those ranks.
+void Reducer::shadow_backward() {
+  LS_CHECK(!iteration_active_,
+           "DistributedDataParallel: a joined rank shadowed a backward while its own was running");
+  {
+    autograd::NoGradGuard no_grad;
+    for (auto& b : buckets_) {
+      b.flat.zero_();
+      b.pending = 0;
+    }
+  }
+  std::fill(ready_.begin(), ready_.end(), true);
+  ready_order_.clear();
+  iteration_active_ = true;
+  bytes_this_step_ = 0;
+  launch_ready();
+  finalize();
+}
+
 void Reducer::reset_iteration() {
   iteration_active_ = false;
   std::fill(ready_.begin(), ready_.end(), false);
@@ -204,6 +225,13 @@ void Reducer::finalize() {
     reset_iteration();
     throw;
   }
+  // Note [Join]: the hooks averaged over the world size; fewer ranks contributed.
+  if (contributors_ > 0 && contributors_ != pg_->size()) {
+    autograd::NoGradGuard no_grad;
+    const double rescale = static_cast<double>(pg_->size()) / contributors_;
+    for (auto& b : buckets_) b.flat.narrow(0, 0, b.numel).mul_(rescale);
+  }
+  contributors_ = 0;
   const double exposed = std::chrono::duration<double>(Clock::now() - t0).count();
   bool someone_unused = false;
   if (!opts_.find_unused_parameters) {

@@ -11,6 +11,9 @@
 
 namespace lockstep::dist {
 
+// Broadcasts rank `root`'s values of `tensors` (one fused call per dtype); in ddp.cpp.
+void broadcast_tensors(ProcessGroup& pg, const std::vector<Tensor>& tensors, int root);
+
 class Reducer {
  public:
   // `params`: the parameters that require grad, in registration order, with their names.
@@ -28,10 +31,17 @@ class Reducer {
   bool no_sync() const { return no_sync_; }
   DDPStats stats() const { return stats_; }
 
+  // Note [Join]: the number of ranks that contribute to the next synchronized backward (the
+  // world size outside a Join); the reduced gradients are the mean over those ranks.
+  void set_contributors(int n) { contributors_ = n; }
+  // On a rank that joined: the bucket all-reduces of one synchronized backward of the others,
+  // with zeros from this rank.
+  void shadow_backward();
+
  private:
   struct Bucket {
     DType dtype = DType::f32;
-    Device device;  // the parameters' (one bucket, one device)
+    Device device;               // the parameters' (one bucket, one device)
     std::vector<size_t> params;  // indices into params_
     int64_t numel = 0;           // gradient elements (the flat buffer has one more: status)
     Tensor flat;
@@ -68,6 +78,7 @@ class Reducer {
   std::vector<size_t> ready_order_;
   size_t next_launch_ = 0;
   int64_t bytes_this_step_ = 0;
+  int contributors_ = 0;  // 0: the world size
   bool rebuilt_ = false;
   DDPStats stats_;
 };

@@ -67,6 +67,7 @@ struct DDPStats {
 };
 
 class Reducer;
+class Join;
 
 // Construction (on every rank of `pg`, collectively): checks that every rank built the same
 // model (parameter names, shapes, dtypes, order; an Error on every rank naming the first
@@ -102,10 +103,15 @@ class DistributedDataParallel : public nn::Module {
   DDPStats stats() const;
 
  private:
+  friend class Join;  // Note [Join]: the header in forward, the shadowed collectives
+  // Before a training forward: rank `root`'s buffers to every rank, when broadcast_buffers.
+  void broadcast_buffers(int root);
+
   std::shared_ptr<nn::Module> module_;
   ProcessGroupPtr pg_;
   DDPOptions opts_;
   std::unique_ptr<Reducer> reducer_;
+  Join* join_ = nullptr;  // the Join this model is inside, if any
 };
 
 }  // namespace lockstep::dist

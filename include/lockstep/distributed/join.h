@@ -1,0 +1,92 @@
+// Join: training with uneven inputs under DistributedDataParallel (PyTorch's Join context
+// manager, Horovod's hvd.join()). A rank that runs out of batches shadows the collectives the
+// others still issue, until every rank has run out; then all leave together with the same state.
+//
+//   dist::Join join(ddp, {.optimizer = &opt, .scaler = &scaler});
+//   for (data::Batch& b : loader) {                 // ranks may have different numbers of batches
+//     opt.zero_grad();
+//     scaler.scale(loss_fn(ddp.forward(b.input), b.target)).backward();
+//     scaler.step(opt);
+//     scaler.update();
+//   }
+//   join.finish();  // shadows the others' steps; returns when every rank has called it
+//
+// or, with the loop's condition on the Join: `while (join.next(loader_has_batch)) {...}`.
+#pragma once
+
+#include <cstdint>
+
+#include "lockstep/distributed/ddp.h"
+
+namespace lockstep::optim {
+class Optimizer;
+}
+namespace lockstep::amp {
+class GradScaler;
+}
+
+namespace lockstep::dist {
+
+struct JoinOptions {
+  // State that moves only on ranks that still step. When every rank has joined, the optimizer's
+  // state (moments, step count, learning rates) and the scaler's (scale, growth tracker) are
+  // copied, with the model's parameters and buffers, from a rank that took the last step.
+  optim::Optimizer* optimizer = nullptr;
+  amp::GradScaler* scaler = nullptr;
+};
+
+// Note [Join]
+// Every training forward of the DDP model (grad mode on, module in training mode) inside a Join
+// starts with one all-reduce of a small header: one element per rank (1 where that rank still
+// has data) and one counting the ranks whose backward will synchronize (no_sync() read at
+// forward, so the no_sync scope must hold the forward too, as in PyTorch). A joined rank posts
+// zeros in a loop and learns from the sum what the others do next: broadcast the buffers (from
+// the lowest rank still active, not rank 0, whose buffers stopped moving when it joined), and,
+// when they synchronize, all-reduce every bucket, to which it contributes zeros. The gradient is
+// then divided by the number of ranks that contributed (the active ones), not the world size, so
+// it is the mean over the batches actually seen that step. Gradients a joined rank accumulated
+// under no_sync() and never synchronized are dropped, as in PyTorch: each contribution is one
+// rank's full step. A joined rank does not step its optimizer; when the header shows no rank
+// active, every rank takes parameters, buffers and the optional optimizer and scaler state from
+// the lowest rank active in the last step. Outside a Join, DDP issues no header and divides by
+// the world size as before.
+class Join {
+ public:
+  // On every rank of ddp's process group, at the same point (before the loop).
+  explicit Join(DistributedDataParallel& ddp, JoinOptions opts = {});
+  // Detaches from the model without communicating (an exception left the loop: the other ranks'
+  // collectives fail on their timeout, as any rank failure does).
+  ~Join();
+  Join(const Join&) = delete;
+  Join& operator=(const Join&) = delete;
+
+  // This rank has no more batches: shadows the other ranks' steps until every rank has called
+  // finish(), then makes every rank's state equal (Note [Join]). Once per Join.
+  void finish();
+  // true when have_batch; otherwise finish() and false. For `while (join.next(have)) {...}`.
+  bool next(bool have_batch);
+
+  // Steps of the others this rank shadowed in finish(), and the steps it took itself.
+  int64_t steps_shadowed() const { return shadowed_; }
+  int64_t steps_taken() const { return taken_; }
+
+ private:
+  friend class DistributedDataParallel;
+  struct Header {
+    int active = 0;        // ranks that still have data
+    int synced = 0;        // of those, the ones whose backward synchronizes
+    int first_active = 0;  // the lowest such rank (-1 when none)
+  };
+  // The header all-reduce (Note [Join]); DDP's forward calls it with active = true.
+  Header exchange(bool active, bool synced);
+  void sync_state(int source);
+
+  DistributedDataParallel& ddp_;
+  JoinOptions opts_;
+  bool finished_ = false;
+  int last_first_active_ = 0;  // the lowest active rank of the last step anyone took
+  int64_t shadowed_ = 0;
+  int64_t taken_ = 0;
+};
+
+}  // namespace lockstep::dist

@@ -1,0 +1,199 @@
+// Join: the per-step header, the shadow loop of a rank out of data, and the state sync at the end.
+#include "lockstep/distributed/join.h"
+
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "distributed/reducer.h"
+#include "lockstep/amp/grad_scaler.h"
+#include "lockstep/autograd/grad_mode.h"
+#include "lockstep/base/error.h"
+#include "lockstep/optim/optimizer.h"
+
+namespace lockstep::dist {
+
+namespace {
+
+// A tiny serializer for broadcast_object: the optimizer's state (named tensors, which a rank that
+// never stepped may not have yet) and the scaler's (named doubles).
+void put_bytes(Bytes& out, const void* p, size_t n) {
+  if (n == 0) return;
+  const size_t at = out.size();
+  out.resize(at + n);
+  std::memcpy(out.data() + at, p, n);
+}
+template <typename T>
+void put(Bytes& out, T v) {
+  put_bytes(out, &v, sizeof v);
+}
+void put_string(Bytes& out, const std::string& s) {
+  put<uint64_t>(out, s.size());
+  put_bytes(out, s.data(), s.size());
+}
+
+struct Reader {
+  const Bytes& in;
+  size_t at = 0;
+  void get_bytes(void* p, size_t n) {
+    LS_CHECK(at + n <= in.size(), "Join: truncated state from the source rank (", in.size(),
+             " bytes, reading ", n, " at ", at, ")");
+    std::memcpy(p, in.data() + at, n);
+    at += n;
+  }
+  template <typename T>
+  T get() {
+    T v;
+    get_bytes(&v, sizeof v);
+    return v;
+  }
+  std::string get_string() {
+    std::string s(get<uint64_t>(), '\0');
+    get_bytes(s.data(), s.size());
+    return s;
+  }
+};
+
+Bytes pack(const optim::NamedTensors& tensors) {
+  Bytes out;
+  put<uint64_t>(out, tensors.size());
+  for (const auto& [name, t] : tensors) {
+    const Tensor c = t.to(Device()).contiguous();
+    put_string(out, name);
+    put<int32_t>(out, static_cast<int32_t>(c.dtype()));
+    put<uint64_t>(out, static_cast<uint64_t>(c.shape().size()));
+    for (int64_t d : c.shape()) put<int64_t>(out, d);
+    put_bytes(out, c.data_ptr(), static_cast<size_t>(c.nbytes()));
+  }
+  return out;
+}
+
+optim::NamedTensors unpack(const Bytes& in) {
+  Reader r{in};
+  optim::NamedTensors out(r.get<uint64_t>());
+  for (auto& [name, t] : out) {
+    name = r.get_string();
+    const auto dtype = static_cast<DType>(r.get<int32_t>());
+    Dims shape;
+    for (uint64_t n = r.get<uint64_t>(); n > 0; --n) shape.push_back(r.get<int64_t>());
+    t = empty(shape, TensorOptions(dtype));
+    r.get_bytes(t.data_ptr(), static_cast<size_t>(t.nbytes()));
+  }
+  return out;
+}
+
+Bytes pack(const std::map<std::string, double>& values) {
+  Bytes out;
+  put<uint64_t>(out, values.size());
+  for (const auto& [name, v] : values) {
+    put_string(out, name);
+    put<double>(out, v);
+  }
+  return out;
+}
+
+std::map<std::string, double> unpack_doubles(const Bytes& in) {
+  Reader r{in};
+  std::map<std::string, double> out;
+  for (uint64_t n = r.get<uint64_t>(); n > 0; --n) {
+    std::string name = r.get_string();
+    out[name] = r.get<double>();
+  }
+  return out;
+}
+
+}  // namespace
+
+Join::Join(DistributedDataParallel& ddp, JoinOptions opts) : ddp_(ddp), opts_(opts) {
+  LS_CHECK(ddp_.join_ == nullptr,
+           "Join: this DistributedDataParallel is already inside a Join; finish() that one (or "
+           "let it go out of scope) before starting another");
+  ddp_.join_ = this;
+}
+
+Join::~Join() {
+  if (ddp_.join_ == this) ddp_.join_ = nullptr;
+}
+
+Join::Header Join::exchange(bool active, bool synced) {
+  ProcessGroup& pg = *ddp_.pg_;
+  const int world = pg.size();
+  // On the model's device, so that a device backend can reduce it.
+  const auto params = ddp_.module_->parameters();
+  const Device device = params.empty() ? Device() : params[0].device();
+  Tensor h = zeros({world + 1}, TensorOptions(kFloat32).with_device(device));
+  {
+    autograd::NoGradGuard no_grad;
+    if (active) h.narrow(0, pg.rank(), 1).fill_(1.0);
+    if (active && synced) h.narrow(0, world, 1).fill_(1.0);
+  }
+  pg.all_reduce(h)->wait();
+  const std::vector<float> v = h.to(Device()).to_vector<float>();
+  Header out;
+  out.first_active = -1;
+  for (int r = 0; r < world; ++r) {
+    if (v[r] == 0.0f) continue;
+    ++out.active;
+    if (out.first_active < 0) out.first_active = r;
+  }
+  out.synced = static_cast<int>(v[world]);
+  LS_CHECK(out.synced == 0 || out.synced == out.active, "Join: in one step ", out.synced,
+           " of the ", out.active,
+           " ranks with data synchronize gradients and the others are inside no_sync(); every "
+           "rank must enter no_sync() for the same steps, around the forward as well as the "
+           "backward");
+  if (out.active > 0) last_first_active_ = out.first_active;
+  if (active) ++taken_;
+  return out;
+}
+
+void Join::finish() {
+  LS_CHECK(!finished_,
+           "Join: finish() was called twice; call it once, after this rank's last batch");
+  finished_ = true;
+  for (;;) {
+    const Header h = exchange(false, false);
+    if (h.active == 0) break;
+    ++shadowed_;
+    // The same collectives, in the same order, as DistributedDataParallel::forward and the
+    // backward of the ranks with data (Note [Join]).
+    ddp_.broadcast_buffers(h.first_active);
+    if (h.synced > 0) {
+      ddp_.reducer_->set_contributors(h.active);
+      ddp_.reducer_->shadow_backward();
+    }
+  }
+  ddp_.join_ = nullptr;
+  sync_state(last_first_active_);
+}
+
+bool Join::next(bool have_batch) {
+  if (have_batch) return true;
+  finish();
+  return false;
+}
+
+void Join::sync_state(int source) {
+  ProcessGroup& pg = *ddp_.pg_;
+  if (pg.size() == 1) return;
+  std::vector<Tensor> state;
+  for (const auto& [name, t] : ddp_.module_->named_parameters()) state.push_back(t);
+  for (const auto& [name, t] : ddp_.module_->named_buffers()) state.push_back(t);
+  {
+    autograd::NoGradGuard no_grad;
+    if (!state.empty()) broadcast_tensors(pg, state, source);
+  }
+  const bool mine = pg.rank() == source;
+  if (opts_.optimizer != nullptr) {
+    const Bytes b =
+        pg.broadcast_object(mine ? pack(opts_.optimizer->state_dict()) : Bytes{}, source);
+    if (!mine) opts_.optimizer->load_state_dict(unpack(b));
+  }
+  if (opts_.scaler != nullptr) {
+    const Bytes b = pg.broadcast_object(mine ? pack(opts_.scaler->state_dict()) : Bytes{}, source);
+    if (!mine) opts_.scaler->load_state_dict(unpack_doubles(b));
+  }
+}
+
+}  // namespace lockstep::dist
