@@ -219,4 +219,42 @@ inline void run_collective_sweep(dist::ProcessGroup& pg) {
   check.done();
 }
 
+// Run by every rank of a group of 3: collectives whose arguments differ between ranks (size,
+// dtype, root, op, kind) each fail on every rank with the same message naming both sides, before
+// any data moves; a matching collective then works (the group goes on).
+inline void run_mismatch_round(int r, dist::ProcessGroup& pg) {
+  LS_CHECK(pg.size() == 3, "run_mismatch_round needs a group of 3, got ", pg.size());
+  auto expect_failure = [&](const dist::WorkPtr& w, const std::string& want) {
+    try {
+      w->wait();
+    } catch (const Error& e) {
+      LS_CHECK(std::string(e.what()).find(want) != std::string::npos, "expected '", want,
+               "', got: ", e.what());
+      return;
+    }
+    LS_THROW("a mismatch went unnoticed: ", want);
+  };
+  Tensor x = full({r == 1 ? 512 : 1024}, 1.0, kFloat32);
+  expect_failure(pg.all_reduce(x), "all_reduce: rank 1 has 512 elements, rank 0 has 1024");
+  Tensor b = full({4}, 1.0, r == 2 ? kFloat64 : kFloat32);
+  expect_failure(pg.broadcast(b), "broadcast: rank 2 has f64 tensors, rank 0 has f32");
+  Tensor c = full({4}, 1.0, kFloat32);
+  expect_failure(pg.broadcast(c, {.root = r == 0 ? 0 : 1}),
+                 "broadcast: rank 1 has root 1, rank 0 has root 0");
+  expect_failure(pg.all_reduce(c, {.op = r == 2 ? dist::ReduceOp::max : dist::ReduceOp::sum}),
+                 "all_reduce: rank 2 reduces with max, rank 0 with sum");
+  expect_failure(r == 1 ? pg.barrier() : pg.all_reduce(c),
+                 "rank 1 called barrier, rank 0 called all_reduce");
+  const int64_t per = r == 2 ? 5 : 4;
+  Tensor gathered = empty({3 * per}, kFloat32);
+  expect_failure(pg.all_gather(gathered, full({per}, 1.0, kFloat32)),
+                 "all_gather: rank 2 has 5 elements, rank 0 has 4");
+  Tensor scattered = empty({per}, kFloat32);
+  expect_failure(pg.reduce_scatter(scattered, full({3 * per}, 1.0, kFloat32)),
+                 "reduce_scatter: rank 2 has 5 elements, rank 0 has 4");
+  Tensor y = full({1000}, static_cast<double>(r), kFloat32);
+  pg.all_reduce(y)->wait();
+  LS_CHECK(y.to_vector<double>() == std::vector<double>(1000, 3.0), "sum after a mismatch");
+}
+
 }  // namespace lockstep::testing

@@ -32,6 +32,13 @@ TEST_P(GlooThreads, EveryCollectiveEveryDtypeMatchesReference) {
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, GlooThreads, ::testing::Values(1, 2, 3, 4));
 
+// Gloo itself trusts its callers: a longer message than the receiver posted killed the process
+// with an assertion on Gloo's own thread (Note [Gloo signature check]).
+TEST(GlooThreads, MismatchesFailEveryRankNamingBothAndTheGroupGoesOn) {
+  expect_all_succeeded(run_ranks(
+      3, [](int r, ProcessGroupPtr pg) { lockstep::testing::run_mismatch_round(r, *pg); }));
+}
+
 TEST(WorldOfOne, EveryCollectiveIsTheIdentity) {
   WorldOfOneGroup pg;
   lockstep::testing::run_collective_sweep(pg);

@@ -5,6 +5,7 @@
 #include <pthread.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
@@ -15,13 +16,13 @@
 
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
-#include <gloo/barrier.h>
 #include <gloo/broadcast.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/transport/tcp/device.h>
 
 #include "distributed/gloo/reduce.h"
 #include "distributed/gloo/register.h"
+#include "distributed/gloo/ring.h"
 #include "distributed/gloo/store_adapter.h"
 #include "lockstep/base/error.h"
 
@@ -112,6 +113,27 @@ void with_word_type(int64_t element_size, F&& f) {
     default:
       LS_THROW("no Gloo word type of ", element_size, " bytes");
   }
+}
+
+using Clock = std::chrono::steady_clock;
+
+// What is left of a collective's time once its signature check took its share.
+std::chrono::milliseconds left(Clock::time_point deadline) {
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+  return std::max(ms, std::chrono::milliseconds(1));
+}
+
+detail::CallSignature signature(detail::CallKind kind, const Tensor* t, ReduceOp op = ReduceOp::sum,
+                                int root = 0) {
+  detail::CallSignature s;
+  s.kind = static_cast<uint32_t>(kind);
+  if (t != nullptr) {
+    s.dtype = static_cast<uint32_t>(t->dtype());
+    s.numel = t->numel();
+  }
+  s.op = static_cast<uint32_t>(op);
+  s.root = root;
+  return s;
 }
 
 }  // namespace
@@ -207,6 +229,14 @@ class ProcessGroupGloo::Impl : public std::enable_shared_from_this<ProcessGroupG
       }
       try {
         body(context_);
+      } catch (const detail::CallMismatch& e) {
+        // Every rank saw the same signatures and none sent data: the group goes on
+        // (Note [Gloo signature check]).
+        work_finish(*work, std::make_exception_ptr(
+                               Error(lockstep::detail::str_cat(who_, ": ", work->description(),
+                                                               " failed: ", e.message()),
+                                     __FILE__, __LINE__)));
+        return;
       } catch (...) {
         std::string what = "unknown exception";
         try {
@@ -365,6 +395,9 @@ void ProcessGroupGloo::do_all_reduce(Tensor tensor, ReduceOp op, std::chrono::mi
                                      const WorkPtr& work) {
   const auto tag = static_cast<uint32_t>(work->seq());
   impl_->run(work, timeout, [tensor, op, timeout, tag](const std::shared_ptr<gloo::Context>& ctx) {
+    const auto deadline = Clock::now() + timeout;
+    detail::check_signatures(ctx, signature(detail::CallKind::all_reduce, &tensor, op), tag,
+                             timeout);
     const auto n = static_cast<size_t>(tensor.numel());
     if (n == 0) return;
     gloo::AllreduceOptions o(ctx);
@@ -373,7 +406,7 @@ void ProcessGroupGloo::do_all_reduce(Tensor tensor, ReduceOp op, std::chrono::mi
     });
     o.setReduceFunction(detail::reduce_fn(tensor.dtype(), op));
     o.setTag(tag);
-    o.setTimeout(timeout);
+    o.setTimeout(left(deadline));
     gloo::allreduce(o);
     if (op == ReduceOp::avg)
       detail::divide_in_place(tensor.data_ptr(), tensor.dtype(), n, ctx->size);
@@ -385,12 +418,16 @@ void ProcessGroupGloo::do_broadcast(Tensor tensor, int root, std::chrono::millis
   const auto tag = static_cast<uint32_t>(work->seq());
   impl_->run(
       work, timeout, [tensor, root, timeout, tag](const std::shared_ptr<gloo::Context>& ctx) {
+        const auto deadline = Clock::now() + timeout;
+        detail::check_signatures(
+            ctx, signature(detail::CallKind::broadcast, &tensor, ReduceOp::sum, root), tag,
+            timeout);
         if (tensor.numel() == 0) return;
         gloo::BroadcastOptions o(ctx);
         o.setOutput(static_cast<uint8_t*>(tensor.data_ptr()), static_cast<size_t>(tensor.nbytes()));
         o.setRoot(root);
         o.setTag(tag);
-        o.setTimeout(timeout);
+        o.setTimeout(left(deadline));
         gloo::broadcast(o);
       });
 }
@@ -400,53 +437,47 @@ void ProcessGroupGloo::do_all_gather(Tensor output, Tensor input, std::chrono::m
   const auto tag = static_cast<uint32_t>(work->seq());
   impl_->run(
       work, timeout, [output, input, timeout, tag](const std::shared_ptr<gloo::Context>& ctx) {
+        const auto deadline = Clock::now() + timeout;
+        detail::check_signatures(ctx, signature(detail::CallKind::all_gather, &input), tag,
+                                 timeout);
         if (input.numel() == 0) return;
         gloo::AllgatherOptions o(ctx);
         o.setInput(static_cast<uint8_t*>(input.data_ptr()), static_cast<size_t>(input.nbytes()));
         o.setOutput(static_cast<uint8_t*>(output.data_ptr()), static_cast<size_t>(output.nbytes()));
         o.setTag(tag);
-        o.setTimeout(timeout);
+        o.setTimeout(left(deadline));
         gloo::allgather(o);
       });
 }
 
-// Gloo's collectives API has no reduce-scatter: all-reduce a scratch copy of the input and keep
-// this rank's chunk. It moves twice the bytes of a ring reduce-scatter, which DDP does not need;
-// a sharded optimizer would want the real one.
+// A ring over Gloo's point-to-point transport (Note [Gloo ring reduce-scatter] in ring.cpp):
+// each rank sends and receives size - 1 chunks, half the bytes of an all_reduce.
 void ProcessGroupGloo::do_reduce_scatter(Tensor output, Tensor input, ReduceOp op,
                                          std::chrono::milliseconds timeout, const WorkPtr& work) {
   const auto tag = static_cast<uint32_t>(work->seq());
-  const int rank = this->rank();
-  impl_->run(work, timeout,
-             [output, input, op, timeout, tag, rank](const std::shared_ptr<gloo::Context>& ctx) {
-               const auto n = static_cast<size_t>(input.numel());
-               if (n == 0) return;
-               Tensor scratch = input.clone();
-               gloo::AllreduceOptions o(ctx);
-               with_word_type(scratch.element_size(), [&](auto word) {
-                 o.setOutput(static_cast<decltype(word)*>(scratch.data_ptr()), n);
-               });
-               o.setReduceFunction(detail::reduce_fn(scratch.dtype(), op));
-               o.setTag(tag);
-               o.setTimeout(timeout);
-               gloo::allreduce(o);
-               const auto chunk = static_cast<size_t>(output.nbytes());
-               std::memcpy(output.data_ptr(),
-                           static_cast<const uint8_t*>(scratch.data_ptr()) + rank * chunk, chunk);
-               if (op == ReduceOp::avg) {
-                 detail::divide_in_place(output.data_ptr(), output.dtype(),
-                                         static_cast<size_t>(output.numel()), ctx->size);
-               }
-             });
+  impl_->run(
+      work, timeout, [output, input, op, timeout, tag](const std::shared_ptr<gloo::Context>& ctx) {
+        const auto deadline = Clock::now() + timeout;
+        detail::check_signatures(ctx, signature(detail::CallKind::reduce_scatter, &output, op), tag,
+                                 timeout);
+        if (output.numel() == 0) return;
+        detail::ring_reduce_scatter(ctx, output.data_ptr(), input.data_ptr(),
+                                    static_cast<size_t>(output.nbytes()),
+                                    static_cast<size_t>(output.element_size()),
+                                    detail::reduce_fn(output.dtype(), op), tag, left(deadline));
+        if (op == ReduceOp::avg) {
+          detail::divide_in_place(output.data_ptr(), output.dtype(),
+                                  static_cast<size_t>(output.numel()), ctx->size);
+        }
+      });
 }
 
+// The signature exchange is a barrier already: each rank hears from every other rank before it
+// returns (Note [Gloo signature check]).
 void ProcessGroupGloo::do_barrier(std::chrono::milliseconds timeout, const WorkPtr& work) {
   const auto tag = static_cast<uint32_t>(work->seq());
   impl_->run(work, timeout, [timeout, tag](const std::shared_ptr<gloo::Context>& ctx) {
-    gloo::BarrierOptions o(ctx);
-    o.setTag(tag);
-    o.setTimeout(timeout);
-    gloo::barrier(o);
+    detail::check_signatures(ctx, signature(detail::CallKind::barrier, nullptr), tag, timeout);
   });
 }
 

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <functional>
 
+#include "distributed/call_signature.h"
 #include "distributed/shm/reduce.h"
 #include "distributed/shm/register.h"
 #include "distributed/shm/segment.h"
@@ -19,23 +20,7 @@ using shm::CallHeader;
 using shm::Clock;
 using shm::Segment;
 
-enum class Kind : uint32_t { all_reduce = 1, broadcast, all_gather, reduce_scatter, barrier };
-
-std::string_view kind_name(uint32_t k) {
-  switch (static_cast<Kind>(k)) {
-    case Kind::all_reduce:
-      return "all_reduce";
-    case Kind::broadcast:
-      return "broadcast";
-    case Kind::all_gather:
-      return "all_gather";
-    case Kind::reduce_scatter:
-      return "reduce_scatter";
-    case Kind::barrier:
-      return "barrier";
-  }
-  return "?";
-}
+using Kind = dist::detail::CallKind;
 
 // Ranks disagree about a collective's arguments: every rank fails alike; the group stays usable.
 class Mismatch : public Error {
@@ -81,36 +66,10 @@ void copy(void* dst, const void* src, size_t bytes) {
 
 // "" when every rank's header matches rank 0's; otherwise the same message on every rank.
 std::string mismatch(const Segment& seg) {
-  const CallHeader& h0 = seg.header(0);
-  const auto op = kind_name(h0.kind);
-  for (int r = 1; r < seg.size(); ++r) {
-    const CallHeader& h = seg.header(r);
-    if (h.kind != h0.kind) {
-      return lockstep::detail::str_cat("rank ", r, " called ", kind_name(h.kind),
-                                       ", rank 0 called ", op,
-                                       ": every rank must issue the same collectives in the same "
-                                       "order");
-    }
-    if (h.dtype != h0.dtype) {
-      return lockstep::detail::str_cat(
-          op, ": rank ", r, " has ", dtype_name(static_cast<DType>(h.dtype)),
-          " tensors, rank 0 has ", dtype_name(static_cast<DType>(h0.dtype)));
-    }
-    if (h.numel != h0.numel) {
-      return lockstep::detail::str_cat(op, ": rank ", r, " has ", h.numel, " elements, rank 0 has ",
-                                       h0.numel);
-    }
-    if (h.op != h0.op) {
-      return lockstep::detail::str_cat(
-          op, ": rank ", r, " reduces with ", reduce_op_name(static_cast<ReduceOp>(h.op)),
-          ", rank 0 with ", reduce_op_name(static_cast<ReduceOp>(h0.op)));
-    }
-    if (h.root != h0.root) {
-      return lockstep::detail::str_cat(op, ": rank ", r, " has root ", h.root, ", rank 0 has root ",
-                                       h0.root);
-    }
-  }
-  return "";
+  std::vector<CallHeader> headers;
+  headers.reserve(static_cast<size_t>(seg.size()));
+  for (int r = 0; r < seg.size(); ++r) headers.push_back(seg.header(r));
+  return dist::detail::call_mismatch(headers);
 }
 
 }  // namespace
@@ -364,7 +323,7 @@ void ProcessGroupShm::do_reduce_scatter(Tensor output, Tensor input, ReduceOp op
     do {
       const size_t len = std::min(sub, m - off);
       im.phase_begin(deadline, t);
-      if (off == 0) im.write_header(Kind::reduce_scatter, dt, op, 0, input.numel());
+      if (off == 0) im.write_header(Kind::reduce_scatter, dt, op, 0, output.numel());
       for (int r = 0; r < ranks; ++r) {
         copy(seg.slot(me) + r * sub * es, in + (r * m + off) * es, len * es);
       }

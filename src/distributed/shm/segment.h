@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "distributed/call_signature.h"
 #include "lockstep/base/syscall.h"
 #include "lockstep/distributed/store/store.h"
 
@@ -17,13 +18,7 @@ using Clock = std::chrono::steady_clock;
 
 // What every rank writes before a collective's first phase and every rank reads after it, so
 // that ranks that disagree (sizes, dtypes, ops, roots) fail together before they diverge.
-struct CallHeader {
-  uint32_t kind = 0;  // which collective (process_group_shm.cpp's Kind)
-  uint32_t dtype = 0;
-  uint32_t op = 0;
-  int32_t root = 0;
-  int64_t numel = 0;
-};
+using CallHeader = dist::detail::CallSignature;
 
 // Names begin with this (after the '/'); tests look for it in /dev/shm.
 inline constexpr const char* kSegmentPrefix = "lockstep-shm-";
