@@ -14,6 +14,7 @@ void register_builtin_backends() {
   register_gloo_backend();
   register_shm_backend();
   register_hier_backend();
+  register_auto_backend();
 #ifdef LOCKSTEP_WITH_CUDA
   register_nccl_backend();
 #endif

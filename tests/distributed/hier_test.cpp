@@ -10,6 +10,8 @@
 
 #include "distributed/collective_sweep.h"
 #include "distributed/ddp_helpers.h"
+#include "distributed/hier/register.h"
+#include "distributed/machine.h"
 #include "distributed/spawn_ranks.h"
 #include "distributed/thread_ranks.h"
 #include "lockstep/distributed/ddp.h"
@@ -206,9 +208,28 @@ TEST(HierThreads, ARankThatNeverArrivesFailsTheOthersInTimeAndPoisonsTheGroup) {
   }
 }
 
-TEST(HierBackend, IsRegisteredByNameButNotTheDefault) {
-  EXPECT_TRUE(has_backend("hier"));
-  EXPECT_EQ(connect_world(DistEnv{}, InitOptions{}).backend, "gloo");
+TEST(HierBackend, IsRegisteredByName) { EXPECT_TRUE(has_backend("hier")); }
+
+// What "auto" (the default) builds for each layout: the machines of every rank, in rank order.
+TEST(AutoBackend, ChoosesShmOnOneMachineGlooForOneRankEachHierOtherwise) {
+  struct Case {
+    std::vector<std::string> machines;
+    std::string want;
+  };
+  const std::vector<Case> cases = {
+      {{"a", "a", "a", "a"}, "shm"},  {{"a", "b", "c"}, "gloo"},
+      {{"a", "a", "b", "b"}, "hier"}, {{"a", "a", "a", "b", "b", "b"}, "hier"},
+      {{"a", "b", "a", "b"}, "gloo"},  // ranks of a machine interleaved
+      {{"a", "a", "a", "b"}, "gloo"},  // machines of different sizes
+  };
+  for (const auto& c : cases) {
+    const auto layout = dist::detail::machine_layout(c.machines);
+    EXPECT_EQ(choose_cpu_backend(layout, static_cast<int>(c.machines.size())), c.want)
+        << layout.found;
+  }
+  const auto odd = dist::detail::machine_layout({"a", "b", "a", "b"});
+  EXPECT_FALSE(odd.regular);
+  EXPECT_EQ(odd.found, "a: ranks 0,2; b: ranks 1,3");
 }
 
 // ---- Ranks as processes ----
@@ -247,7 +268,9 @@ void ddp_worker(const ProcessGroupPtr& pg) {
 }
 
 // "sweep": ranks 0, 1 claim one machine, ranks 2, 3 another (the testing hook). "sweep_detected":
-// the machines as detected (hier_two_namespaces.sh gives each pair its own host name).
+// the machines as detected (hier_two_namespaces.sh gives each pair its own host name), through
+// the default backend, which must choose hier. "one_per_machine": 2 ranks on 2 machines, through
+// the default backend, which must choose gloo.
 int worker_main(const std::string& mode) {
   try {
     register_backend("hier_two_machines", [](const BackendConfig& c) -> ProcessGroupPtr {
@@ -256,15 +279,24 @@ int worker_main(const std::string& mode) {
     });
     InitOptions opts;
     opts.timeout = 60s;
-    opts.backend = mode == "sweep_detected" ? "hier"
-                   : mode == "ddp_gloo"     ? "gloo"
-                                            : "hier_two_machines";
+    // sweep_detected and one_per_machine take the default backend, "auto".
+    opts.backend = mode == "sweep_detected" || mode == "one_per_machine" ? ""
+                   : mode == "ddp_gloo"                                  ? "gloo"
+                                                                         : "hier_two_machines";
     auto pg = init_process_group(opts);
+    if (mode == "one_per_machine") {
+      LS_CHECK(pg->backend() == "gloo", "auto chose ", pg->backend(),
+               " for one rank per machine, expected gloo");
+      lockstep::testing::run_collective_sweep(*pg);
+      destroy_process_group();
+      return 0;
+    }
     if (mode == "ddp_gloo" || mode == "ddp_hier") {
       ddp_worker(pg);
       destroy_process_group();
       return 0;
     }
+    LS_CHECK(pg->backend() == "hier", "the group's backend is ", pg->backend(), ", expected hier");
     const auto& hier = dynamic_cast<ProcessGroupHier&>(*pg);
     LS_CHECK(hier.num_machines() == 2 && hier.local_size() == 2, "layout ", hier.num_machines(),
              " machines x ", hier.local_size(), " ranks, expected 2 x 2");

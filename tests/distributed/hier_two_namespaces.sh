@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The hier backend across two "machines": two network namespaces joined by a veth pair, each with
-# its own host name (a UTS namespace: network namespaces alone share the host name and boot id, so
-# the backend would see one machine), 2 ranks in each. The ranks are test_distributed's hier
-# workers in "sweep_detected" mode: the layout must be detected as 2 machines x 2 ranks, and every
-# collective x ReduceOp x dtype must equal the reference (which is what flat Gloo gives). Needs
-# root (ip netns); without it the test fails.
+# The default backend ("auto") across two "machines": two network namespaces joined by a veth
+# pair, each with its own host name (a UTS namespace: network namespaces alone share the host name
+# and boot id, so the backend would see one machine). First 2 ranks in each: test_distributed's
+# hier workers in "sweep_detected" mode, where auto must choose hier for 2 machines x 2 ranks and
+# every collective x ReduceOp x dtype must equal the reference (which is what flat Gloo gives).
+# Then 1 rank in each ("one_per_machine"): auto must choose gloo. Needs root (ip netns); without
+# it the test fails.
 # Usage: hier_two_namespaces.sh <path-to-test_distributed>
 set -uo pipefail
 bin=$1
@@ -45,24 +46,32 @@ done
 ip -n "${ns[0]}" link set "$veth0" up || fail "cannot bring up $veth0"
 ip -n "${ns[1]}" link set "$veth1" up || fail "cannot bring up $veth1"
 
-# Ranks 0, 1 on machine 0 (which hosts the store), ranks 2, 3 on machine 1.
-for r in 0 1 2 3; do
-  m=$((r / 2))
-  env -i PATH="$PATH" RANK=$r WORLD_SIZE=4 LOCAL_RANK=$((r % 2)) LOCAL_WORLD_SIZE=2 \
-    MASTER_ADDR="$addr0" MASTER_PORT=$port OMP_NUM_THREADS=1 \
-    LOCKSTEP_TEST_HIER_MODE=sweep_detected LOCKSTEP_TEST_HIER_REPORT="$work/report$r" \
-    timeout -k 10 240 ip netns exec "${ns[$m]}" \
-    unshare --uts sh -c "hostname lockstep-hier-machine$m && exec \"\$0\"" "$bin" \
-    > "$work/rank$r.log" 2>&1 &
-  pids[$r]=$!
-done
-status=0
-for r in 0 1 2 3; do
-  wait "${pids[$r]}"
-  rc=$?
-  echo "--- rank $r (exit code $rc) ---"
-  cat "$work/rank$r.log"
-  [ "$rc" -eq 0 ] || { echo "FAIL: rank $r exited $rc (124: hung)"; status=1; }
-done
-[ "$status" -eq 0 ] || exit 1
+# run_job MODE PER_MACHINE: 2 x PER_MACHINE ranks, machine 0 (which hosts the store) holding
+# the first PER_MACHINE. The workers take the default backend, "auto", which must choose hier
+# for 2 machines x 2 ranks (sweep_detected) and gloo for 2 machines x 1 rank (one_per_machine).
+run_job() {
+  local mode=$1 per=$2 world=$(($2 * 2)) status=0 r m rc
+  local pids=()
+  for ((r = 0; r < world; r++)); do
+    m=$((r / per))
+    env -i PATH="$PATH" RANK=$r WORLD_SIZE=$world LOCAL_RANK=$((r % per)) LOCAL_WORLD_SIZE=$per \
+      MASTER_ADDR="$addr0" MASTER_PORT=$port OMP_NUM_THREADS=1 \
+      LOCKSTEP_TEST_HIER_MODE=$mode LOCKSTEP_TEST_HIER_REPORT="$work/report$r" \
+      timeout -k 10 240 ip netns exec "${ns[$m]}" \
+      unshare --uts sh -c "hostname lockstep-hier-machine$m && exec \"\$0\"" "$bin" \
+      > "$work/$mode.rank$r.log" 2>&1 &
+    pids[$r]=$!
+  done
+  for ((r = 0; r < world; r++)); do
+    wait "${pids[$r]}"
+    rc=$?
+    echo "--- $mode: rank $r (exit code $rc) ---"
+    cat "$work/$mode.rank$r.log"
+    [ "$rc" -eq 0 ] || { echo "FAIL: $mode: rank $r exited $rc (124: hung)"; status=1; }
+  done
+  return $status
+}
+run_job sweep_detected 2 || exit 1
+port=$((port + 1))
+run_job one_per_machine 1 || exit 1
 echo PASS

@@ -194,12 +194,12 @@ TEST(ReadDistEnv, RendezvousTimeoutIsInSecondsAndChecked) {
   }
 }
 
-TEST(ConnectWorld, BackendIsTheOptionsThenLockstepBackendThenGloo) {
+TEST(ConnectWorld, BackendIsTheOptionsThenLockstepBackendThenAuto) {
   const DistEnv shm_env = read_dist_env(env_of({{"LOCKSTEP_BACKEND", "shm"}}));
   EXPECT_EQ(shm_env.backend, "shm");
   EXPECT_EQ(read_dist_env(env_of({})).backend, "");
   EXPECT_EQ(connect_world(shm_env).backend, "shm");
-  EXPECT_EQ(connect_world(DistEnv{}).backend, "gloo");
+  EXPECT_EQ(connect_world(DistEnv{}).backend, "auto");
   InitOptions o;
   o.backend = "gloo";
   EXPECT_EQ(connect_world(shm_env, o).backend, "gloo");
@@ -495,6 +495,7 @@ TEST(ConnectWorld, TheBindAddressIsChosenOnceAndReachesEveryGroup) {
         DistEnv env;
         env.master_addr = "localhost";
         InitOptions o;
+        o.backend = "gloo";  // the one that listens (auto would choose shm here)
         o.store = store;
         o.rank = r;
         o.world_size = 2;

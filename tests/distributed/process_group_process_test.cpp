@@ -44,6 +44,7 @@ void write_report(const std::string& text) {
 int worker_main(const std::string& mode) {
   try {
     InitOptions opts;
+    opts.backend = "gloo";  // these are the Gloo backend's processes (auto would choose shm)
     opts.timeout = mode == "die" ? kDyingPeerCollectiveTimeout : 60s;
     auto pg = init_process_group(opts);
     LS_CHECK(is_initialized() && rank() == pg->rank() && world_size() == pg->size(),

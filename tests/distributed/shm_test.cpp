@@ -161,40 +161,9 @@ TEST(ShmThreads, ReduceScatterEqualsTheChunkOfAllReduceForEveryOpAndDtype) {
   for (size_t r = 0; r < errors.size(); ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
 }
 
-TEST(ShmThreads, SizeMismatchFailsEveryRankNamingBothAndTheGroupGoesOn) {
-  const auto errors = run_shm_threads(3, [](int r, ProcessGroupShm& pg) {
-    Tensor x = full({r == 1 ? 512 : 1024}, 1.0, kFloat32);
-    try {
-      pg.all_reduce(x)->wait();
-      LS_THROW("a size mismatch went unnoticed");
-    } catch (const Error& e) {
-      LS_CHECK(std::string(e.what()).find("all_reduce: rank 1 has 512 elements, rank 0 has 1024") !=
-                   std::string::npos,
-               "unexpected error: ", e.what());
-    }
-    // Other mismatches, then a matching collective that works.
-    auto expect_failure = [&](const WorkPtr& w, const std::string& want) {
-      try {
-        w->wait();
-        LS_THROW("a mismatch went unnoticed: ", want);
-      } catch (const Error& e) {
-        LS_CHECK(std::string(e.what()).find(want) != std::string::npos, "expected '", want,
-                 "', got: ", e.what());
-      }
-    };
-    Tensor b = full({4}, 1.0, r == 2 ? kFloat64 : kFloat32);
-    expect_failure(pg.broadcast(b), "broadcast: rank 2 has f64 tensors, rank 0 has f32");
-    Tensor c = full({4}, 1.0, kFloat32);
-    expect_failure(pg.broadcast(c, {.root = r == 0 ? 0 : 1}),
-                   "broadcast: rank 1 has root 1, rank 0 has root 0");
-    expect_failure(pg.all_reduce(c, {.op = r == 2 ? ReduceOp::max : ReduceOp::sum}),
-                   "all_reduce: rank 2 reduces with max, rank 0 with sum");
-    expect_failure(r == 1 ? pg.barrier() : pg.all_reduce(c),
-                   "rank 1 called barrier, rank 0 called all_reduce");
-    Tensor y = full({1000}, static_cast<double>(r), kFloat32);
-    pg.all_reduce(y)->wait();
-    LS_CHECK(y.to_vector<double>() == std::vector<double>(1000, 3.0), "sum after a mismatch");
-  });
+TEST(ShmThreads, MismatchesFailEveryRankNamingBothAndTheGroupGoesOn) {
+  const auto errors = run_shm_threads(
+      3, [](int r, ProcessGroupShm& pg) { lockstep::testing::run_mismatch_round(r, pg); });
   for (size_t r = 0; r < errors.size(); ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
 }
 
@@ -308,9 +277,36 @@ TEST(ShmThreads, TheSegmentIsUnlinkedOnceEveryRankMappedIt) {
   EXPECT_EQ(names[0], names[1]);
 }
 
-TEST(ShmBackend, IsRegisteredByNameButNotTheDefault) {
+// Ranks on one machine with no backend named: "auto" builds an shm group.
+TEST(ShmBackend, IsWhatTheDefaultBuildsForRanksOnOneMachine) {
   EXPECT_TRUE(has_backend("shm"));
-  EXPECT_EQ(connect_world(DistEnv{}, InitOptions{}).backend, "gloo");
+  EXPECT_EQ(connect_world(DistEnv{}, InitOptions{}).backend, "auto");
+  auto store = std::make_shared<HashStore>(30s);
+  std::vector<std::string> errors(3), backends(3);
+  std::vector<std::thread> ts;
+  for (int r = 0; r < 3; ++r) {
+    ts.emplace_back([&, r] {
+      try {
+        BackendConfig c;
+        c.store = store;
+        c.rank = r;
+        c.size = 3;
+        c.timeout = 30s;
+        auto pg = create_process_group(kDefaultBackend, c);
+        backends[r] = pg->backend();
+        Tensor x = full({5}, static_cast<double>(r), kFloat32);
+        pg->all_reduce(x)->wait();
+        LS_CHECK(x.to_vector<double>() == std::vector<double>(5, 3.0), "sum over auto's group");
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : ts) t.join();
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(errors[r], "") << "rank " << r;
+    EXPECT_EQ(backends[r], "shm") << "rank " << r;
+  }
 }
 
 // ---- Ranks as processes ----

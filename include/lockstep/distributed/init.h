@@ -66,8 +66,12 @@ std::optional<std::string> process_env(const std::string& name);
 // LOCKSTEP_RENDEZVOUS_TIMEOUT that is not a number of seconds in range.
 DistEnv read_dist_env(const EnvLookup& lookup = process_env);
 
-// The backend when neither InitOptions::backend nor LOCKSTEP_BACKEND names one.
-inline constexpr const char* kDefaultBackend = "gloo";
+// The backend when neither InitOptions::backend nor LOCKSTEP_BACKEND names one: the CPU
+// backend the ranks' layout over machines calls for (shm on one machine, gloo with one rank per
+// machine, hier otherwise; Note [The auto backend] in src/distributed/hier/auto_backend.cpp).
+// World::backend keeps "auto" (new_group chooses again for its own ranks); the group's
+// backend() names the one chosen.
+inline constexpr const char* kDefaultBackend = "auto";
 
 struct InitOptions {
   // A registered backend's name (backend_names()). Empty: LOCKSTEP_BACKEND when set, else

@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <map>
 #include <mutex>
 
 #include "distributed/gloo/reduce.h"
@@ -21,36 +20,14 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using lockstep::detail::str_cat;
 
-// Where each rank runs: machine m holds ranks m * local_size .. m * local_size + local_size - 1.
-struct Layout {
-  int machines = 1;
-  int local_size = 1;
-};
-
 // The layout `lockstep run` gives, or an Error saying what was found instead.
-Layout layout_of(const std::vector<std::string>& identity, const std::string& who) {
-  const int world = static_cast<int>(identity.size());
-  std::vector<std::string> order;  // machines by their first rank
-  std::map<std::string, std::vector<int>> ranks;
-  for (int r = 0; r < world; ++r) {
-    if (ranks.count(identity[r]) == 0) order.push_back(identity[r]);
-    ranks[identity[r]].push_back(r);
-  }
-  Layout l;
-  l.machines = static_cast<int>(order.size());
-  l.local_size = world / l.machines;
-  bool ok = world % l.machines == 0;
-  for (int r = 0; ok && r < world; ++r) ok = identity[r] == order[r / l.local_size];
-  if (!ok) {
-    std::string found;
-    for (const auto& m : order) {
-      std::string list;
-      for (int r : ranks[m]) list += str_cat(list.empty() ? "" : ",", r);
-      found += str_cat(found.empty() ? "" : "; ", m, ": ranks ", list);
-    }
+detail::MachineLayout checked_layout(const std::vector<std::string>& identity,
+                                     const std::string& who) {
+  const detail::MachineLayout l = detail::machine_layout(identity);
+  if (!l.regular) {
     LS_THROW(who, ": the hier backend needs the same number of ranks on every machine, the ranks ",
              "of a machine contiguous (as `lockstep run` assigns them); found ", l.machines,
-             " machines for ", world, " ranks: ", found,
+             " machines for ", identity.size(), " ranks: ", l.found,
              ". Start the job with `lockstep run`, or use the gloo backend");
   }
   return l;
@@ -87,23 +64,13 @@ class ProcessGroupHier::Impl {
  public:
   Impl(const BackendConfig& config, const HierOptions& options, const std::string& who)
       : who_(who) {
-    Store& store = *config.store;
-    const int world = config.size;
-    std::vector<std::string> keys;
-    for (int r = 0; r < world; ++r) keys.push_back(str_cat("hier/machine/", r));
     const std::string mine = options.machine_identity_for_testing.empty()
                                  ? detail::machine_identity()
                                  : options.machine_identity_for_testing;
-    store.set(keys[config.rank], mine);
-    try {
-      store.wait(keys, config.timeout);
-    } catch (const Error& e) {
-      LS_THROW(who_, ": building the hier group, waiting for every rank's machine identity ",
-               "through the store: ", e.message());
-    }
-    std::vector<std::string> identity;
-    for (const auto& k : keys) identity.push_back(store.get_string(k));
-    layout_ = layout_of(identity, who_);
+    layout_ = checked_layout(detail::exchange_machine_identities(
+                                 *config.store, "hier/machine/", config.rank, config.size, mine,
+                                 config.timeout, who_ + ": building the hier group"),
+                             who_);
     machine_ = config.rank / layout_.local_size;
     local_rank_ = config.rank % layout_.local_size;
 
@@ -167,7 +134,7 @@ class ProcessGroupHier::Impl {
   }
 
   const std::string who_;
-  Layout layout_;
+  detail::MachineLayout layout_;
   int machine_ = 0;
   int local_rank_ = 0;
   ProcessGroupPtr local_;  // this machine's ranks (shm)
