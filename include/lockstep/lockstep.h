@@ -21,6 +21,7 @@
 #include "lockstep/distributed/store/prefix_store.h"
 #include "lockstep/distributed/store/store.h"
 #include "lockstep/distributed/store/tcp_store.h"
+#include "lockstep/distributed/sync_batchnorm.h"
 #include "lockstep/io/checkpoint.h"
 #include "lockstep/io/metrics.h"
 #include "lockstep/io/progress.h"

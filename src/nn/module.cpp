@@ -13,15 +13,15 @@ Tensor Module::forward(const Tensor&) {
 }
 
 void Module::check_new_name(const std::string& name) const {
-  LS_CHECK(!name.empty() && name.find('.') == std::string::npos, type_name_,
-           ": invalid name '", name, "' (must be non-empty and contain no '.')");
+  LS_CHECK(!name.empty() && name.find('.') == std::string::npos, type_name_, ": invalid name '",
+           name, "' (must be non-empty and contain no '.')");
   auto taken = [&](const auto& list) {
     for (const auto& [n, _] : list)
       if (n == name) return true;
     return false;
   };
-  LS_CHECK(!taken(params_) && !taken(buffers_) && !taken(children_), type_name_, ": name '",
-           name, "' is already registered");
+  LS_CHECK(!taken(params_) && !taken(buffers_) && !taken(children_), type_name_, ": name '", name,
+           "' is already registered");
 }
 
 Tensor& Module::register_parameter(const std::string& name, Tensor t) {
@@ -45,6 +45,17 @@ void Module::add_child(const std::string& name, std::shared_ptr<Module> m) {
   children_.emplace_back(name, std::move(m));
 }
 
+void Module::replace_child(const std::string& name, std::shared_ptr<Module> m) {
+  LS_CHECK(m != nullptr, type_name_, ": replacement for child module '", name, "' is null");
+  for (auto& [n, child] : children_) {
+    if (n == name) {
+      child = std::move(m);
+      return;
+    }
+  }
+  LS_THROW(type_name_, ": no child module named '", name, "' to replace");
+}
+
 void Module::collect(const std::string& prefix, bool params, bool recurse, bool persistent_only,
                      NamedTensors& out) const {
   if (params) {
@@ -52,11 +63,13 @@ void Module::collect(const std::string& prefix, bool params, bool recurse, bool 
   } else {
     for (size_t i = 0; i < buffers_.size(); ++i) {
       if (persistent_only && !buffer_persistent_[i]) continue;
-      if (buffers_[i].second.defined()) out.emplace_back(prefix + buffers_[i].first, buffers_[i].second);
+      if (buffers_[i].second.defined())
+        out.emplace_back(prefix + buffers_[i].first, buffers_[i].second);
     }
   }
   if (!recurse) return;
-  for (const auto& [n, child] : children_) child->collect(prefix + n + ".", params, true, persistent_only, out);
+  for (const auto& [n, child] : children_)
+    child->collect(prefix + n + ".", params, true, persistent_only, out);
 }
 
 NamedTensors Module::named_parameters(bool recurse) const {
@@ -132,8 +145,10 @@ void Module::train(bool on) {
 void Module::zero_grad(bool set_to_none) {
   autograd::NoGradGuard no_grad;
   for (Tensor& p : parameters()) {
-    if (set_to_none) p.set_grad(Tensor());
-    else if (p.grad().defined()) p.grad().zero_();
+    if (set_to_none)
+      p.set_grad(Tensor());
+    else if (p.grad().defined())
+      p.grad().zero_();
   }
 }
 

@@ -132,6 +132,10 @@ class BatchNorm : public Module {
   BatchNorm(int64_t num_features, int64_t spatial_dims, double eps = 1e-5, double momentum = 0.1,
             bool affine = true);
   Tensor forward(const Tensor& x) override;
+  int64_t num_features() const { return num_features_; }
+  int64_t spatial_dims() const { return spatial_dims_; }
+  double eps() const { return eps_; }
+  double momentum() const { return momentum_; }
 
  protected:
   std::string extra_repr() const override;

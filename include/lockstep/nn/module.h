@@ -35,6 +35,10 @@ class Module {
     return children_;
   }
   int64_t num_parameters() const;
+  // Replaces the child registered as `name` by `m`, in the same position (so the parameter order
+  // is kept): model surgery such as dist::convert_sync_batchnorm. A module that also keeps a
+  // pointer of its own to the old child goes on calling that one.
+  void replace_child(const std::string& name, std::shared_ptr<Module> m);
 
   // Parameters then buffers, by name (buffers registered non-persistent are left out).
   NamedTensors state_dict() const;
