@@ -9,7 +9,8 @@
 // times `iters` back-to-back all_reduces between barriers, alternating shm and gloo round by
 // round so that both see the same machine noise; the table reports rank 0's median round, and
 // shm/gloo is the median of the per-round ratios (gloo time / shm time: above 1, shm is faster).
-// algbw = bytes / time; busbw = algbw x 2(n-1)/n, as nccl-tests define it.
+// algbw = bytes / time; busbw = algbw x 2(n-1)/n, as nccl-tests define it. The first row,
+// "barrier", times barriers: Gloo's is the signature exchange every Gloo collective starts with.
 #include <unistd.h>
 
 #include <algorithm>
@@ -72,6 +73,27 @@ int run_rank(int64_t min_bytes, int64_t max_bytes, int rounds, int64_t slot_byte
 
   std::ofstream out;
   if (rank == 0) out.open(out_path);
+  {
+    // A row of 0 bytes: barrier. Gloo's barrier is exactly the signature exchange every Gloo
+    // collective begins with (Note [Gloo signature check]), so this is what that check costs.
+    constexpr int kBarriers = 200;
+    auto timed_barriers = [&](const dist::ProcessGroupPtr& pg) {
+      gloo->barrier()->wait();
+      const auto t0 = Clock::now();
+      for (int i = 0; i < kBarriers; ++i) pg->barrier()->wait();
+      return std::chrono::duration<double>(Clock::now() - t0).count() / kBarriers;
+    };
+    timed_barriers(shm);
+    timed_barriers(gloo);
+    std::vector<double> shm_t, gloo_t, ratios;
+    for (int r = 0; r < rounds; ++r) {
+      shm_t.push_back(timed_barriers(shm));
+      gloo_t.push_back(timed_barriers(gloo));
+      ratios.push_back(gloo_t.back() / shm_t.back());
+    }
+    if (rank == 0)
+      out << 0 << " " << median(shm_t) << " " << median(gloo_t) << " " << median(ratios) << "\n";
+  }
   for (int64_t bytes = min_bytes; bytes <= max_bytes; bytes *= 4) {
     const int64_t n = bytes / 4;
     const int iters =
@@ -214,6 +236,12 @@ int main(int argc, char** argv) {
   std::vector<Row> all;
   for (int p : procs) {
     for (const Row& r : run_job(p, min_bytes, max_bytes, rounds, slot_bytes)) {
+      if (r.bytes == 0) {
+        std::printf("%5d %9s | %10.1f %10s | %10.1f %10s | %9.2f\n", r.procs, "barrier",
+                    r.shm_s * 1e6, "", r.gloo_s * 1e6, "", r.ratio);
+        all.push_back(r);
+        continue;
+      }
       std::printf("%5d %9s | %10.1f %10.3f | %10.1f %10.3f | %9.2f\n", r.procs,
                   human(r.bytes).c_str(), r.shm_s * 1e6, r.bytes / r.shm_s / 1e9, r.gloo_s * 1e6,
                   r.bytes / r.gloo_s / 1e9, r.ratio);
@@ -228,6 +256,12 @@ int main(int argc, char** argv) {
       << ", \"shm_slot_bytes\": " << slot_bytes << ", \"rows\": [\n";
     for (size_t i = 0; i < all.size(); ++i) {
       const Row& r = all[i];
+      if (r.bytes == 0) {
+        j << "  {\"procs\": " << r.procs << ", \"barrier\": true, \"shm_s\": " << r.shm_s
+          << ", \"gloo_s\": " << r.gloo_s << ", \"ratio\": " << r.ratio << "}"
+          << (i + 1 < all.size() ? "," : "") << "\n";
+        continue;
+      }
       const double factor = 2.0 * (r.procs - 1) / r.procs;
       j << "  {\"procs\": " << r.procs << ", \"bytes\": " << r.bytes << ", \"shm_s\": " << r.shm_s
         << ", \"gloo_s\": " << r.gloo_s << ", \"shm_algbw_gbs\": " << r.bytes / r.shm_s / 1e9

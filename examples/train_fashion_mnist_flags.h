@@ -45,7 +45,7 @@ struct Config {
   std::string metrics;     // JSON Lines of per-step metrics (rank 0)
   double bucket_mb = 25.0;
   std::string comm_hook = "none";
-  std::string backend;  // empty: LOCKSTEP_BACKEND, else init_process_group's default (gloo)
+  std::string backend;  // empty: LOCKSTEP_BACKEND, else init_process_group's default (auto)
   bool ddp_stats = false;
   int64_t dp = 1;
   std::string amp = "none";         // none | bf16 | fp16
@@ -184,7 +184,8 @@ inline int parse_flags(int argc, char** argv, Config& cfg) {
       ->check(CLI::IsMember({"none", "bf16", "fp16"}))
       ->capture_default_str();
   app.add_option("--backend", cfg.backend,
-                 "DDP's process group backend (default: LOCKSTEP_BACKEND, else gloo)")
+                 "DDP's process group backend (default: LOCKSTEP_BACKEND, else auto: shm on one "
+                 "machine, gloo with one rank per machine, hier across machines of several)")
       ->check(CLI::IsMember(dist::backend_names()));
   add_number(app, "--dp", cfg.dp, I{1, kMaxThreads},
              "DataParallel with K replicas on threads (one process)");
