@@ -94,6 +94,24 @@ Window accumulation_window(int64_t first, int64_t accum_steps, int64_t batch_siz
           .samples = std::min(end * batch_size, samples) - first * batch_size};
 }
 
+// Note [Uneven inputs]
+// --uneven: the train sampler does not pad, so the first size % world ranks hold one sample more
+// than the others and may have one batch more. Each epoch's loop runs inside a dist::Join: a rank
+// out of batches calls finish(), which shadows the DDP collectives of the ranks still training
+// (each step's gradient is then the mean over the ranks that had a batch) and, when all are out,
+// gives every rank the parameters, optimizer and scaler state of a rank of the last step; the
+// step count and the schedule then continue from the longest rank's count. Whatever else
+// communicates mid-epoch cannot be shadowed, so --uneven excludes it (flags.h): a periodic
+// checkpoint, SyncBatchNorm's all-gather, accumulation windows that would end at different
+// micro-batches on different ranks, a resumed position (which assumes equal shares).
+
+// Micro-batches per epoch of the rank with the most samples: rank 0's, whether or not the
+// sampler pads. The schedule counts these, the same on every rank.
+int64_t longest_rank_batches(int64_t size, int world, int64_t batch_size) {
+  const int64_t most = (size + world - 1) / world;
+  return (most + batch_size - 1) / batch_size;
+}
+
 // Optimizer steps in the whole run: --epochs of them, or fewer with --max-steps.
 int64_t total_steps_of(const Config& cfg, int64_t steps_per_epoch) {
   const int64_t all = steps_per_epoch * cfg.epochs;
@@ -159,6 +177,8 @@ Model build_model(const Config& cfg, const std::shared_ptr<dist::ProcessGroup>& 
                   amp::GradScaler& scaler) {
   Model m;
   m.params = examples::build_fashion_mnist_model(cfg.model, gen);
+  // --sync-bn: the BatchNorm layers normalize with the statistics of all ranks' batches.
+  if (cfg.sync_bn) m.params = dist::convert_sync_batchnorm(m.params, pg);
   if (cfg.dp > 1 && cfg.device == "cuda") {
     // --dp K --device cuda: one replica per GPU, cuda:0..K-1, the batch split across them and
     // the gradients summed on cuda:0 (the article's DataParallel).
@@ -353,15 +373,22 @@ class Trainer {
         lr_(scaled_lr(cfg, effective_batch_)),
         opt_(model_.params->parameters(),
              {.lr = lr_, .momentum = cfg.momentum, .weight_decay = cfg.weight_decay}),
-        sampler_(std::make_shared<data::DistributedSampler>(train_data_->size(), world_,
-                                                            pg_->rank(), true, cfg.seed)),
+        // --uneven: no padding, so the ranks' shares differ (Note [Uneven inputs]).
+        sampler_(std::make_shared<data::DistributedSampler>(
+            train_data_->size(), data::DistributedSamplerOptions{.num_replicas = world_,
+                                                                 .rank = pg_->rank(),
+                                                                 .shuffle = true,
+                                                                 .seed = cfg.seed,
+                                                                 .pad = !cfg.uneven})),
         loader_(train_data_, sampler_,
                 {.batch_size = cfg.batch_size,
                  .num_workers = cfg.workers,
                  .prefetch = 4,
                  .pin_memory = cfg.device == "cuda"}),
         // The schedule counts optimizer steps (a step is accum_steps micro-batches).
-        full_epoch_batches_(loader_.num_batches()),
+        full_epoch_batches_(cfg.uneven
+                                ? longest_rank_batches(train_data_->size(), world_, cfg.batch_size)
+                                : loader_.num_batches()),
         steps_per_epoch_((full_epoch_batches_ + cfg.accum_steps - 1) / cfg.accum_steps),
         total_steps_(total_steps_of(cfg, steps_per_epoch_)),
         scheduler_(opt_, schedule_of(cfg, total_steps_)),
@@ -392,6 +419,7 @@ class Trainer {
 
  private:
   std::optional<StepResult> train_step(const data::Batch& batch, int64_t pass_samples);
+  void finish_uneven_epoch(dist::Join& join);
   void record_step(const StepResult& s, double samples_per_s);
   void save_if_due(bool epoch_end);
   void print_step(const StepResult& s) const;
@@ -563,7 +591,11 @@ EpochResult Trainer::train_epoch() {
   const int64_t micro_batches = loader_.num_batches();
   const int64_t pass_samples = sampler_->num_samples();  // this rank's, as many on every rank
   // This epoch's optimizer steps taken before a resume.
-  const int64_t steps_before = (full_epoch_batches_ - micro_batches) / cfg_.accum_steps;
+  const int64_t steps_before =
+      cfg_.uneven ? 0 : (full_epoch_batches_ - micro_batches) / cfg_.accum_steps;
+  // --uneven: Note [Uneven inputs].
+  std::optional<dist::Join> join;
+  if (cfg_.uneven && model_.ddp) join.emplace(*model_.ddp, dist::JoinOptions{&opt_, &scaler_});
   EpochResult e;
   e.finished = micro_batches == 0;
   micro_ = 0;
@@ -595,9 +627,23 @@ EpochResult Trainer::train_epoch() {
     print_step(*step);
     if (reached_max_steps()) break;
   }
+  if (join) finish_uneven_epoch(*join);
   progress_.finish();
   e.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   return e;
+}
+
+// This rank is out of batches: shadow the others until all are (Note [Uneven inputs]); then the
+// step count and the schedule continue from the longest rank's.
+void Trainer::finish_uneven_epoch(dist::Join& join) {
+  join.finish();
+  if (join.steps_shadowed() > 0)
+    log_info("--uneven: rank ", pg_->rank(), " ran out of batches after ", join.steps_taken(),
+             " forwards and shadowed ", join.steps_shadowed(), " of the others'");
+  Tensor steps = full({1}, static_cast<double>(pos_.step), kFloat64);
+  pg_->all_reduce(steps, {.op = dist::ReduceOp::max})->wait();
+  pos_.step = static_cast<int64_t>(steps.item());
+  scheduler_.set_step(pos_.step);
 }
 
 // One micro-batch: forward and backward, its gradients added into .grad. The last micro-batch of

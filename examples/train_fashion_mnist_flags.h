@@ -57,6 +57,8 @@ struct Config {
   std::string schedule = "constant";  // constant | cosine
   double clip_grad_norm = 0.0;        // 0: no clipping
   int64_t test_crash_at_step = 0;     // testing only: Note [Testing hooks]
+  bool uneven = false;                // no padding in the train sampler; dist::Join evens out
+  bool sync_bn = false;               // BatchNorm layers as dist::SyncBatchNorm
 };
 
 // Note [Numeric flags]
@@ -144,8 +146,10 @@ inline int parse_flags(int argc, char** argv, Config& cfg) {
   CLI::App app{"Train an MLP or a CNN on Fashion-MNIST with lockstep."};
   app.add_option("--data", cfg.data, "Directory with the Fashion-MNIST IDX files")
       ->capture_default_str();
-  app.add_option("--model", cfg.model, "Model")
-      ->check(CLI::IsMember({"mlp", "cnn"}))
+  app.add_option("--model", cfg.model,
+                 "Model: mlp, cnn, or cnn-bn (the CNN with BatchNorm after each convolution and "
+                 "the hidden linear layer)")
+      ->check(CLI::IsMember({"mlp", "cnn", "cnn-bn"}))
       ->capture_default_str();
   add_number(app, "--epochs", cfg.epochs, I{1, kMaxCount}, "Epochs");
   add_number(app, "--max-steps", cfg.max_steps, I{0},
@@ -211,6 +215,15 @@ inline int parse_flags(int argc, char** argv, Config& cfg) {
       ->check(CLI::IsMember({"constant", "cosine"}))
       ->capture_default_str();
   add_number(app, "--clip-grad-norm", cfg.clip_grad_norm, R{0}, "Clip the gradient norm (0 = off)");
+  app.add_flag("--uneven", cfg.uneven,
+               "DDP on uneven inputs: the train sampler does not pad, so ranks may get different "
+               "numbers of batches; a rank that runs out shadows the others' steps (dist::Join), "
+               "each step's gradient is the mean over the ranks that had a batch. Not with "
+               "--accum-steps above 1, --save-every, --resume, --dp or --sync-bn");
+  app.add_flag("--sync-bn", cfg.sync_bn,
+               "BatchNorm statistics over the whole batch of all ranks (dist::SyncBatchNorm), "
+               "so N ranks of --batch-size B normalize as one process of N x B; needs a model "
+               "with BatchNorm (--model cnn-bn). Not with --dp");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -237,6 +250,28 @@ inline int parse_flags(int argc, char** argv, Config& cfg) {
     return usage_error("--dp " + std::to_string(cfg.dp) + " with --device cuda needs " +
                        std::to_string(cfg.dp) + " GPUs, but " +
                        std::to_string(cuda::device_count()) + " are visible");
+  }
+  if (cfg.uneven) {
+    // Note [Uneven inputs] in train_fashion_mnist.cpp: what a rank out of data cannot take part in.
+    const char* other = cfg.accum_steps > 1   ? "--accum-steps above 1 (the ranks' last windows "
+                                                "would end at different micro-batches)"
+                        : cfg.save_every > 0  ? "--save-every (a checkpoint is a collective of "
+                                                "all ranks, mid-epoch)"
+                        : !cfg.resume.empty() ? "--resume (a position mid-epoch assumes equal "
+                                                "shares)"
+                        : cfg.dp > 1          ? "--dp (one process: no rank runs out)"
+                        : cfg.sync_bn ? "--sync-bn (its all-gather needs every rank's batch)"
+                                      : nullptr;
+    if (other != nullptr)
+      return usage_error(std::string("--uneven cannot be combined with ") + other);
+  }
+  if (cfg.sync_bn && cfg.model != "cnn-bn") {
+    return usage_error("--sync-bn synchronizes BatchNorm layers, and --model " + cfg.model +
+                       " has none: use --model cnn-bn");
+  }
+  if (cfg.sync_bn && cfg.dp > 1) {
+    return usage_error("--sync-bn needs a process group of ranks; --dp " + std::to_string(cfg.dp) +
+                       " runs replicas on threads of one process");
   }
   if ((cfg.save_every > 0 || cfg.resume == "auto") && cfg.save.empty()) {
     return usage_error(std::string(cfg.save_every > 0 ? "--save-every" : "--resume auto") +

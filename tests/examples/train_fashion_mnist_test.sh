@@ -98,6 +98,13 @@ case "$case_name" in
 --clip-grad-norm -1 a number of at least 0
 EOF
     expect_exit 0 "an integer from 1 to 1000000000" --help
+    # --uneven and --sync-bn: what they cannot be combined with, and what --sync-bn needs.
+    expect_exit 2 "uneven cannot be combined with --accum-steps" --uneven --accum-steps 2
+    expect_exit 2 "uneven cannot be combined with --save-every" --uneven --save "$work/c" --save-every 5
+    expect_exit 2 "uneven cannot be combined with --sync-bn" --uneven --sync-bn --model cnn-bn
+    expect_exit 2 "has none: use --model cnn-bn" --sync-bn
+    expect_exit 2 "sync-bn needs a process group" --sync-bn --model cnn-bn --dp 2
+    expect_exit 0 "cnn-bn" --help
     ;;
   save)
     "$exe" --log-every 0 --max-steps 3 --no-eval --save "$work/model.safetensors" > "$work/out" 2>&1 \
@@ -448,6 +455,54 @@ PY
     LOCKSTEP_STDOUT_IS_TTY=0 "$exe" --max-steps 120 --no-eval --log-every 50 > "$work/out" 2>&1
     grep -q "^epoch 0 step 50 loss" "$work/out" || fail "no periodic loss line without a terminal"
     ! grep -q $'\r' "$work/out" || fail "a bar was drawn without a terminal"
+    ;;
+  uneven)
+    # --uneven (Note [Uneven inputs]): 60000 samples over 7 ranks without padding are 8572 on
+    # ranks 0-2 and 8571 on ranks 3-6, so --batch-size 2857 gives them 4 batches and 3. Ranks 3-6
+    # shadow the last step (dist::Join) and every rank leaves the epoch together: the evaluation
+    # and the mean loss after it, collectives of all ranks, go through, and the model learned.
+    [ -x "$tool" ] || fail "no lockstep binary given"
+    OMP_NUM_THREADS=1 "$tool" run --standalone --nproc-per-node 7 "$exe" --uneven \
+      --batch-size 2857 --threads 1 --log-every 1 > "$work/out" 2> "$work/err" \
+      || { cat "$work/out" "$work/err"; fail "--uneven run failed"; }
+    cat "$work/out" "$work/err"
+    for r in 3 4 5 6; do
+      cat "$work/out" "$work/err" | grep -q "^\[rank$r\]: .*--uneven: rank $r ran out of batches after 3 forwards and shadowed 1 " \
+        || fail "rank $r did not shadow the last step"
+    done
+    ! cat "$work/out" "$work/err" | grep -q "rank [012] ran out of batches" || fail "a rank with 4 batches shadowed"
+    grep -q "^\[rank0\]: epoch 0 step 4 loss" "$work/out" || fail "rank 0 did not take step 4"
+    last=$(tail -n 1 "$work/out")
+    [[ "$last" =~ ^\[rank0\]:\ final\ test_accuracy=([0-9.]+)\ .*\ steps=4\  ]] || fail "last line: $last"
+    awk -v a="${BASH_REMATCH[1]}" 'BEGIN { exit !(a >= 0.20) }' || fail "accuracy ${BASH_REMATCH[1]}"
+    ;;
+  sync_bn)
+    # --sync-bn: 2 ranks of --batch-size 32 normalize as one process of 64. Rank r reads positions
+    # r, r + 2, ... of the sampler's permutation, so each step the two ranks hold the one
+    # process's batch, and DDP averages their mean losses: the same steps, hence the same epoch
+    # train_loss (the mean of all ranks' step losses) and, with the same running statistics, the
+    # same test accuracy. Without --sync-bn each rank normalizes with its own 32 samples.
+    [ -x "$tool" ] || fail "no lockstep binary given"
+    common=(--model cnn-bn --max-steps 5 --log-every 0)
+    "$exe" "${common[@]}" --batch-size 64 --threads 2 > "$work/one" 2>&1 \
+      || { cat "$work/one"; fail "one-process run failed"; }
+    for v in sync local; do
+      flag=(--sync-bn)
+      [ "$v" = local ] && flag=()
+      OMP_NUM_THREADS=1 "$tool" run --standalone --nproc-per-node 2 "$exe" "${common[@]}" \
+        --batch-size 32 --threads 1 "${flag[@]}" > "$work/$v" 2> "$work/$v.err" \
+        || { cat "$work/$v" "$work/$v.err"; fail "2 ranks ($v BatchNorm) failed"; }
+    done
+    cat "$work/one" "$work/sync" "$work/local"
+    accuracy() { sed -n 's/^\(\[rank0\]: \)\{0,1\}final test_accuracy=\([0-9.]*\) .*/\2/p' "$1"; }
+    near() { awk -v a="$1" -v b="$2" -v t="$3" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(d <= t) }'; }
+    one=$(final_loss "$work/one") sync=$(final_loss "$work/sync") local=$(final_loss "$work/local")
+    [ -n "$one" ] && [ -n "$sync" ] && [ -n "$local" ] || fail "a run printed no final train_loss"
+    near "$sync" "$one" 2e-4 || fail "--sync-bn train_loss $sync, one process of 64: $one"
+    near "$(accuracy "$work/sync")" "$(accuracy "$work/one")" 5e-4 \
+      || fail "--sync-bn test_accuracy $(accuracy "$work/sync"), one process: $(accuracy "$work/one")"
+    ! near "$local" "$one" 2e-3 \
+      || fail "without --sync-bn train_loss $local is as close to $one: the comparison shows nothing"
     ;;
   *) fail "unknown case $case_name" ;;
 esac
