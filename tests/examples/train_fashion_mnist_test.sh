@@ -162,12 +162,13 @@ EOF
     awk -v a="${BASH_REMATCH[1]}" 'BEGIN { exit !(a >= 0.70) }' || fail "accuracy ${BASH_REMATCH[1]}"
     ;;
   backend)
-    # DDP over the shm backend (--backend, and LOCKSTEP_BACKEND passed through `lockstep run`)
-    # ends on the same line as over gloo: 2 ranks sum in the same order on both, bit for bit.
+    # DDP over the shm backend (--backend, LOCKSTEP_BACKEND passed through `lockstep run`, and
+    # the default, auto, which chooses shm for ranks on one machine) ends on the same line as
+    # over gloo: 2 ranks sum in the same order on both, bit for bit.
     [ -x "$tool" ] || fail "no lockstep binary given"
-    for b in gloo shm env; do
+    for b in gloo shm env default; do
       flag=(--backend "$b")
-      [ "$b" = env ] && flag=()
+      [ "$b" = env ] || [ "$b" = default ] && flag=()
       LOCKSTEP_BACKEND=$([ "$b" = env ] && echo shm) OMP_NUM_THREADS=1 \
         "$tool" run --standalone --nproc-per-node 2 "$exe" --log-every 0 --max-steps 40 \
         --threads 1 "${flag[@]}" > "$work/$b" 2> "$work/$b.err" \
@@ -177,10 +178,11 @@ EOF
     grep -q "^\[rank0\]: model=mlp .* backend=gloo device=cpu$" "$work/gloo" || fail "gloo run not on gloo"
     grep -q "^\[rank0\]: model=mlp .* backend=shm device=cpu$" "$work/shm" || fail "--backend shm not on shm"
     grep -q "^\[rank0\]: model=mlp .* backend=shm device=cpu$" "$work/env" || fail "LOCKSTEP_BACKEND=shm not on shm"
+    grep -q "^\[rank0\]: model=mlp .* backend=shm device=cpu$" "$work/default" || fail "the default (auto) did not choose shm on one machine"
     final() { tail -n 1 "$1" | sed -n 's/^\[rank0\]: final \(test_accuracy=[0-9.]* train_loss=[0-9.]* steps=[0-9]*\) .*/\1/p'; }
     g=$(final "$work/gloo")
     [ -n "$g" ] || fail "no final line from the gloo run"
-    for b in shm env; do
+    for b in shm env default; do
       [ "$(final "$work/$b")" = "$g" ] || fail "$b ended on '$(final "$work/$b")', gloo on '$g'"
     done
     # nccl: not a backend of a build without CUDA; with CUDA, it needs --device cuda.
