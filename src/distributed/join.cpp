@@ -103,12 +103,28 @@ std::map<std::string, double> unpack_doubles(const Bytes& in) {
   return out;
 }
 
+// The path of the first module of type `type` in the tree ("" when none; "(root)" for m itself).
+std::string find_module(const nn::Module& m, const std::string& type, const std::string& path) {
+  if (m.type_name() == type) return path.empty() ? "(root)" : path;
+  for (const auto& [name, child] : m.named_children()) {
+    const std::string found = find_module(*child, type, path.empty() ? name : path + "." + name);
+    if (!found.empty()) return found;
+  }
+  return "";
+}
+
 }  // namespace
 
 Join::Join(DistributedDataParallel& ddp, JoinOptions opts) : ddp_(ddp), opts_(opts) {
   LS_CHECK(ddp_.join_ == nullptr,
            "Join: this DistributedDataParallel is already inside a Join; finish() that one (or "
            "let it go out of scope) before starting another");
+  // Note [SyncBatchNorm]: its forward gathers every rank's statistics, which a rank out of data
+  // has none of; refused here rather than found as a hang in the last steps.
+  const std::string sync_bn = find_module(*ddp_.module_, "SyncBatchNorm", "");
+  LS_CHECK(sync_bn.empty(), "Join: the model has a SyncBatchNorm (", sync_bn,
+           "), whose forward all-gathers the batch statistics of every rank; a rank out of data "
+           "cannot take part, so uneven inputs need BatchNorm (per-rank statistics) instead");
   ddp_.join_ = this;
 }
 
