@@ -86,7 +86,8 @@ class DistributedDataParallel : public nn::Module {
 
   // Backward passes inside the returned scope accumulate gradients locally without
   // communicating; the first backward after it reduces what was accumulated (gradient
-  // accumulation: K-1 micro-batches inside no_sync(), the last outside).
+  // accumulation: K-1 micro-batches inside no_sync(), the last outside). Inside a dist::Join
+  // (uneven inputs, join.h) the scope must hold the forward too: the forward announces it.
   class NoSync {
    public:
     explicit NoSync(DistributedDataParallel& ddp);
