@@ -96,6 +96,7 @@ class Segment {
   std::vector<int> pids_;            // every rank's process id
   std::vector<Fd> pidfds_;           // a pidfd per peer (invalid where unavailable)
   Clock::time_point next_liveness_;  // when wait_for next checks its peers
+  Clock::duration spin_{};            // how long wait_for spins (Note [Spin, then futex])
 };
 
 }  // namespace lockstep::dist::shm
