@@ -181,7 +181,6 @@ Tensor DistributedDataParallel::forward(const Tensor& x) {
     buffer_root = h.first_active;
   }
   broadcast_buffers(buffer_root);
-  reducer_->prepare_forward();
   return module_->forward(x);
 }
 

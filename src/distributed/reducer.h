@@ -23,10 +23,6 @@ class Reducer {
   Reducer(const Reducer&) = delete;
   Reducer& operator=(const Reducer&) = delete;
 
-  // Before each forward with grad mode on: parameters whose .grad() was dropped
-  // (zero_grad(set_to_none)) get their zeroed bucket view back, so that backward accumulates
-  // straight into the buckets.
-  void prepare_forward();
   void set_no_sync(bool on) { no_sync_ = on; }
   bool no_sync() const { return no_sync_; }
   DDPStats stats() const { return stats_; }
