@@ -88,17 +88,17 @@ std::optional<int> leading_count(const std::optional<std::string>& s) {
   return x;
 }
 
-// LOCKSTEP_RENDEZVOUS_TIMEOUT: seconds, fractions allowed.
-std::optional<std::chrono::milliseconds> rendezvous_timeout(const Reader& vars) {
-  auto v = vars.str(env::kRendezvousTimeout);
+// LOCKSTEP_RENDEZVOUS_TIMEOUT and LOCKSTEP_TIMEOUT: seconds, fractions allowed.
+std::optional<std::chrono::milliseconds> seconds_var(const Reader& vars, const char* name,
+                                                     double min_s, double max_s) {
+  auto v = vars.str(name);
   if (!v) return std::nullopt;
   double s = 0;
   auto [p, ec] = std::from_chars(v->data(), v->data() + v->size(), s);
-  LS_CHECK(ec == std::errc() && p == v->data() + v->size() && std::isfinite(s),
-           env::kRendezvousTimeout, "='", *v, "' is not a number of seconds (expected e.g. 300)");
-  LS_CHECK(s >= kMinRendezvousTimeoutS && s <= kMaxRendezvousTimeoutS, env::kRendezvousTimeout, "=",
-           *v, " is out of range: expected from ", kMinRendezvousTimeoutS, " to ",
-           kMaxRendezvousTimeoutS, " seconds (a week)");
+  LS_CHECK(ec == std::errc() && p == v->data() + v->size() && std::isfinite(s), name, "='", *v,
+           "' is not a number of seconds (expected e.g. 300)");
+  LS_CHECK(s >= min_s && s <= max_s, name, "=", *v, " is out of range: expected from ", min_s,
+           " to ", max_s, " seconds (a week)");
   return std::chrono::milliseconds(std::max<int64_t>(1, static_cast<int64_t>(s * 1000)));
 }
 
@@ -120,7 +120,9 @@ DistEnv read_dist_env(const EnvLookup& lookup) {
   e.agent_store = vars.str(env::kUseAgentStore).value_or("0") == "1";
   e.restart_count = vars.integer(env::kRestartCount, 0, 1 << 30).value_or(0);
   e.run_id = vars.str(env::kRunId).value_or("");
-  e.rendezvous_timeout = rendezvous_timeout(vars);
+  e.rendezvous_timeout =
+      seconds_var(vars, env::kRendezvousTimeout, kMinRendezvousTimeoutS, kMaxRendezvousTimeoutS);
+  e.timeout = seconds_var(vars, env::kTimeout, kMinTimeoutS, kMaxTimeoutS);
   e.backend = vars.str(env::kBackend).value_or("");
   e.socket_ifname = vars.str(env::kSocketIfname).value_or(vars.str(kGlooSocketIfname).value_or(""));
   const auto master_addr = vars.str(env::kMasterAddr);

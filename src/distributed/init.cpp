@@ -201,17 +201,23 @@ World connect_world(DistEnv env, const InitOptions& opts) {
     LS_THROW("init_process_group: unknown backend '", backend, "' (from ", from,
              "): expected one of the registered backends: ", known);
   }
+  // The collective timeout, likewise: the API's, LOCKSTEP_TIMEOUT's (`lockstep run --timeout`),
+  // the default.
+  const std::chrono::milliseconds timeout =
+      opts.timeout.value_or(env.timeout.value_or(kDefaultCollectiveTimeout));
+  LS_CHECK(timeout.count() > 0, "InitOptions: expected a positive timeout, got ", timeout.count(),
+           " ms");
   World w;
   w.env = env;
   w.backend = backend;
   if (env.world_size == 1 && opts.store == nullptr) {
     bind_device(w, opts);
-    w.group = std::make_shared<WorldOfOneGroup>(opts.timeout);
+    w.group = std::make_shared<WorldOfOneGroup>(timeout);
     return w;
   }
 
   const auto rendezvous_timeout = opts.rendezvous_timeout.value_or(
-      env.rendezvous_timeout.value_or(std::min(opts.timeout, kDefaultRendezvousTimeout)));
+      env.rendezvous_timeout.value_or(std::min(timeout, kDefaultRendezvousTimeout)));
   LS_CHECK(rendezvous_timeout.count() > 0,
            "InitOptions: expected a positive rendezvous_timeout, got ", rendezvous_timeout.count(),
            " ms");
@@ -233,7 +239,7 @@ World connect_world(DistEnv env, const InitOptions& opts) {
                env::kMasterPort, " = ", env.master_addr, ":", env.master_port, ": ", e.message(),
                " (the rendezvous timeout is set by ", env::kRendezvousTimeout, ", in seconds)");
     }
-    store->set_timeout(opts.timeout);
+    store->set_timeout(timeout);
   }
   // A launcher's store outlives restarts: each generation joins under its own keys.
   w.store = std::make_shared<PrefixStore>(
@@ -258,7 +264,7 @@ World connect_world(DistEnv env, const InitOptions& opts) {
   config.store = std::make_shared<PrefixStore>("group/world", w.store);
   config.rank = env.rank;
   config.size = env.world_size;
-  config.timeout = opts.timeout;
+  config.timeout = timeout;
   config.bind_address = w.bind_address;
   config.bind_interface = w.bind_interface;
   w.group = create_process_group(backend, config);

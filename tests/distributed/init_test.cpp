@@ -194,6 +194,36 @@ TEST(ReadDistEnv, RendezvousTimeoutIsInSecondsAndChecked) {
   }
 }
 
+TEST(ReadDistEnv, CollectiveTimeoutIsInSecondsAndChecked) {
+  EXPECT_EQ(read_dist_env(env_of({})).timeout, std::nullopt);
+  EXPECT_EQ(read_dist_env(env_of({{"LOCKSTEP_TIMEOUT", "1.5"}})).timeout, 1500ms);
+  EXPECT_EQ(read_dist_env(env_of({{"LOCKSTEP_TIMEOUT", "600"}})).timeout, 600s);
+  for (const char* bad : {"abc", "30s", "nan"}) {
+    expect_error(
+        [&] {
+          read_dist_env(env_of({{"LOCKSTEP_TIMEOUT", bad}}));
+        },
+        {std::string("LOCKSTEP_TIMEOUT='") + bad + "' is not a number of seconds"});
+  }
+  for (const char* bad : {"0", "-1", "1e9"}) {
+    expect_error(
+        [&] {
+          read_dist_env(env_of({{"LOCKSTEP_TIMEOUT", bad}}));
+        },
+        {std::string("LOCKSTEP_TIMEOUT=") + bad + " is out of range", "604800 seconds"});
+  }
+}
+
+TEST(ConnectWorld, CollectiveTimeoutIsTheOptionsThenLockstepTimeoutThenTheDefault) {
+  // A world of one keeps the timeout it was given, so the order shows without any peer.
+  DistEnv env = read_dist_env(env_of({{"LOCKSTEP_TIMEOUT", "2"}}));
+  EXPECT_EQ(connect_world(env).group->timeout(), 2s);
+  InitOptions o;
+  o.timeout = 7s;
+  EXPECT_EQ(connect_world(env, o).group->timeout(), 7s);
+  EXPECT_EQ(connect_world(read_dist_env(env_of({}))).group->timeout(), kDefaultCollectiveTimeout);
+}
+
 TEST(ConnectWorld, BackendIsTheOptionsThenLockstepBackendThenAuto) {
   const DistEnv shm_env = read_dist_env(env_of({{"LOCKSTEP_BACKEND", "shm"}}));
   EXPECT_EQ(shm_env.backend, "shm");

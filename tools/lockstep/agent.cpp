@@ -340,6 +340,7 @@ void Agent::start_workers(int g) {
     const std::string entry = *e;
     const std::string name = entry.substr(0, entry.find('='));
     if (name == env::kOmpNumThreads) user_omp = true;
+    if (name == env::kTimeout) continue;  // --timeout's (LOCKSTEP_TIMEOUT is read as --timeout)
     if (std::find(env::kLauncherSet.begin(), env::kLauncherSet.end(), name) ==
         env::kLauncherSet.end()) {
       base.push_back(entry);
@@ -376,6 +377,7 @@ void Agent::start_workers(int g) {
     set(env::kUseAgentStore, "1");
     set(env::kStoreToken, token_);
     set(env::kErrorFile, w->error_file);
+    if (!o_.timeout.empty()) set(env::kTimeout, o_.timeout);
     // Only where the worker's stdout really ends on the terminal: with --log-dir and no --tee,
     // or filtered out, a progress bar would reach only the log file (where plain lines belong).
     if (terminal_.is_tty(1) && to_terminal) set(env::kStdoutIsTty, "1");

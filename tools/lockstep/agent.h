@@ -39,6 +39,9 @@ struct RunOptions {
   std::string token_source;
   StoreBind store_bind;  // node 0 only
   double rdzv_timeout_s = 900;
+  // --timeout: the workers' collective timeout in seconds, passed as LOCKSTEP_TIMEOUT (checked,
+  // as given); empty: not set, LOCKSTEP_TIMEOUT is removed from the workers' environment.
+  std::string timeout;
   std::string program;  // resolved, absolute
   std::vector<std::string> args;
 };

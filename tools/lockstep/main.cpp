@@ -111,6 +111,9 @@ int main(int argc, char** argv) {
   option("--rdzv-timeout", raw.rdzv_timeout,
          "seconds to wait for every machine to join (and to restart)")
       ->capture_default_str();
+  option("--timeout", raw.timeout,
+         "seconds a collective waits for the other ranks before it fails (the workers' "
+         "LOCKSTEP_TIMEOUT; default: the program's choice, else 1800)");
   option("--token-file", raw.token_file,
          "the store's secret, shared by the machines of a job: a file only you can read");
   flag("--insecure", raw.insecure,

@@ -344,6 +344,10 @@ RunOptions check_run_options(const RawRunOptions& raw, const std::vector<std::st
                                        kMinMonitorInterval, kMaxMonitorInterval);
   o.rdzv_timeout_s =
       parse_seconds(raw.rdzv_timeout, src("--rdzv-timeout"), kMinRdzvTimeout, kMaxRdzvTimeout);
+  if (!raw.timeout.empty()) {
+    parse_seconds(raw.timeout, src("--timeout"), dist::kMinTimeoutS, dist::kMaxTimeoutS);
+    o.timeout = raw.timeout;
+  }
   if (raw.tee && raw.log_dir.empty()) throw UsageError("--tee needs --log-dir");
   o.master_addr = raw.standalone ? "127.0.0.1" : raw.master_addr;
   if (o.master_addr.empty()) throw UsageError(src("--master-addr") + " must not be empty");

@@ -41,6 +41,7 @@ struct RawRunOptions {
   std::string local_ranks_filter;
   std::string run_id;
   std::string rdzv_timeout = "900";
+  std::string timeout;  // empty: the workers' own (InitOptions::timeout, else 30 minutes)
   std::string token_file;
   bool insecure = false;
   // Options that were on the command line ("--nnodes"); the others came from LOCKSTEP_<NAME> or

@@ -31,15 +31,19 @@ inline constexpr const char* kStdoutIsTty = "LOCKSTEP_STDOUT_IS_TTY";
 
 // Every variable above: what a launcher sets for each worker, replacing any value it inherited.
 inline constexpr std::array<const char*, 14> kLauncherSet = {
-    kRank,         kLocalRank,   kWorldSize, kLocalWorldSize, kGroupRank,
-    kMasterAddr,   kMasterPort,  kRestartCount, kMaxRestarts, kRunId,
-    kUseAgentStore, kStoreToken, kErrorFile,  kStdoutIsTty};
+    kRank,          kLocalRank,  kWorldSize,    kLocalWorldSize, kGroupRank,
+    kMasterAddr,    kMasterPort, kRestartCount, kMaxRestarts,    kRunId,
+    kUseAgentStore, kStoreToken, kErrorFile,    kStdoutIsTty};
 
 // Read by the library but set by the user, never by the launcher.
 inline constexpr const char* kOmpNumThreads = "OMP_NUM_THREADS";
 inline constexpr const char* kSocketIfname = "LOCKSTEP_SOCKET_IFNAME";
 // Seconds init_process_group waits to reach the store and for every rank to join.
 inline constexpr const char* kRendezvousTimeout = "LOCKSTEP_RENDEZVOUS_TIMEOUT";
+// Seconds a collective may wait for the other ranks before it fails (InitOptions::timeout, when
+// the program leaves it unset). The exception to the rule above: `lockstep run --timeout` sets
+// it, and the launcher reads an inherited LOCKSTEP_TIMEOUT as its --timeout, so both agree.
+inline constexpr const char* kTimeout = "LOCKSTEP_TIMEOUT";
 // The process group backend init_process_group uses when its options name none ("gloo", "shm").
 inline constexpr const char* kBackend = "LOCKSTEP_BACKEND";
 

@@ -34,6 +34,11 @@ inline constexpr std::chrono::milliseconds kDefaultRendezvousTimeout{300'000};
 inline constexpr double kMinRendezvousTimeoutS = 0.001;
 inline constexpr double kMaxRendezvousTimeoutS = 7 * 24 * 3600;
 
+// LOCKSTEP_TIMEOUT's bounds, in seconds: a millisecond (tests) to a week (above it a typo, such
+// as milliseconds given for seconds, is more likely than a wish).
+inline constexpr double kMinTimeoutS = 0.001;
+inline constexpr double kMaxTimeoutS = 7 * 24 * 3600;
+
 // Where this process sits in the job, as the environment describes it.
 struct DistEnv {
   int rank = 0;
@@ -48,6 +53,7 @@ struct DistEnv {
   std::string run_id;     // LOCKSTEP_RUN_ID
   std::string socket_ifname;
   std::optional<std::chrono::milliseconds> rendezvous_timeout;  // LOCKSTEP_RENDEZVOUS_TIMEOUT
+  std::optional<std::chrono::milliseconds> timeout;             // LOCKSTEP_TIMEOUT
   std::string backend;  // LOCKSTEP_BACKEND; empty when unset
   // Which variables these came from: "RANK/WORLD_SIZE", "SLURM", "Open MPI" or "none".
   std::string source = "none";
@@ -63,7 +69,7 @@ std::optional<std::string> process_env(const std::string& name);
 // OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE. With none of them: a world of one.
 // Values that are not integers, out of range or inconsistent (RANK >= WORLD_SIZE, RANK without
 // WORLD_SIZE, several machines but no MASTER_ADDR) are Errors that name the variables; so is a
-// LOCKSTEP_RENDEZVOUS_TIMEOUT that is not a number of seconds in range.
+// LOCKSTEP_RENDEZVOUS_TIMEOUT or LOCKSTEP_TIMEOUT that is not a number of seconds in range.
 DistEnv read_dist_env(const EnvLookup& lookup = process_env);
 
 // The backend when neither InitOptions::backend nor LOCKSTEP_BACKEND names one: the CPU
@@ -77,12 +83,15 @@ struct InitOptions {
   // A registered backend's name (backend_names()). Empty: LOCKSTEP_BACKEND when set, else
   // kDefaultBackend. A name that is not registered is an Error listing the registered ones.
   std::string backend;
-  // Default timeout of the group's collectives and of its store's requests.
-  std::chrono::milliseconds timeout = kDefaultCollectiveTimeout;
+  // Default timeout of the group's collectives and of its store's requests. Unset:
+  // LOCKSTEP_TIMEOUT (seconds; what `lockstep run --timeout` sets), else
+  // kDefaultCollectiveTimeout (30 minutes). The program's choice wins over the environment's.
+  std::optional<std::chrono::milliseconds> timeout;
   // How long to wait to reach the store (rank 0's, or the launcher's) and for every rank to
   // join. Unset: LOCKSTEP_RENDEZVOUS_TIMEOUT (seconds), else the shorter of
-  // kDefaultRendezvousTimeout and `timeout`. The connecting ranks log why they are still waiting
-  // every few seconds, and fail at the end naming MASTER_ADDR:MASTER_PORT and the last cause.
+  // kDefaultRendezvousTimeout and the collective timeout. The connecting ranks log why they are
+  // still waiting every few seconds, and fail at the end naming MASTER_ADDR:MASTER_PORT and the
+  // last cause.
   std::optional<std::chrono::milliseconds> rendezvous_timeout;
   // Rendezvous through this store instead of a TCPStore at MASTER_ADDR:MASTER_PORT.
   std::shared_ptr<Store> store;

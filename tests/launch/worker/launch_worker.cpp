@@ -1,6 +1,7 @@
 // The program that tests/launch starts under `lockstep run`: argv[1] picks what a worker does
 // (report its environment, fail, die by a signal, sleep, flood its output, redraw a progress
-// line with '\r', throw, train with DDP, be killed on cue and then train after the restart).
+// line with '\r', throw, train with DDP, skip a collective, allocate memory, be killed on cue and
+// then train after the restart).
 //
 // With LAUNCH_TEST_PID_DIR set, every worker first records its pid and the pid of one grandchild
 // (`sleep 300`, in the worker's process group) as <dir>/<pid>.pid, so a test can check that the
@@ -15,11 +16,14 @@ extern char** environ;
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "distributed/ddp_helpers.h"
 #include "lockstep/distributed/ddp.h"
@@ -50,7 +54,8 @@ constexpr const char* kReportedVars[] = {"RANK",
                                          "OMP_NUM_THREADS",
                                          "LOCKSTEP_USE_AGENT_STORE",
                                          "LOCKSTEP_STORE_TOKEN",
-                                         "LOCKSTEP_ERROR_FILE"};
+                                         "LOCKSTEP_ERROR_FILE",
+                                         "LOCKSTEP_TIMEOUT"};
 
 int env_int(const char* name, int fallback) {
   const char* v = std::getenv(name);
@@ -215,6 +220,44 @@ int killed_then_train(const fs::path& go, const fs::path& out_dir, int steps) {
   return 92;
 }
 
+// Rank 1 never issues the all_reduce that rank 0 waits in; the program sets no timeout, so
+// LOCKSTEP_TIMEOUT (`lockstep run --timeout`) decides when rank 0 fails. Rank 0 then says how
+// long it waited before rethrowing (the error reaches the launcher's summary).
+int skip_collective() {
+  lockstep::dist::install_error_handler();
+  auto pg = lockstep::dist::init_process_group();
+  if (pg->rank() == 1) return sleep_then_fail(60s);
+  lockstep::Tensor x = lockstep::full({4}, 1.0, lockstep::kFloat32);
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    pg->all_reduce(x)->wait();
+  } catch (const std::exception&) {
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                        std::chrono::steady_clock::now() - start)
+                        .count();
+    std::printf("rank 0 waited %lld ms\n", static_cast<long long>(ms));
+    std::fflush(stdout);
+    throw;
+  }
+  return 95;  // the all_reduce cannot succeed without rank 1
+}
+
+// Rank `who` allocates and touches `mib` MiB, then "kill": SIGKILLs itself; "hold": sleeps (for
+// the out-of-memory killer to end it). The others wait to be stopped.
+int alloc(int mib, const std::string& then, int who) {
+  if (env_int("RANK", -1) != who) return sleep_then_fail(60s);
+  constexpr size_t kChunk = 1 << 20;
+  std::vector<std::unique_ptr<char[]>> chunks;
+  for (int i = 0; i < mib; ++i) {
+    chunks.emplace_back(new char[kChunk]);
+    std::memset(chunks.back().get(), i + 1, kChunk);  // touched: resident, not only reserved
+  }
+  std::printf("rank %d touched %d MiB\n", who, mib);
+  std::fflush(stdout);
+  if (then == "kill") ::raise(SIGKILL);
+  return sleep_then_fail(60s);
+}
+
 int run(int argc, char** argv) {
   if (argc < 2) {
     std::fprintf(stderr, "usage: launch_worker MODE [ARGS...]\n");
@@ -264,6 +307,8 @@ int run(int argc, char** argv) {
     std::this_thread::sleep_for(kFailDelay);
     throw std::runtime_error("boom from rank " + std::to_string(rank));
   }
+  if (mode == "skip-collective") return skip_collective();
+  if (mode == "alloc" && argc >= 5) return alloc(std::atoi(argv[2]), argv[3], std::atoi(argv[4]));
   if (mode == "ddp" && argc >= 4) return train_ddp(argv[2], std::atoi(argv[3]));
   if (mode == "spew" && argc >= 4) return spew_then_fail(std::atoi(argv[2]), std::atoi(argv[3]));
   if (mode == "killed-then-train" && argc >= 5) {
