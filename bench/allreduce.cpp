@@ -68,7 +68,7 @@ int run_rank(int64_t min_bytes, int64_t max_bytes, int rounds, int64_t slot_byte
   config.store = std::make_shared<dist::PrefixStore>("bench-shm", world.store);
   config.rank = rank;
   config.size = size;
-  config.timeout = io.timeout;
+  config.timeout = gloo->timeout();
   auto shm = std::make_shared<dist::ProcessGroupShm>(config, dist::ShmOptions{slot_bytes});
 
   std::ofstream out;
