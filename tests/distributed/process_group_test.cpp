@@ -1,6 +1,7 @@
 // ProcessGroup with ranks as threads over a HashStore: every collective and dtype against a
 // reference, the Work contract, timeouts, argument errors, the registry and the world of one.
 #include <atomic>
+#include <fstream>
 #include <future>
 #include <thread>
 
@@ -31,6 +32,45 @@ TEST_P(GlooThreads, EveryCollectiveEveryDtypeMatchesReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, GlooThreads, ::testing::Values(1, 2, 3, 4));
+
+// Bytes this process has handed to write-like system calls (sockets included): both ranks are
+// its threads, so this counts what the two ranks sent each other.
+int64_t bytes_written() {
+  std::ifstream io("/proc/self/io");
+  std::string key;
+  int64_t value = 0;
+  while (io >> key >> value) {
+    if (key == "wchar:") return value;
+  }
+  return -1;
+}
+
+// A reduce_scatter is a real one (Note [Gloo ring reduce-scatter]): of a 2 x 4 MiB input, each
+// of 2 ranks sends one 4 MiB chunk, half of what an all_reduce of the same 8 MiB sends (the ring
+// sends 2 x (n - 1) / n of the tensor); an all_reduce of a copy, as before, sent all of it.
+TEST(GlooThreads, ReduceScatterSendsHalfTheBytesOfAnAllReduce) {
+  ASSERT_GE(bytes_written(), 0) << "no wchar in /proc/self/io";
+  constexpr int64_t kChunk = 1 << 20;  // elements (4 MiB of f32)
+  std::atomic<int64_t> scatter_bytes{0}, reduce_bytes{0};
+  expect_all_succeeded(run_ranks(2, [&](int r, ProcessGroupPtr pg) {
+    Tensor in = full({2 * kChunk}, 1.0 + r, kFloat32), out = empty({kChunk}, kFloat32);
+    auto measure = [&](const std::function<void()>& collective, std::atomic<int64_t>& into) {
+      pg->barrier()->wait();
+      const int64_t before = bytes_written();
+      pg->barrier()->wait();
+      collective();
+      pg->barrier()->wait();
+      if (r == 0) into = bytes_written() - before;
+    };
+    measure([&] { pg->reduce_scatter(out, in)->wait(); }, scatter_bytes);
+    LS_CHECK(out.to_vector<double>() == std::vector<double>(kChunk, 3.0), "reduce_scatter sum");
+    measure([&] { pg->all_reduce(in)->wait(); }, reduce_bytes);
+  }));
+  const double ratio = static_cast<double>(scatter_bytes) / static_cast<double>(reduce_bytes);
+  EXPECT_GT(scatter_bytes.load(), 2 * kChunk * 4 * 9 / 10) << "both ranks send a 4 MiB chunk";
+  EXPECT_NEAR(ratio, 0.5, 0.1) << scatter_bytes << " bytes for reduce_scatter, " << reduce_bytes
+                               << " for all_reduce";
+}
 
 // Gloo itself trusts its callers: a longer message than the receiver posted killed the process
 // with an assertion on Gloo's own thread (Note [Gloo signature check]).
