@@ -167,6 +167,13 @@ struct Model {
   std::function<double(const data::Batch& batch, double weight, bool sync)> forward_backward;
 };
 
+// --timeout: unset (0) leaves the choice to LOCKSTEP_TIMEOUT (`lockstep run --timeout`), else the
+// library's default.
+std::optional<std::chrono::milliseconds> timeout_of(const Config& cfg) {
+  if (cfg.timeout <= 0) return std::nullopt;
+  return std::chrono::milliseconds(std::max<int64_t>(1, std::llround(cfg.timeout * 1000)));
+}
+
 // The device this rank trains on: the CPU, or with --device cuda the GPU init_process_group made
 // current (cuda:LOCAL_RANK under the launcher).
 Device train_device(const Config& cfg) {
@@ -231,7 +238,7 @@ Model build_model(const Config& cfg, const std::shared_ptr<dist::ProcessGroup>& 
     {
       amp::autocast ac(amp_dtype, amp_on);
       // To the GPU (asynchronously, through pinned staging) when training there.
-      Tensor logits = net.forward(batch.input.to(device));  // (B,10), bf16/f16 under autocast
+      Tensor logits = net.forward(batch.input.to(device));    // (B,10), bf16/f16 under autocast
       loss = cross_entropy(logits, batch.target.to(device));  // () in f32 always
     }
     scaler.scale(mul(loss, weight)).backward();
@@ -362,7 +369,7 @@ class Trainer {
                             : nullptr),
         // A world of one without launcher variables; under `lockstep run` (or torchrun's
         // variables) one rank of a DDP job, each on its own shard of the data.
-        pg_(dist::init_process_group({.backend = cfg.backend})),
+        pg_(dist::init_process_group({.backend = cfg.backend, .timeout = timeout_of(cfg)})),
         world_(pg_->size()),
         main_rank_(pg_->rank() == 0),
         gen_(cfg.seed),
@@ -564,8 +571,7 @@ void Trainer::start() {
         static_cast<long long>(test_data_ ? test_data_->size() : 0),
         static_cast<long long>(cfg_.batch_size), world_,
         static_cast<long long>(cfg_.batch_size * world_), std::string(pg_->backend()).c_str(),
-        model_.dp ? model_.dp->devices().front().str().c_str()
-                  : train_device(cfg_).str().c_str());
+        model_.dp ? model_.dp->devices().front().str().c_str() : train_device(cfg_).str().c_str());
     std::printf(
         "amp=%s accum_steps=%lld effective_batch=%lld lr=%g (scaling %s from base batch %lld) "
         "schedule=%s warmup_steps=%lld optimizer_steps=%lld\n",

@@ -15,9 +15,10 @@
 #include <string>
 #include <type_traits>
 
-#include "lockstep/tensor/cuda.h"
 #include "lockstep/data/data.h"
+#include "lockstep/distributed/init.h"
 #include "lockstep/distributed/process_group.h"
+#include "lockstep/tensor/cuda.h"
 
 namespace lockstep::examples {
 
@@ -46,6 +47,7 @@ struct Config {
   double bucket_mb = 25.0;
   std::string comm_hook = "none";
   std::string backend;  // empty: LOCKSTEP_BACKEND, else init_process_group's default (auto)
+  double timeout = 0;   // collective timeout in seconds; 0: LOCKSTEP_TIMEOUT, else 30 minutes
   bool ddp_stats = false;
   int64_t dp = 1;
   std::string amp = "none";         // none | bf16 | fp16
@@ -191,6 +193,9 @@ inline int parse_flags(int argc, char** argv, Config& cfg) {
                  "DDP's process group backend (default: LOCKSTEP_BACKEND, else auto: shm on one "
                  "machine, gloo with one rank per machine, hier across machines of several)")
       ->check(CLI::IsMember(dist::backend_names()));
+  add_number(app, "--timeout", cfg.timeout, R{0, dist::kMaxTimeoutS, true},
+             "Seconds a collective waits for the other ranks before the run fails (default: "
+             "LOCKSTEP_TIMEOUT, which `lockstep run --timeout` sets, else 1800)");
   add_number(app, "--dp", cfg.dp, I{1, kMaxThreads},
              "DataParallel with K replicas on threads (one process)");
   app.add_flag("--ddp-stats", cfg.ddp_stats, "Print DDP's bucket and communication statistics");
@@ -237,8 +242,9 @@ inline int parse_flags(int argc, char** argv, Config& cfg) {
         std::to_string(cfg.dp));
   }
   if (cfg.backend == "nccl" && cfg.device != "cuda") {
-    return usage_error("--backend nccl reduces CUDA tensors only: add --device cuda (on CPUs "
-                       "use gloo, shm or hier)");
+    return usage_error(
+        "--backend nccl reduces CUDA tensors only: add --device cuda (on CPUs "
+        "use gloo, shm or hier)");
   }
   if (cfg.device == "cuda" && !cuda::is_available()) {
     return usage_error(cuda::compiled_with_cuda()

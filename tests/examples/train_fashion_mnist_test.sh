@@ -90,6 +90,10 @@ case "$case_name" in
 --test-crash-at-step -1 an integer of at least 0
 --bucket-mb 0 a number above 0 and at most 1048576
 --bucket-mb 1e7 a number above 0 and at most 1048576
+--timeout 0 a number above 0 and at most 604800
+--timeout -5 a number above 0 and at most 604800
+--timeout 1e9 a number above 0 and at most 604800
+--timeout 30s a number above 0 and at most 604800
 --dp 0 an integer from 1 to 4096
 --accum-steps 0 an integer from 1 to 1000000000
 --accum-steps 1000000001 an integer from 1 to 1000000000
