@@ -6,7 +6,9 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <fstream>
 #include <regex>
+#include <thread>
 
 #include <gmock/gmock.h>
 
@@ -90,6 +92,104 @@ TEST_F(Launcher, ShortTimeoutEndsARankWaitingForASkippedCollective) {
   const std::string own = own_lines(o.err);
   EXPECT_THAT(own, HasSubstr("the job failed: rank 0")) << o.describe();
   EXPECT_THAT(own, ContainsRegex("its error: .*(timed out|timeout)")) << o.describe();
+}
+
+// The number in "<what>: 12.3 MiB" (or KiB, GiB) of `text`, in MiB; -1 when absent.
+double mib_after(const std::string& text, const std::string& what) {
+  std::smatch m;
+  if (!std::regex_search(text, m, std::regex(what + "([0-9.]+) (KiB|MiB|GiB)"))) return -1;
+  const double v = std::stod(m[1]);
+  return m[2] == "KiB" ? v / 1024 : m[2] == "GiB" ? v * 1024 : v;
+}
+
+TEST_F(Launcher, WorkerKilledBySignalReportsItsPeakMemory) {
+  // Rank 1 touches 64 MiB, then SIGKILLs itself: not the out-of-memory killer.
+  const Outcome o = run_launcher(
+      {"run", "--standalone", "--nproc-per-node", "2", kWorker, "alloc", "64", "kill", "1"}, dir_,
+      "launch");
+  EXPECT_TRUE(o.exited_with(1)) << o.describe();
+  const std::string own = own_lines(o.err);
+  EXPECT_THAT(own, HasSubstr("rank 1 (local rank 1 on node 0")) << o.describe();
+  EXPECT_THAT(own, HasSubstr("SIGKILL")) << o.describe();
+  EXPECT_GE(mib_after(own, "rank 1's peak resident memory: "), 64) << o.describe();
+  EXPECT_GT(mib_after(own, "memory available on host [^ ]+ when it died: "), 0) << o.describe();
+  // Every worker of the node, the one that was stopped too (it touched far less).
+  const double rank0 = mib_after(own, "peak resident memory of the workers on node 0: rank 0 ");
+  EXPECT_GT(rank0, 0) << o.describe();
+  EXPECT_LT(rank0, 64) << o.describe();
+  EXPECT_GE(mib_after(own, "peak resident memory of the workers on node 0: rank 0 [^,]+, rank 1 "),
+            64)
+      << o.describe();
+  EXPECT_THAT(own, Not(HasSubstr("out-of-memory"))) << o.describe();
+}
+
+// A memory cgroup of its own for the test (cgroup v2 with the memory controller, else v1's
+// memory hierarchy), limited to `limit` bytes without swap; removed at the end. `skip` says why
+// none could be made.
+struct MemoryCgroup {
+  fs::path dir;
+  std::string skip;
+
+  explicit MemoryCgroup(int64_t limit) {
+    const std::string name = "lockstep_test_" + std::to_string(::getpid());
+    const std::string controllers = read_text("/sys/fs/cgroup/cgroup.controllers");
+    const bool v2 = controllers.find("memory") != std::string::npos;
+    const fs::path root = v2 ? "/sys/fs/cgroup" : "/sys/fs/cgroup/memory";
+    if (!v2 && !fs::exists(root / "memory.limit_in_bytes")) {
+      skip =
+          "no memory cgroup: neither cgroup v2 with the memory controller nor v1's memory "
+          "hierarchy is mounted under /sys/fs/cgroup";
+      return;
+    }
+    std::error_code ec;
+    if (!fs::create_directory(root / name, ec) || ec) {
+      skip = "cannot create a memory cgroup in " + root.string() + ": " +
+             (ec ? ec.message() : "it exists") + " (not root, or a read-only cgroup mount)";
+      return;
+    }
+    dir = root / name;
+    const std::string bytes = std::to_string(limit);
+    const bool ok = v2 ? write(dir / "memory.max", bytes) && write(dir / "memory.swap.max", "0")
+                       : write(dir / "memory.limit_in_bytes", bytes);
+    if (!v2 && fs::exists(dir / "memory.memsw.limit_in_bytes")) {
+      write(dir / "memory.memsw.limit_in_bytes", bytes);  // no swap to escape to
+    }
+    if (!ok) skip = "cannot set the memory limit of " + dir.string();
+  }
+  ~MemoryCgroup() {
+    if (dir.empty()) return;
+    // Its processes have exited; an empty cgroup can be removed (retried: exit takes a moment).
+    for (int i = 0; i < 100 && ::rmdir(dir.c_str()) != 0; ++i) std::this_thread::sleep_for(50ms);
+  }
+  static bool write(const fs::path& p, const std::string& v) {
+    std::ofstream out(p);
+    out << v;
+    out.flush();
+    return static_cast<bool>(out);
+  }
+};
+
+TEST_F(Launcher, WorkerKilledByTheOomKillerIsSaidSo) {
+  // The launcher and its workers in a cgroup of 96 MiB; rank 1 touches 400 MiB.
+  MemoryCgroup cg(96 << 20);
+  if (!cg.skip.empty()) GTEST_SKIP() << cg.skip;
+  const Outcome o = wait_launcher(start_launcher(
+      {"run", "--standalone", "--nproc-per-node", "2", kWorker, "alloc", "400", "hold", "1"}, dir_,
+      "launch", {}, -1, 0, "echo $$ > " + (cg.dir / "cgroup.procs").string()));
+  EXPECT_TRUE(o.exited_with(1)) << o.describe();
+  const std::string own = own_lines(o.err);
+  EXPECT_THAT(own, HasSubstr("rank 1 (local rank 1 on node 0")) << o.describe();
+  EXPECT_THAT(own, HasSubstr("SIGKILL")) << o.describe();
+  EXPECT_THAT(own, HasSubstr("rank 1 was killed by the out-of-memory killer (the oom_kill count "
+                             "of " +
+                             cg.dir.string()))
+      << o.describe();
+  // Near the limit, far below the 400 MiB it asked for: its anonymous memory grew to 96 MiB less
+  // what the launcher and rank 0 hold; the resident size adds the program's mapped files.
+  const double peak = mib_after(own, "rank 1's peak resident memory: ");
+  EXPECT_GT(peak, 32) << o.describe();
+  EXPECT_LT(peak, 200) << o.describe();
+  EXPECT_THAT(own, Not(HasSubstr("touched 400 MiB"))) << o.describe();
 }
 
 }  // namespace

@@ -104,18 +104,21 @@ inline std::vector<std::string> launcher_env(const std::vector<std::string>& ext
 // <dir>/<name>.out and .err (stdout to `stdout_fd` instead when given, e.g. a pseudo-terminal),
 // with the default disposition of the stop signals (a shell may start us with SIGINT ignored,
 // which the launcher would inherit). With `fd_limit`, its RLIMIT_NOFILE (soft and hard) is that.
+// With `sh_setup`, that shell command runs first in the process that then becomes the launcher
+// ($$ is the launcher's pid: "echo $$ > CGROUP/cgroup.procs" puts it into a cgroup).
 inline Launch start_launcher(const std::vector<std::string>& args, const fs::path& dir,
                              const std::string& name,
                              const std::vector<std::string>& extra_env = {}, int stdout_fd = -1,
-                             int fd_limit = 0) {
+                             int fd_limit = 0, const std::string& sh_setup = "") {
   Launch l;
   l.out = dir / (name + ".out");
   l.err = dir / (name + ".err");
   std::vector<std::string> argv_s = {kTool};
+  std::string setup = sh_setup;
   if (fd_limit > 0) {
-    argv_s = {"/bin/sh", "-c", "ulimit -n " + std::to_string(fd_limit) + " && exec \"$0\" \"$@\"",
-              kTool};
+    setup += (setup.empty() ? "" : " && ") + ("ulimit -n " + std::to_string(fd_limit));
   }
+  if (!setup.empty()) argv_s = {"/bin/sh", "-c", setup + " && exec \"$0\" \"$@\"", kTool};
   argv_s.insert(argv_s.end(), args.begin(), args.end());
   std::vector<char*> argv;
   for (auto& a : argv_s) argv.push_back(a.data());

@@ -28,6 +28,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -40,6 +41,7 @@
 #include "lockstep/distributed/error_file.h"
 #include "lockstep/distributed/store/tcp_store.h"
 #include "output.h"
+#include "why_died.h"
 #include "worker_process.h"
 
 extern char** environ;
@@ -181,6 +183,8 @@ class Agent {
   json describe_failure(const Worker& w) const;
   void publish_interrupted(int g, int sig);
   void print_summary(const json& f, int generation) const;
+  // One line: every local worker's peak resident memory (after they all exited).
+  void print_peak_memory() const;
   bool wait_for_count(const std::string& k, int64_t want, std::chrono::milliseconds timeout,
                       int* interrupted);
   void exit_sync(std::chrono::milliseconds timeout);
@@ -194,6 +198,9 @@ class Agent {
   uint16_t store_port_ = 0;
   std::unique_ptr<dist::TCPStore> store_;
   std::vector<std::unique_ptr<Worker>> workers_;
+  // Note [Out-of-memory evidence] in why_died.h: the cgroup's count when the workers started.
+  std::optional<OomCounter> oom_counter_;
+  std::optional<int64_t> oom_kills_at_start_;
 };
 
 void Agent::setup_signals() {
@@ -333,6 +340,8 @@ void Agent::rendezvous() {
 
 void Agent::start_workers(int g) {
   workers_.clear();
+  if (g == 0) oom_counter_ = find_oom_counter();
+  if (oom_counter_) oom_kills_at_start_ = read_oom_kills(*oom_counter_);
   // The worker environment: ours, less what the launcher sets (base/worker_env.h).
   std::vector<std::string> base;
   bool user_omp = false;
@@ -487,6 +496,25 @@ json Agent::describe_failure(const Worker& w) const {
   json f = {{"rank", w.rank},          {"local_rank", w.local_rank}, {"node", o_.node_rank},
             {"host", hostname()},      {"status", s.str()},          {"time", utc_now()},
             {"tail", w.output->tail()}};
+  if (s.max_rss_kib >= 0) f["peak_rss_kib"] = s.max_rss_kib;
+  if (s.signaled) {
+    // Note [Out-of-memory evidence]: only SIGKILL can be the OOM killer's.
+    std::string oom;
+    if (s.signal == SIGKILL && oom_counter_ && oom_kills_at_start_) {
+      const auto now = read_oom_kills(*oom_counter_);
+      if (now && *now > *oom_kills_at_start_) {
+        oom = "the oom_kill count of " + oom_counter_->file + " rose from " +
+              std::to_string(*oom_kills_at_start_) + " to " + std::to_string(*now) +
+              " while the job ran";
+      }
+    }
+    if (s.signal == SIGKILL) {
+      const std::string line = kernel_log_oom_line(w.proc->pid());
+      if (!line.empty()) oom += (oom.empty() ? "" : "; ") + ("the kernel log says: " + line);
+    }
+    if (!oom.empty()) f["oom"] = oom;
+    if (const auto avail = mem_available_kib()) f["mem_available_kib"] = *avail;
+  }
   // Where the summary says its full output is.
   if (!w.log_dir.empty()) f["log_dir"] = w.log_dir;
   f["to_terminal"] = o_.output.to_terminal(w.local_rank);
@@ -522,6 +550,22 @@ void Agent::print_summary(const json& f, int generation) const {
     << " at " << f.value("time", std::string("?")) << "; restarts used: " << generation << " of "
     << o_.max_restarts;
   say(s.str());
+  const std::string rank_n = "rank " + std::to_string(f.value("rank", -1));
+  if (f.contains("oom")) {
+    say(rank_n + " was killed by the out-of-memory killer (" + f["oom"].get<std::string>() + ")");
+  }
+  if (f.contains("peak_rss_kib") || f.contains("mem_available_kib")) {
+    std::string mem;
+    if (f.contains("peak_rss_kib")) {
+      mem = rank_n + "'s peak resident memory: " + format_kib(f["peak_rss_kib"].get<int64_t>());
+    }
+    if (f.contains("mem_available_kib")) {
+      mem += (mem.empty() ? "" : "; ") +
+             ("memory available on host " + f.value("host", std::string("?")) +
+              " when it died: " + format_kib(f["mem_available_kib"].get<int64_t>()));
+    }
+    say(mem);
+  }
   if (f.contains("error")) say("its error: " + f["error"].get<std::string>());
   const auto tail = f.value("tail", std::vector<std::string>{});
   if (tail.empty()) {
@@ -544,6 +588,20 @@ void Agent::print_summary(const json& f, int generation) const {
   } else if (f.contains("to_terminal")) {
     say("the output of " + rank + " was not kept: --local-ranks-filter left it off the terminal " +
         "and there is no --log-dir");
+  }
+}
+
+void Agent::print_peak_memory() const {
+  std::string line;
+  for (const auto& w : workers_) {
+    const auto& st = w->proc->exit_status();
+    if (!st || st->max_rss_kib < 0) continue;
+    line += (line.empty() ? "" : ", ") +
+            ("rank " + std::to_string(w->rank) + " " + format_kib(st->max_rss_kib));
+  }
+  if (!line.empty()) {
+    say("peak resident memory of the workers on node " + std::to_string(o_.node_rank) + ": " +
+        line);
   }
 }
 
@@ -706,6 +764,7 @@ int Agent::run() {
     if (const int sig = take_signal()) {  // a Ctrl-C while the failed group was being stopped
       publish_interrupted(g + 1, sig);
       print_summary(r.failure, g);
+      print_peak_memory();
       say("received " + signal_name(sig) + "; not restarting");
       exit_sync(kExitSyncAfterSignal);
       return 128 + sig;
@@ -730,6 +789,7 @@ int Agent::run() {
           }
           say("not every node stopped its workers within the rendezvous timeout; giving up");
           print_summary(r.failure, g);
+          print_peak_memory();
           return kExitJobFailed;
         }
       } catch (const Error& e) {
@@ -739,6 +799,7 @@ int Agent::run() {
       continue;
     }
     print_summary(r.failure, g);
+    print_peak_memory();
     exit_sync(normal_exit_wait);
     return kExitJobFailed;
   }

@@ -285,9 +285,11 @@ bool WorkerProcess::drain(int fd, LineSplitter& splitter) {
 std::optional<ExitStatus> WorkerProcess::poll_exit() {
   if (status_) return status_;
   int st = 0;
-  const pid_t r = ::waitpid(pid_, &st, WNOHANG);
+  rusage ru{};
+  const pid_t r = ::wait4(pid_, &st, WNOHANG, &ru);
   if (r != pid_) return std::nullopt;
   ExitStatus s;
+  s.max_rss_kib = ru.ru_maxrss;  // Linux: KiB
   if (WIFSIGNALED(st)) {
     s.signaled = true;
     s.signal = WTERMSIG(st);

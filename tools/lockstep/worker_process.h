@@ -20,6 +20,9 @@ struct ExitStatus {
   bool signaled = false;
   int code = 0;    // exit code when !signaled
   int signal = 0;  // terminating signal when signaled
+  // The worker's peak resident memory (wait4's ru_maxrss: the process itself, not its children),
+  // in KiB; -1 when unknown.
+  int64_t max_rss_kib = -1;
   bool ok() const { return !signaled && code == 0; }
   std::string str() const;  // "exit code 3" / "signal SIGKILL (9)"
 };
