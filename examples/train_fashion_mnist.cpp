@@ -693,7 +693,8 @@ void Trainer::record_step(const StepResult& s, double samples_per_s) {
       .lr = s.lr,
       .samples_per_s = samples_per_s,
       .loss_scale = scaler_.is_enabled() ? std::optional<double>(s.loss_scale) : std::nullopt,
-      .grad_norm = s.grad_norm});
+      .grad_norm = s.grad_norm,
+      .peak_rss_mib = io::peak_rss_mib()});
 }
 
 // --save-every N: a checkpoint after every N-th optimizer step, beside --save. A path that

@@ -3,6 +3,7 @@
 #include "lockstep/io/metrics.h"
 
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cctype>
@@ -48,6 +49,12 @@ std::string stamped(json& record, std::chrono::steady_clock::time_point start) {
 
 }  // namespace
 
+double peak_rss_mib() {
+  rusage ru{};
+  ::getrusage(RUSAGE_SELF, &ru);
+  return static_cast<double>(ru.ru_maxrss) / 1024.0;  // Linux: KiB
+}
+
 MetricsWriter::MetricsWriter(const std::string& path, bool append)
     : path_(path), start_(std::chrono::steady_clock::now()) {
   const int flags = O_WRONLY | O_CREAT | O_CLOEXEC | (append ? O_APPEND : O_TRUNC);
@@ -65,6 +72,7 @@ void MetricsWriter::write(const TrainRecord& r) {
   j["samples_per_s"] = number(r.samples_per_s);
   if (r.loss_scale) j["loss_scale"] = number(*r.loss_scale);
   if (r.grad_norm) j["grad_norm"] = number(*r.grad_norm);
+  if (r.peak_rss_mib) j["peak_rss_mib"] = number(*r.peak_rss_mib);
   write_line(stamped(j, start_));
 }
 

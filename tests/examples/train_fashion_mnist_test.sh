@@ -425,8 +425,9 @@ PY
     grep -q "steps=30 " "$work/c.out" || fail "the 1-process continuation did not stop at step 30"
     ;;
   metrics)
-    # --metrics: one JSON line per optimizer step and one per evaluation, appended across a
-    # resumed run; `lockstep plot` (a strict reader: file:line for any malformed line) draws it.
+    # --metrics: one JSON line per optimizer step (with rank 0's peak resident memory) and one
+    # per evaluation, appended across a resumed run; `lockstep plot` (a strict reader: file:line
+    # for any malformed line) draws it.
     [ -x "$tool" ] || fail "no lockstep binary given"
     m="$work/run/metrics.jsonl"
     "$exe" --log-every 0 --max-steps 30 --metrics "$m" --save "$work/run/ck.safetensors" \
@@ -436,7 +437,7 @@ PY
       --resume auto > "$work/out2" 2>&1 || { cat "$work/out2"; fail "resumed run failed"; }
     [ "$(grep -c '"kind":"train"' "$m")" -eq 35 ] || fail "expected 25 + 10 train records"
     [ "$(grep -c '"kind":"eval"' "$m")" -eq 1 ] || fail "expected one eval record"
-    grep -q '^{"kind":"train","step":21,"epoch":0,"loss":[0-9.e-]*,"lr":0.05,"samples_per_s":[0-9.e+-]*,"time":[0-9.e+]*,"elapsed":[0-9.e+-]*}$' "$m" \
+    grep -q '^{"kind":"train","step":21,"epoch":0,"loss":[0-9.e-]*,"lr":0.05,"samples_per_s":[0-9.e+-]*,"peak_rss_mib":[0-9.e+]*,"time":[0-9.e+]*,"elapsed":[0-9.e+-]*}$' "$m" \
       || { cat "$m"; fail "train record format"; }
     grep -q '^{"kind":"eval","step":30,"epoch":0,"test_accuracy":0\.[0-9]*,' "$m" || fail "eval record"
     # Every line is one JSON object: the plot tool rejects anything else with the line number.

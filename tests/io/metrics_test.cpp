@@ -73,6 +73,28 @@ std::vector<std::string> keys(const json& j) {
   return k;
 }
 
+TEST_F(Metrics, PeakResidentMemoryIsThisProcesssAndWrittenWhenSet) {
+  const double before = peak_rss_mib();
+  EXPECT_GT(before, 1.0);  // a process of this size holds more than a MiB
+  {
+    // 64 MiB touched: the peak grows by about as much (it never shrinks).
+    std::vector<char> big(64u << 20);
+    for (size_t i = 0; i < big.size(); i += 4096) big[i] = static_cast<char>(i);
+    volatile char keep = big[4096];  // the pages must be touched, not optimized away
+    (void)keep;
+    EXPECT_GE(peak_rss_mib(), before + 60);
+  }
+  const double peak = peak_rss_mib();
+  {
+    MetricsWriter w(path_, false);
+    w.write(
+        TrainRecord{.step = 1, .loss = 0.5, .lr = 0.1, .samples_per_s = 1, .peak_rss_mib = peak});
+  }
+  const auto r = records();
+  ASSERT_EQ(r.size(), 1u);
+  EXPECT_DOUBLE_EQ(r[0]["peak_rss_mib"].get<double>(), peak);
+}
+
 TEST_F(Metrics, TrainAndEvalRecordsHaveTheAgreedKeysAndTypes) {
   const double before = unix_now();
   {

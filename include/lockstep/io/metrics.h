@@ -31,7 +31,13 @@ struct TrainRecord {
   double samples_per_s = 0;
   std::optional<double> loss_scale{};  // mixed precision with a GradScaler
   std::optional<double> grad_norm{};   // when the program measures it (clip_grad_norm)
+  // The writing process's peak resident memory so far, in MiB (getrusage's ru_maxrss), when the
+  // program reports it (peak_rss_mib()).
+  std::optional<double> peak_rss_mib{};
 };
+
+// This process's peak resident memory so far, in MiB (getrusage(RUSAGE_SELF).ru_maxrss).
+double peak_rss_mib();
 
 struct EvalRecord {
   int64_t step = 0;
