@@ -151,10 +151,14 @@ struct MemoryCgroup {
     const std::string bytes = std::to_string(limit);
     const bool ok = v2 ? write(dir / "memory.max", bytes) && write(dir / "memory.swap.max", "0")
                        : write(dir / "memory.limit_in_bytes", bytes);
-    if (!v2 && fs::exists(dir / "memory.memsw.limit_in_bytes")) {
-      write(dir / "memory.memsw.limit_in_bytes", bytes);  // no swap to escape to
+    // No swap to escape to: the worker must meet the limit, not page out to disk.
+    const bool memsw = !v2 && fs::exists(dir / "memory.memsw.limit_in_bytes");
+    if (memsw) write(dir / "memory.memsw.limit_in_bytes", bytes);
+    if (!ok) {
+      skip = "cannot set the memory limit of " + dir.string();
+    } else if (!v2 && !memsw && split_lines(read_text("/proc/swaps")).size() > 1) {
+      skip = "swap is on and cgroup v1 here cannot limit it (no memory.memsw.limit_in_bytes)";
     }
-    if (!ok) skip = "cannot set the memory limit of " + dir.string();
   }
   ~MemoryCgroup() {
     if (dir.empty()) return;
