@@ -1,6 +1,7 @@
 // DistributedDataParallel: model check and broadcast at construction, buffers before forward,
 // the built-in communication hooks.
 #include "lockstep/distributed/ddp.h"
+#include "lockstep/distributed/sync_check.h"
 
 #include <algorithm>
 #include <sstream>
@@ -145,6 +146,9 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> mod
       pg_(std::move(pg)),
       opts_(std::move(opts)) {
   LS_CHECK(module_ != nullptr, "DistributedDataParallel: no module given");
+  LS_CHECK(opts_.check_sync_every >= 0,
+           "DistributedDataParallel: DDPOptions::check_sync_every must be >= 0 (0: never), got ",
+           opts_.check_sync_every);
   LS_CHECK(pg_ != nullptr,
            "DistributedDataParallel: no process group given (call "
            "init_process_group() and pass default_group())");
@@ -181,6 +185,11 @@ Tensor DistributedDataParallel::forward(const Tensor& x) {
     buffer_root = h.first_active;
   }
   broadcast_buffers(buffer_root);
+  if (opts_.check_sync_every > 0 && join_ == nullptr && autograd::grad_enabled() &&
+      module_->is_training() && training_forwards_++ % opts_.check_sync_every == 0) {
+    // After the buffers' broadcast: what it overwrote cannot be the divergence.
+    check_in_sync(*module_, *pg_);
+  }
   return module_->forward(x);
 }
 

@@ -52,6 +52,11 @@ struct DDPOptions {
   // Broadcast buffers (BatchNorm statistics) from rank 0 before each forward in training mode.
   bool broadcast_buffers = true;
   CommHook comm_hook = allreduce_hook();
+  // Every this many training forwards (0: never), check that every rank still holds the same
+  // parameters and buffers (dist::check_in_sync, Note [Sync check]): an Error on every rank,
+  // naming the first tensor that differs and the ranks on each side. Skipped inside a dist::Join,
+  // whose joined ranks could not take part.
+  int64_t check_sync_every = 0;
 };
 
 // What an engineer tunes DDP with.
@@ -112,7 +117,8 @@ class DistributedDataParallel : public nn::Module {
   ProcessGroupPtr pg_;
   DDPOptions opts_;
   std::unique_ptr<Reducer> reducer_;
-  Join* join_ = nullptr;  // the Join this model is inside, if any
+  Join* join_ = nullptr;           // the Join this model is inside, if any
+  int64_t training_forwards_ = 0;  // for check_sync_every
 };
 
 }  // namespace lockstep::dist
