@@ -253,6 +253,7 @@ Model build_model(const Config& cfg, const std::shared_ptr<dist::ProcessGroup>& 
   dist::DDPOptions dopts;
   dopts.bucket_bytes = std::max<int64_t>(1, static_cast<int64_t>(cfg.bucket_mb * (1 << 20)));
   dopts.comm_hook = comm_hook_named(cfg.comm_hook);
+  dopts.check_sync_every = cfg.check_sync_every;
   m.ddp = std::make_shared<dist::DistributedDataParallel>(m.params, pg, dopts);
   m.forward_backward = [local, ddp = m.ddp](const data::Batch& batch, double weight, bool sync) {
     if (sync) return local(*ddp, batch, weight);  // the step's last: all-reduce during backward

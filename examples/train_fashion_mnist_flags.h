@@ -50,6 +50,7 @@ struct Config {
   double timeout = 0;   // collective timeout in seconds; 0: LOCKSTEP_TIMEOUT, else 30 minutes
   bool ddp_stats = false;
   int64_t dp = 1;
+  int64_t check_sync_every = 0;     // DDPOptions::check_sync_every: 0 never
   std::string amp = "none";         // none | bf16 | fp16
   std::string device = "cpu";       // cpu | cuda (each rank on its local GPU)
   int64_t accum_steps = 1;          // micro-batches per optimizer step
@@ -196,6 +197,11 @@ inline int parse_flags(int argc, char** argv, Config& cfg) {
   add_number(app, "--timeout", cfg.timeout, R{0, dist::kMaxTimeoutS, true},
              "Seconds a collective waits for the other ranks before the run fails (default: "
              "LOCKSTEP_TIMEOUT, which `lockstep run --timeout` sets, else 1800)");
+  add_number(app, "--check-sync-every", cfg.check_sync_every, I{0, kMaxCount},
+             "Every N training forwards (steps, without --accum-steps), check that every rank "
+             "still holds the same parameters and "
+             "buffers (a hash of each, all-gathered; a difference stops the run naming the "
+             "tensor and the ranks); 0: never");
   add_number(app, "--dp", cfg.dp, I{1, kMaxThreads},
              "DataParallel with K replicas on threads (one process)");
   app.add_flag("--ddp-stats", cfg.ddp_stats, "Print DDP's bucket and communication statistics");

@@ -172,7 +172,9 @@ EOF
     [ -x "$tool" ] || fail "no lockstep binary given"
     for b in gloo shm env default; do
       flag=(--backend "$b")
-      [ "$b" = env ] || [ "$b" = default ] && flag=()
+      [ "$b" = env ] && flag=()
+      # The default run also checks every 5 steps that the ranks hold the same parameters.
+      [ "$b" = default ] && flag=(--check-sync-every 5)
       LOCKSTEP_BACKEND=$([ "$b" = env ] && echo shm) OMP_NUM_THREADS=1 \
         "$tool" run --standalone --nproc-per-node 2 "$exe" --log-every 0 --max-steps 40 \
         --threads 1 "${flag[@]}" > "$work/$b" 2> "$work/$b.err" \
