@@ -113,13 +113,14 @@ TEST_F(Launcher, WorkerKilledBySignalReportsItsPeakMemory) {
   EXPECT_THAT(own, HasSubstr("SIGKILL")) << o.describe();
   EXPECT_GE(mib_after(own, "rank 1's peak resident memory: "), 64) << o.describe();
   EXPECT_GT(mib_after(own, "memory available on host [^ ]+ when it died: "), 0) << o.describe();
-  // Every worker of the node, the one that was stopped too (it touched far less).
+  // Every worker of the node, the one that was stopped too. What the program holds before it
+  // touches anything depends on the build (a CUDA build maps its libraries: about 90 MiB), so
+  // the two ranks are compared: rank 1 holds the 64 MiB it touched more than rank 0.
   const double rank0 = mib_after(own, "peak resident memory of the workers on node 0: rank 0 ");
+  const double rank1 =
+      mib_after(own, "peak resident memory of the workers on node 0: rank 0 [^,]+, rank 1 ");
   EXPECT_GT(rank0, 0) << o.describe();
-  EXPECT_LT(rank0, 64) << o.describe();
-  EXPECT_GE(mib_after(own, "peak resident memory of the workers on node 0: rank 0 [^,]+, rank 1 "),
-            64)
-      << o.describe();
+  EXPECT_GE(rank1 - rank0, 64 * 0.9) << o.describe();
   EXPECT_THAT(own, Not(HasSubstr("out-of-memory"))) << o.describe();
 }
 
@@ -174,11 +175,13 @@ struct MemoryCgroup {
 };
 
 TEST_F(Launcher, WorkerKilledByTheOomKillerIsSaidSo) {
-  // The launcher and its workers in a cgroup of 96 MiB; rank 1 touches 400 MiB.
-  MemoryCgroup cg(96 << 20);
+  // The launcher and its workers in a cgroup of 384 MiB; rank 1 touches 1 GiB. The limit leaves
+  // room for what the three processes hold before (a CUDA build's workers map about 90 MiB of
+  // libraries each), so that rank 1, growing, is the one the killer picks.
+  MemoryCgroup cg(int64_t{384} << 20);
   if (!cg.skip.empty()) GTEST_SKIP() << cg.skip;
   const Outcome o = wait_launcher(start_launcher(
-      {"run", "--standalone", "--nproc-per-node", "2", kWorker, "alloc", "400", "hold", "1"}, dir_,
+      {"run", "--standalone", "--nproc-per-node", "2", kWorker, "alloc", "1024", "hold", "1"}, dir_,
       "launch", {}, -1, 0, "echo $$ > " + (cg.dir / "cgroup.procs").string()));
   EXPECT_TRUE(o.exited_with(1)) << o.describe();
   const std::string own = own_lines(o.err);
@@ -188,12 +191,12 @@ TEST_F(Launcher, WorkerKilledByTheOomKillerIsSaidSo) {
                              "of " +
                              cg.dir.string()))
       << o.describe();
-  // Near the limit, far below the 400 MiB it asked for: its anonymous memory grew to 96 MiB less
+  // Near the limit, far below the 1 GiB it asked for: its anonymous memory grew to 384 MiB less
   // what the launcher and rank 0 hold; the resident size adds the program's mapped files.
   const double peak = mib_after(own, "rank 1's peak resident memory: ");
   EXPECT_GT(peak, 32) << o.describe();
-  EXPECT_LT(peak, 200) << o.describe();
-  EXPECT_THAT(own, Not(HasSubstr("touched 400 MiB"))) << o.describe();
+  EXPECT_LT(peak, 512) << o.describe();
+  EXPECT_THAT(own, Not(HasSubstr("touched 1024 MiB"))) << o.describe();
 }
 
 }  // namespace
