@@ -20,6 +20,7 @@
 #include <gloo/rendezvous/context.h>
 #include <gloo/transport/tcp/device.h>
 
+#include "distributed/deadline.h"
 #include "distributed/gloo/reduce.h"
 #include "distributed/gloo/register.h"
 #include "distributed/gloo/ring.h"
@@ -116,12 +117,6 @@ void with_word_type(int64_t element_size, F&& f) {
 }
 
 using Clock = std::chrono::steady_clock;
-
-// What is left of a collective's time once its signature check took its share.
-std::chrono::milliseconds left(Clock::time_point deadline) {
-  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-  return std::max(ms, std::chrono::milliseconds(1));
-}
 
 detail::CallSignature signature(detail::CallKind kind, const Tensor* t, ReduceOp op = ReduceOp::sum,
                                 int root = 0) {
@@ -406,7 +401,7 @@ void ProcessGroupGloo::do_all_reduce(Tensor tensor, ReduceOp op, std::chrono::mi
     });
     o.setReduceFunction(detail::reduce_fn(tensor.dtype(), op));
     o.setTag(tag);
-    o.setTimeout(left(deadline));
+    o.setTimeout(detail::time_left(deadline));
     gloo::allreduce(o);
     if (op == ReduceOp::avg)
       detail::divide_in_place(tensor.data_ptr(), tensor.dtype(), n, ctx->size);
@@ -427,7 +422,7 @@ void ProcessGroupGloo::do_broadcast(Tensor tensor, int root, std::chrono::millis
         o.setOutput(static_cast<uint8_t*>(tensor.data_ptr()), static_cast<size_t>(tensor.nbytes()));
         o.setRoot(root);
         o.setTag(tag);
-        o.setTimeout(left(deadline));
+        o.setTimeout(detail::time_left(deadline));
         gloo::broadcast(o);
       });
 }
@@ -445,7 +440,7 @@ void ProcessGroupGloo::do_all_gather(Tensor output, Tensor input, std::chrono::m
         o.setInput(static_cast<uint8_t*>(input.data_ptr()), static_cast<size_t>(input.nbytes()));
         o.setOutput(static_cast<uint8_t*>(output.data_ptr()), static_cast<size_t>(output.nbytes()));
         o.setTag(tag);
-        o.setTimeout(left(deadline));
+        o.setTimeout(detail::time_left(deadline));
         gloo::allgather(o);
       });
 }
@@ -455,21 +450,21 @@ void ProcessGroupGloo::do_all_gather(Tensor output, Tensor input, std::chrono::m
 void ProcessGroupGloo::do_reduce_scatter(Tensor output, Tensor input, ReduceOp op,
                                          std::chrono::milliseconds timeout, const WorkPtr& work) {
   const auto tag = static_cast<uint32_t>(work->seq());
-  impl_->run(
-      work, timeout, [output, input, op, timeout, tag](const std::shared_ptr<gloo::Context>& ctx) {
-        const auto deadline = Clock::now() + timeout;
-        detail::check_signatures(ctx, signature(detail::CallKind::reduce_scatter, &output, op), tag,
-                                 timeout);
-        if (output.numel() == 0) return;
-        detail::ring_reduce_scatter(ctx, output.data_ptr(), input.data_ptr(),
-                                    static_cast<size_t>(output.nbytes()),
-                                    static_cast<size_t>(output.element_size()),
-                                    detail::reduce_fn(output.dtype(), op), tag, left(deadline));
-        if (op == ReduceOp::avg) {
-          detail::divide_in_place(output.data_ptr(), output.dtype(),
-                                  static_cast<size_t>(output.numel()), ctx->size);
-        }
-      });
+  impl_->run(work, timeout,
+             [output, input, op, timeout, tag](const std::shared_ptr<gloo::Context>& ctx) {
+               const auto deadline = Clock::now() + timeout;
+               detail::check_signatures(
+                   ctx, signature(detail::CallKind::reduce_scatter, &output, op), tag, timeout);
+               if (output.numel() == 0) return;
+               detail::ring_reduce_scatter(
+                   ctx, output.data_ptr(), input.data_ptr(), static_cast<size_t>(output.nbytes()),
+                   static_cast<size_t>(output.element_size()),
+                   detail::reduce_fn(output.dtype(), op), tag, detail::time_left(deadline));
+               if (op == ReduceOp::avg) {
+                 detail::divide_in_place(output.data_ptr(), output.dtype(),
+                                         static_cast<size_t>(output.numel()), ctx->size);
+               }
+             });
 }
 
 // The signature exchange is a barrier already: each rank hears from every other rank before it

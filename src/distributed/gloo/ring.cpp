@@ -6,6 +6,8 @@
 #include <gloo/transport/unbound_buffer.h>
 #include <gloo/types.h>
 
+#include "distributed/deadline.h"
+
 namespace lockstep::dist::detail {
 
 namespace {
@@ -17,18 +19,13 @@ using Clock = std::chrono::steady_clock;
 constexpr uint8_t kSignatureSlotPrefix = 0x40;
 constexpr uint8_t kReduceScatterSlotPrefix = 0x41;
 
-std::chrono::milliseconds left(Clock::time_point deadline) {
-  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-  return std::max(ms, std::chrono::milliseconds(1));
-}
-
 // waitRecv/waitSend throw on a timeout or a failed peer; false means aborted, which lockstep
 // never asks for, so it is reported as a failure too.
 void wait_recv(gloo::transport::UnboundBuffer& b, Clock::time_point deadline, const char* what) {
-  if (!b.waitRecv(left(deadline))) LS_THROW(what, ": the receive was aborted");
+  if (!b.waitRecv(time_left(deadline))) LS_THROW(what, ": the receive was aborted");
 }
 void wait_send(gloo::transport::UnboundBuffer& b, Clock::time_point deadline, const char* what) {
-  if (!b.waitSend(left(deadline))) LS_THROW(what, ": the send was aborted");
+  if (!b.waitSend(time_left(deadline))) LS_THROW(what, ": the send was aborted");
 }
 
 }  // namespace

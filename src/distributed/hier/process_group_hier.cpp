@@ -5,6 +5,7 @@
 #include <cstring>
 #include <mutex>
 
+#include "distributed/deadline.h"
 #include "distributed/gloo/reduce.h"
 #include "distributed/hier/register.h"
 #include "distributed/machine.h"
@@ -31,12 +32,6 @@ detail::MachineLayout checked_layout(const std::vector<std::string>& identity,
              ". Start the job with `lockstep run`, or use the gloo backend");
   }
   return l;
-}
-
-// What is left of a collective's time at this stage (never 0, which would mean the default).
-std::chrono::milliseconds left(Clock::time_point deadline) {
-  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-  return std::max(ms, std::chrono::milliseconds(1));
 }
 
 Tensor flat(const Tensor& t) { return t.view({t.numel()}); }
@@ -168,9 +163,10 @@ void ProcessGroupHier::Impl::all_reduce(const Tensor& tensor, ReduceOp op,
     std::memcpy(whole.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.nbytes()));
   }
   Tensor mine = empty({shard}, tensor.dtype());
-  local_->reduce_scatter(mine, whole, {.op = level_op, .timeout = left(deadline)})->wait();
-  cross_->all_reduce(mine, {.op = level_op, .timeout = left(deadline)})->wait();
-  local_->all_gather(whole, mine, {.timeout = left(deadline)})->wait();
+  local_->reduce_scatter(mine, whole, {.op = level_op, .timeout = detail::time_left(deadline)})
+      ->wait();
+  cross_->all_reduce(mine, {.op = level_op, .timeout = detail::time_left(deadline)})->wait();
+  local_->all_gather(whole, mine, {.timeout = detail::time_left(deadline)})->wait();
   if (whole.data_ptr() != tensor.data_ptr()) {
     std::memcpy(tensor.data_ptr(), whole.data_ptr(), static_cast<size_t>(tensor.nbytes()));
   }
@@ -185,8 +181,8 @@ void ProcessGroupHier::Impl::all_reduce(const Tensor& tensor, ReduceOp op,
 // collectives of 2 elements that never pad.
 void ProcessGroupHier::Impl::check_same_numel(int64_t n, Clock::time_point deadline) {
   Tensor range = from_vector(std::vector<int64_t>{n, -n}, {2});
-  local_->all_reduce(range, {.op = ReduceOp::max, .timeout = left(deadline)})->wait();
-  cross_->all_reduce(range, {.op = ReduceOp::max, .timeout = left(deadline)})->wait();
+  local_->all_reduce(range, {.op = ReduceOp::max, .timeout = detail::time_left(deadline)})->wait();
+  cross_->all_reduce(range, {.op = ReduceOp::max, .timeout = detail::time_left(deadline)})->wait();
   const auto v = range.to_vector<int64_t>();
   LS_CHECK(v[0] == n && -v[1] == n, who_, ": all_reduce of ", n,
            " elements here, but the ranks' sizes range from ", -v[1], " to ", v[0],
@@ -201,9 +197,10 @@ void ProcessGroupHier::Impl::broadcast(const Tensor& tensor, int root,
   const int root_machine = root / local_size();
   const int root_local = root % local_size();
   if (local_rank_ == root_local) {
-    cross_->broadcast(tensor, {.root = root_machine, .timeout = left(deadline)})->wait();
+    cross_->broadcast(tensor, {.root = root_machine, .timeout = detail::time_left(deadline)})
+        ->wait();
   }
-  local_->broadcast(tensor, {.root = root_local, .timeout = left(deadline)})->wait();
+  local_->broadcast(tensor, {.root = root_local, .timeout = detail::time_left(deadline)})->wait();
 }
 
 // Across machines first (each rank's input crosses the network once), then inside the machine;
@@ -217,10 +214,10 @@ void ProcessGroupHier::Impl::all_gather(const Tensor& output, const Tensor& inpu
   const int M = machines();
   const int L = local_size();
   Tensor across = empty({M * n}, input.dtype());
-  cross_->all_gather(across, flat(input), {.timeout = left(deadline)})->wait();
+  cross_->all_gather(across, flat(input), {.timeout = detail::time_left(deadline)})->wait();
   const bool reorder = M > 1 && L > 1;
   Tensor gathered = reorder ? empty({world() * n}, input.dtype()) : flat(output);
-  local_->all_gather(gathered, across, {.timeout = left(deadline)})->wait();
+  local_->all_gather(gathered, across, {.timeout = detail::time_left(deadline)})->wait();
   if (reorder) {
     transpose_blocks(flat(output), gathered, L, M, static_cast<size_t>(input.nbytes()));
   }
@@ -244,9 +241,13 @@ void ProcessGroupHier::Impl::reduce_scatter(const Tensor& output, const Tensor& 
     transpose_blocks(arranged, flat(input), M, L, static_cast<size_t>(output.nbytes()));
   }
   Tensor machine_sum = empty({M * n}, input.dtype());
-  local_->reduce_scatter(machine_sum, arranged, {.op = level_op, .timeout = left(deadline)})
+  local_
+      ->reduce_scatter(machine_sum, arranged,
+                       {.op = level_op, .timeout = detail::time_left(deadline)})
       ->wait();
-  cross_->reduce_scatter(flat(output), machine_sum, {.op = level_op, .timeout = left(deadline)})
+  cross_
+      ->reduce_scatter(flat(output), machine_sum,
+                       {.op = level_op, .timeout = detail::time_left(deadline)})
       ->wait();
   if (op == ReduceOp::avg) {
     dist::detail::divide_in_place(output.data_ptr(), output.dtype(), static_cast<size_t>(n),
@@ -258,8 +259,8 @@ void ProcessGroupHier::Impl::reduce_scatter(const Tensor& output, const Tensor& 
 // that every rank knows that every rank arrived.
 void ProcessGroupHier::Impl::barrier(std::chrono::milliseconds timeout) {
   const auto deadline = Clock::now() + timeout;
-  local_->barrier({.timeout = left(deadline)})->wait();
-  cross_->barrier({.timeout = left(deadline)})->wait();
+  local_->barrier({.timeout = detail::time_left(deadline)})->wait();
+  cross_->barrier({.timeout = detail::time_left(deadline)})->wait();
 }
 
 ProcessGroupHier::ProcessGroupHier(const BackendConfig& config, const HierOptions& options)
