@@ -2,7 +2,7 @@
 PRESET ?= release
 JOBS ?= $(shell nproc)
 
-.PHONY: deps build test test-asan bench train demo clean
+.PHONY: deps build test test-asan bench train demo gpt-data clean
 
 deps:
 	bash scripts/install-deps.sh
@@ -27,6 +27,13 @@ train: build
 demo: build
 	./build/$(PRESET)/tools/lockstep run --standalone --nproc-per-node 2 \
 	  ./build/$(PRESET)/examples/train_fashion_mnist $(ARGS)
+
+# train_gpt's data: the text of Debian's fortunes package (scripts/install-deps.sh installs it) as
+# byte tokens, split 90/10 into $(GPT_DATA)/train.tokens and val.tokens (ARGS adds flags, e.g.
+# ARGS="--prepare my.txt" for other text).
+GPT_DATA ?= build/gpt-data
+gpt-data: build
+	./build/$(PRESET)/examples/train_gpt --prepare --out $(GPT_DATA) $(ARGS)
 
 bench: build
 	bash scripts/run-bench.sh build/$(PRESET)

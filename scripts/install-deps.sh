@@ -12,6 +12,7 @@ packages=(
   iproute2 procps
   python3
   dataset-fashion-mnist
+  fortunes
 )
 
 missing=()
