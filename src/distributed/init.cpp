@@ -127,6 +127,20 @@ World& default_world_locked(Default& d) {
 // more local ranks than GPUs the CPU backends share GPUs round-robin (their cuda tensors are
 // staged through host memory), while NCCL, which cannot run two ranks on one GPU, is refused
 // before anything connects, with what to do instead.
+// Under `lockstep run`, the world group's trace goes to the file the launcher reads (Note
+// [Collective trace]). Diagnosis must never stop training: a file that cannot be made is a
+// warning.
+void export_trace(ProcessGroup& group) {
+  const char* path = std::getenv(env::kTraceFile);
+  if (path == nullptr || *path == '\0') return;
+  try {
+    group.trace().export_to(path);
+  } catch (const Error& e) {
+    lockstep::log_warning("the collective trace stays in memory, the launcher cannot read it: ",
+                          e.message());
+  }
+}
+
 void bind_device(World& w, const InitOptions& opts) {
   if (opts.cuda_device == kKeepDevice) {
     w.cuda_device = cuda::is_available() ? cuda::current_device() : -1;
@@ -269,6 +283,7 @@ World connect_world(DistEnv env, const InitOptions& opts) {
   config.bind_interface = w.bind_interface;
   w.group = create_process_group(backend, config);
   lockstep::set_log_rank(env.rank);
+  export_trace(*w.group);
   return w;
 }
 

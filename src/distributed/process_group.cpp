@@ -6,6 +6,7 @@
 #include <cstring>
 #include <thread>
 
+#include "distributed/call_signature.h"
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/base/error.h"
 #include "lockstep/tensor/cuda.h"
@@ -62,10 +63,17 @@ void spin_until(const std::atomic<bool>& ready) {
 }  // namespace
 
 void Work::wait() {
+  if (completed_flag_.load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (error_) std::rethrow_exception(error_);
+    return;
+  }
+  if (trace_) trace_->record_wait(seq_);
   if (wait_hook_ && !completed_flag_.load(std::memory_order_acquire)) wait_hook_(*this);
   spin_until(completed_flag_);
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [&] { return completed_; });
+  if (trace_) trace_->record_wait(0);
   if (error_) std::rethrow_exception(error_);
 }
 
@@ -109,6 +117,7 @@ void Work::finish(std::exception_ptr error) {
       error = std::current_exception();
     }
   }
+  if (trace_) trace_->record_finish(seq_, error == nullptr);
   {
     std::lock_guard<std::mutex> lock(mu_);
     completed_ = true;
@@ -221,9 +230,17 @@ std::string ProcessGroup::who() const {
   return lockstep::detail::str_cat("rank ", rank_, "/", size_, " (", backend(), ")");
 }
 
-WorkPtr ProcessGroup::make_work(std::string_view op, std::string detail) {
+WorkPtr ProcessGroup::make_work(std::string_view name, std::string detail, uint32_t kind,
+                                DType dtype, uint32_t op, int root, int64_t numel) {
   const int64_t seq = ++seq_;
-  return create_work(lockstep::detail::str_cat(op, " #", seq, " (", detail, ")"), seq);
+  WorkPtr work = create_work(lockstep::detail::str_cat(name, " #", seq, " (", detail, ")"), seq);
+  if (!trace_identity_set_) {
+    trace_->set_identity(rank_, size_, backend());
+    trace_identity_set_ = true;
+  }
+  trace_->record_issue(seq, kind, static_cast<uint32_t>(dtype), op, root, numel);
+  work->trace_ = trace_;
+  return work;
 }
 
 // Note [Staging device tensors]
@@ -302,7 +319,9 @@ WorkPtr ProcessGroup::all_reduce(std::vector<Tensor> tensors, const AllReduceOpt
   Tensor flat = packed ? pack(tensors, true) : tensors[0];
   Tensor wire = stage_in(flat, true);
   WorkPtr work = make_work(
-      "all_reduce", lockstep::detail::str_cat(reduce_op_name(opts.op), ", ", describe(tensors)));
+      "all_reduce", lockstep::detail::str_cat(reduce_op_name(opts.op), ", ", describe(tensors)),
+      static_cast<uint32_t>(detail::CallKind::all_reduce), flat.dtype(),
+      static_cast<uint32_t>(opts.op), 0, flat.numel());
   stage_back(work, flat, wire);  // steps run in order: the staged copy back, then the unpacking
   if (packed) work->then([flat, tensors] { unpack(flat, tensors); });
   do_all_reduce(wire, opts.op, timeout, work);
@@ -322,8 +341,10 @@ WorkPtr ProcessGroup::broadcast(std::vector<Tensor> tensors, const BroadcastOpti
   const bool root = rank_ == opts.root;
   Tensor flat = packed ? pack(tensors, root) : tensors[0];
   Tensor wire = stage_in(flat, root);
-  WorkPtr work = make_work("broadcast",
-                           lockstep::detail::str_cat("root ", opts.root, ", ", describe(tensors)));
+  WorkPtr work = make_work(
+      "broadcast", lockstep::detail::str_cat("root ", opts.root, ", ", describe(tensors)),
+      static_cast<uint32_t>(detail::CallKind::broadcast), flat.dtype(), 0, opts.root,
+      flat.numel());
   if (!root) stage_back(work, flat, wire);
   if (packed && !root) work->then([flat, tensors] { unpack(flat, tensors); });
   do_broadcast(wire, opts.root, timeout, work);
@@ -341,7 +362,9 @@ WorkPtr ProcessGroup::all_gather(const Tensor& output, const Tensor& input,
   Tensor out = writable_contiguous(output);
   Tensor wire_out = stage_in(out, false);
   Tensor wire_in = stage_in(input.contiguous(), true);
-  WorkPtr work = make_work("all_gather", describe({input}));
+  WorkPtr work = make_work("all_gather", describe({input}),
+                           static_cast<uint32_t>(detail::CallKind::all_gather), input.dtype(), 0,
+                           0, input.numel());
   stage_back(work, out, wire_out);
   if (!output.is_contiguous()) work->then([output, out] { copy_elements(output, out); });
   do_all_gather(wire_out, wire_in, timeout, work);
@@ -364,7 +387,9 @@ WorkPtr ProcessGroup::all_gather(std::vector<Tensor> outputs, const Tensor& inpu
   Tensor flat = pack(outputs, false);
   Tensor wire_out = stage_in(flat, false);
   Tensor wire_in = stage_in(input.contiguous(), true);
-  WorkPtr work = make_work("all_gather", describe({input}));
+  WorkPtr work = make_work("all_gather", describe({input}),
+                           static_cast<uint32_t>(detail::CallKind::all_gather), input.dtype(), 0,
+                           0, input.numel());
   stage_back(work, flat, wire_out);
   work->then([flat, outputs] { unpack(flat, outputs); });
   do_all_gather(wire_out, wire_in, timeout, work);
@@ -385,8 +410,10 @@ WorkPtr ProcessGroup::reduce_scatter(const Tensor& output, const Tensor& input,
   Tensor out = writable_contiguous(output);
   Tensor wire_out = stage_in(out, false);
   Tensor wire_in = stage_in(input.contiguous(), true);
-  WorkPtr work = make_work("reduce_scatter", lockstep::detail::str_cat(reduce_op_name(opts.op),
-                                                                       ", ", describe({input})));
+  WorkPtr work = make_work(
+      "reduce_scatter", lockstep::detail::str_cat(reduce_op_name(opts.op), ", ", describe({input})),
+      static_cast<uint32_t>(detail::CallKind::reduce_scatter), input.dtype(),
+      static_cast<uint32_t>(opts.op), 0, output.numel());
   stage_back(work, out, wire_out);
   if (!output.is_contiguous()) work->then([output, out] { copy_elements(output, out); });
   do_reduce_scatter(wire_out, wire_in, opts.op, timeout, work);
@@ -395,7 +422,8 @@ WorkPtr ProcessGroup::reduce_scatter(const Tensor& output, const Tensor& input,
 
 WorkPtr ProcessGroup::barrier(const BarrierOptions& opts) {
   const auto timeout = effective(opts.timeout);
-  WorkPtr work = make_work("barrier", lockstep::detail::str_cat(size_, " ranks"));
+  WorkPtr work = make_work("barrier", lockstep::detail::str_cat(size_, " ranks"),
+                           static_cast<uint32_t>(detail::CallKind::barrier), DType::u8, 0, 0, 0);
   do_barrier(timeout, work);
   return work;
 }

@@ -27,6 +27,7 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <optional>
 #include <random>
@@ -41,6 +42,7 @@
 #include "lockstep/distributed/error_file.h"
 #include "lockstep/distributed/store/tcp_store.h"
 #include "output.h"
+#include "verdict.h"
 #include "why_died.h"
 #include "worker_process.h"
 
@@ -72,6 +74,13 @@ constexpr size_t kMaxError = 2048;
 // How long the output of exited workers is still read (a grandchild that escaped the process
 // group could hold a pipe open forever).
 constexpr auto kDrainTimeout = std::chrono::seconds(1);
+// After a failure, how long an agent waits for the other nodes' views of their ranks before it
+// prints the verdict without them.
+constexpr auto kFinalViewWait = std::chrono::seconds(5);
+// The stall watch looks at most this often, and at least four times per --stall-timeout and six
+// times per --node-timeout.
+constexpr double kMaxWatchInterval = 5.0;
+constexpr double kMinWatchInterval = 0.2;
 
 // The agent's own failures, for the user: no source location.
 struct AgentError : std::runtime_error {
@@ -127,12 +136,24 @@ struct Worker {
   int local_rank = 0;
   int rank = 0;
   std::string error_file;
+  std::string trace_file;         // Note [Collective trace]: the world group's ring
+  int64_t stopped_since_ns = 0;   // first seen in state T (0: running)
+  int64_t exited_ns = 0;          // first seen exited
   std::string log_dir;                   // its stdout.log and stderr.log, with --log-dir
   std::unique_ptr<WorkerOutput> output;  // where its lines go (output.h)
   std::unique_ptr<WorkerProcess> proc;
 };
 
 enum class Outcome { kSucceeded, kFailed, kInterrupted, kStoreLost };
+
+// A process's state letter from /proc/<pid>/stat ('R', 'S', 'T', ...); 0 if unreadable.
+char process_state(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(in, line)) return 0;
+  const size_t paren = line.rfind(')');  // the command name may hold spaces and parentheses
+  return paren != std::string::npos && paren + 2 < line.size() ? line[paren + 2] : 0;
+}
 
 struct GenResult {
   Outcome outcome = Outcome::kFailed;
@@ -189,6 +210,23 @@ class Agent {
                       int* interrupted);
   void exit_sync(std::chrono::milliseconds timeout);
 
+  // Note [Stall watch]
+  std::optional<std::string> try_get(const std::string& k);
+  void observe_processes();
+  RankView view_of(const Worker& w) const;
+  json local_views() const;
+  // Every rank's view: this node's as of now, the others' as last published under `kind`.
+  std::vector<RankView> all_views(int g, const std::string& kind, const json& mine);
+  // Publishes this node's views (the heartbeat), judges a stall (node 0 warns), and returns a
+  // failure record when another node has gone unheard for --node-timeout.
+  std::optional<json> watch(int g);
+  // SIGUSR1: the verdict and every rank's details, now, without stopping anything.
+  void report_now(int g);
+  // After a failure, before the workers are stopped: this node's views for the verdict; then,
+  // once they are stopped, every node's, judged into verdict_lines_.
+  void publish_final_views(int g);
+  void judge_failure(int g);
+
   RunOptions o_;
   Terminal& terminal_;
   Fd sigfd_;
@@ -201,6 +239,13 @@ class Agent {
   // Note [Out-of-memory evidence] in why_died.h: the cgroup's count when the workers started.
   std::optional<OomCounter> oom_counter_;
   std::optional<int64_t> oom_kills_at_start_;
+  bool report_requested_ = false;  // SIGUSR1 arrived
+  // Note [Stall watch]
+  int64_t beat_ = 0;
+  std::map<int, std::pair<std::string, Clock::time_point>> heard_;  // node: last view, when
+  std::string warned_;                      // the last stall warning printed
+  json final_views_;                        // this node's, captured at the failure
+  std::vector<std::string> verdict_lines_;  // printed first in the failure summary
 };
 
 void Agent::setup_signals() {
@@ -208,7 +253,7 @@ void Agent::setup_signals() {
   // and the signals are read only here, from the signalfd.
   sigset_t set;
   sigemptyset(&set);
-  for (int s : {SIGINT, SIGTERM, SIGHUP, SIGCHLD}) sigaddset(&set, s);
+  for (int s : {SIGINT, SIGTERM, SIGHUP, SIGCHLD, SIGUSR1}) sigaddset(&set, s);
   LS_SYSCHECK(::sigprocmask(SIG_BLOCK, &set, nullptr));
   sigfd_ = Fd(LS_SYSCHECK(::signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC)));
   ::signal(SIGPIPE, SIG_IGN);  // a closed terminal or log pipe is an error return, not death
@@ -217,7 +262,9 @@ void Agent::setup_signals() {
 int Agent::take_signal() {
   signalfd_siginfo si{};
   while (::read(sigfd_.get(), &si, sizeof si) == static_cast<ssize_t>(sizeof si)) {
-    if (si.ssi_signo != SIGCHLD && pending_signal_ == 0) {
+    if (si.ssi_signo == SIGUSR1) {
+      report_requested_ = true;
+    } else if (si.ssi_signo != SIGCHLD && pending_signal_ == 0) {
       pending_signal_ = static_cast<int>(si.ssi_signo);
     }
   }
@@ -367,6 +414,7 @@ void Agent::start_workers(int g) {
     const auto dir = std::filesystem::path(tmp_dir_) / attempt / std::to_string(w->rank);
     std::filesystem::create_directories(dir);
     w->error_file = (dir / "error.json").string();
+    w->trace_file = (dir / "trace").string();
     const bool to_terminal = o_.output.to_terminal(l);
     WorkerSpec spec;
     spec.program = o_.program;
@@ -386,6 +434,7 @@ void Agent::start_workers(int g) {
     set(env::kUseAgentStore, "1");
     set(env::kStoreToken, token_);
     set(env::kErrorFile, w->error_file);
+    set(env::kTraceFile, w->trace_file);
     if (!o_.timeout.empty()) set(env::kTimeout, o_.timeout);
     // Only where the worker's stdout really ends on the terminal: with --log-dir and no --tee,
     // or filtered out, a progress bar would reach only the log file (where plain lines belong).
@@ -537,6 +586,14 @@ void Agent::print_summary(const json& f, int generation) const {
         f.value("time", std::string("?")));
     return;
   }
+  for (const auto& line : verdict_lines_) say(line);
+  if (f.value("lost", false)) {
+    say("the job failed: node " + std::to_string(f.value("node", -1)) + " (host " +
+        f.value("host", std::string("?")) + ") is " + f.value("status", std::string("?")) +
+        "; seen by node " + std::to_string(f.value("seen_by", -1)) + " at " +
+        f.value("time", std::string("?")));
+    return;
+  }
   if (f.value("rank", -1) < 0) {
     say("the job failed: node " + std::to_string(f.value("node", -1)) + " (host " +
         f.value("host", std::string("?")) + ") could not start its workers: " +
@@ -617,6 +674,210 @@ void Agent::publish_interrupted(int g, int sig) {
   }
 }
 
+// Note [Stall watch]
+// Every few seconds (kMaxWatchInterval at most) each agent reads its workers' states from /proc
+// and their collective traces from the files they map (Note [Collective trace]), and publishes
+// them under gen<g>/view/node<n>: that is also its heartbeat. Every agent reads the other
+// nodes' views; one that has not changed for --node-timeout means that node's agent (its
+// machine, or the link to it) is gone, and the job fails naming it, on node 0 as on the others
+// (a node that loses node 0 notices through its store requests, within the same bound). Node 0
+// judges the views (Note [Verdict] in verdict.h): when some ranks have waited in a collective
+// for --stall-timeout, or a rank has been stopped that long, it prints the verdict as a warning,
+// once per verdict, and stops nothing; the job fails only at the collective timeout. After a
+// failure every agent publishes its final views (captured before stopping its workers, so a
+// stopped rank still reads as stopped) under gen<g>/final/node<n>, and each prints the verdict
+// first in its summary. SIGUSR1 to an agent prints the same, at once.
+std::optional<std::string> Agent::try_get(const std::string& k) {
+  if (!store_->check({k})) return std::nullopt;
+  return store_->get_string(k);
+}
+
+void Agent::observe_processes() {
+  const int64_t now = dist::trace_now_ns();
+  for (auto& w : workers_) {
+    if (w->proc->exit_status()) {
+      if (w->exited_ns == 0) w->exited_ns = now;
+      continue;
+    }
+    const char s = process_state(w->proc->pid());
+    if (s == 'T' || s == 't') {
+      if (w->stopped_since_ns == 0) w->stopped_since_ns = now;
+    } else {
+      w->stopped_since_ns = 0;
+    }
+  }
+}
+
+RankView Agent::view_of(const Worker& w) const {
+  RankView v;
+  v.rank = w.rank;
+  v.node = o_.node_rank;
+  v.host = hostname();
+  if (const auto& st = w.proc->exit_status()) {
+    v.process = "exited";
+    v.process_detail = st->str();
+    v.process_since_ns = w.exited_ns;
+  } else {
+    const char s = process_state(w.proc->pid());
+    if (s == 'T' || s == 't') {
+      v.process = "stopped";
+      v.process_detail = std::string("state ") + s;
+      v.process_since_ns = w.stopped_since_ns ? w.stopped_since_ns : dist::trace_now_ns();
+    } else if (s != 0) {
+      v.process = "running";
+    }
+  }
+  std::string why;
+  v.trace = dist::read_trace_file(w.trace_file, &why);
+  if (!v.trace) {
+    v.no_trace = std::filesystem::exists(w.trace_file)
+                     ? why
+                     : "it has not created its process group (init_process_group)";
+  }
+  return v;
+}
+
+json Agent::local_views() const {
+  json views = json::array();
+  for (const auto& w : workers_) views.push_back(to_json(view_of(*w)));
+  return views;
+}
+
+std::vector<RankView> Agent::all_views(int g, const std::string& kind, const json& mine) {
+  std::vector<RankView> out(static_cast<size_t>(world_size()));
+  for (int r = 0; r < world_size(); ++r) {
+    out[r].rank = r;
+    out[r].node = r / o_.nproc_per_node;
+    out[r].no_trace = "node " + std::to_string(out[r].node) + " has not reported";
+  }
+  auto take = [&](const json& views) {
+    for (const auto& j : views) {
+      RankView v = rank_view_from_json(j);
+      if (v.rank >= 0 && v.rank < world_size()) out[v.rank] = std::move(v);
+    }
+  };
+  for (int n = 0; n < o_.nnodes; ++n) {
+    if (n == o_.node_rank) {
+      take(mine);
+      continue;
+    }
+    try {
+      if (auto text = try_get(gen_key(g, kind + "/node" + std::to_string(n)))) {
+        take(json::parse(*text).value("views", json::array()));
+      }
+    } catch (const json::exception&) {
+    }
+  }
+  return out;
+}
+
+std::optional<json> Agent::watch(int g) {
+  const json mine = local_views();
+  store_->set(gen_key(g, "view/node" + std::to_string(o_.node_rank)),
+              dump({{"beat", ++beat_}, {"views", mine}}));
+  const auto now = Clock::now();
+  // Another node's view that has not changed for --node-timeout: its agent is gone.
+  for (int n = 0; n < o_.nnodes; ++n) {
+    if (n == o_.node_rank) continue;
+    const std::string text =
+        try_get(gen_key(g, "view/node" + std::to_string(n))).value_or(std::string());
+    auto it = heard_.find(n);
+    if (it == heard_.end() || it->second.first != text) {
+      heard_[n] = {text, now};
+      continue;
+    }
+    const double silent = std::chrono::duration<double>(now - it->second.second).count();
+    if (silent < o_.node_timeout_s) continue;
+    std::string host = "?";
+    try {
+      host = try_get(key("node" + std::to_string(n) + "/host")).value_or("?");
+    } catch (const Error&) {
+    }
+    std::ostringstream why;
+    why.precision(0);
+    why << std::fixed << "lost: its launcher has not been heard from for " << silent
+        << " s (--node-timeout " << o_.node_timeout_s << " s); its machine, its launcher or the "
+        << "network between it and node " << o_.node_rank << " failed";
+    return json{{"rank", -1}, {"node", n},          {"host", host},
+                {"lost", true}, {"status", why.str()}, {"time", utc_now()},
+                {"seen_by", o_.node_rank}};
+  }
+  if (o_.node_rank != 0 || o_.stall_timeout_s <= 0) return std::nullopt;
+  const auto views = all_views(g, "view", mine);
+  const int64_t now_ns = dist::trace_now_ns();
+  const Verdict v = judge(views, now_ns);
+  if (v.line.empty()) {
+    warned_.clear();
+    return std::nullopt;
+  }
+  double stalled = v.waited_s;
+  for (const auto& r : views) {
+    if (r.process == "stopped" && r.process_since_ns) {
+      stalled = std::max(stalled, static_cast<double>(now_ns - r.process_since_ns) / 1e9);
+    }
+  }
+  // One warning per collective and culprit: the seconds in the line change at every look.
+  const std::string which = std::to_string(v.seq) + ":" + v.line.substr(0, v.line.find(" ("));
+  if (stalled >= o_.stall_timeout_s && which != warned_) {
+    warned_ = which;
+    say("warning: " + v.line + " (the job goes on; it fails when the collective times out" +
+        (o_.timeout.empty() ? std::string() : ", after --timeout " + o_.timeout + " s") +
+        "; kill -USR1 " + std::to_string(::getpid()) + " prints every rank's state)");
+  }
+  return std::nullopt;
+}
+
+void Agent::report_now(int g) {
+  report_requested_ = false;
+  const json mine = local_views();
+  try {
+    store_->set(gen_key(g, "view/node" + std::to_string(o_.node_rank)),
+                dump({{"beat", ++beat_}, {"views", mine}}));
+  } catch (const Error&) {
+  }
+  const auto views = all_views(g, "view", mine);
+  const int64_t now_ns = dist::trace_now_ns();
+  const Verdict v = judge(views, now_ns);
+  std::string text = "state of the job at " + clock_text(now_ns) + " (SIGUSR1): " +
+                     (v.line.empty() ? "no rank waits in a collective" : v.line);
+  for (const auto& d : rank_details(views, now_ns)) text += "\n  " + d;
+  say(text);
+}
+
+void Agent::publish_final_views(int g) {
+  observe_processes();
+  final_views_ = local_views();
+  try {
+    store_->set(gen_key(g, "final/node" + std::to_string(o_.node_rank)),
+                dump({{"views", final_views_}}));
+  } catch (const Error&) {
+  }
+}
+
+void Agent::judge_failure(int g) {
+  verdict_lines_.clear();
+  try {
+    std::vector<std::string> keys;
+    for (int n = 0; n < o_.nnodes; ++n) keys.push_back(gen_key(g, "final/node" + std::to_string(n)));
+    const auto deadline = Clock::now() + kFinalViewWait;
+    while (!store_->check(keys) && Clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  } catch (const Error&) {
+  }
+  std::vector<RankView> views;
+  try {
+    views = all_views(g, "final", final_views_);
+  } catch (const Error&) {
+    return;
+  }
+  const int64_t now_ns = dist::trace_now_ns();
+  const Verdict v = judge(views, now_ns);
+  if (v.line.empty()) return;
+  verdict_lines_.push_back("verdict: " + v.line);
+  for (const auto& d : rank_details(views, now_ns)) verdict_lines_.push_back("  " + d);
+}
+
 GenResult Agent::run_generation(int g) {
   GenResult result;
   try {
@@ -643,6 +904,15 @@ GenResult Agent::run_generation(int g) {
   }
   bool published = false, success_counted = false;
   auto next_check = Clock::now();
+  heard_.clear();
+  warned_.clear();
+  verdict_lines_.clear();
+  const double watch_s =
+      std::clamp(std::min(o_.stall_timeout_s > 0 ? o_.stall_timeout_s / 4 : kMaxWatchInterval,
+                          o_.node_timeout_s / 6),
+                 kMinWatchInterval, kMaxWatchInterval);
+  const auto watch_every = std::chrono::milliseconds(static_cast<int64_t>(watch_s * 1000));
+  auto next_watch = Clock::now() + watch_every;
   try {
     for (;;) {
       const auto wait =
@@ -658,6 +928,16 @@ GenResult Agent::run_generation(int g) {
         return result;
       }
       reap();
+      observe_processes();
+      if (report_requested_) report_now(g);
+      if (!published && Clock::now() >= next_watch) {
+        next_watch = Clock::now() + watch_every;
+        if (auto lost = watch(g)) {
+          store_->compare_set(gen_key(g, "failure"), "", dump(*lost));
+          published = true;
+          next_check = Clock::now();
+        }
+      }
       if (!published) {
         for (auto& w : workers_) {
           const auto& st = w->proc->exit_status();
@@ -681,7 +961,9 @@ GenResult Agent::run_generation(int g) {
       if (store_->check({gen_key(g, "failure")})) {
         result.outcome = Outcome::kFailed;
         result.failure = json::parse(store_->get_string(gen_key(g, "failure")));
+        publish_final_views(g);  // before stopping: a stopped rank must still read as stopped
         stop_workers(SIGTERM);
+        judge_failure(g);
         return result;
       }
       if (success_counted && store_->add(gen_key(g, "succeeded"), 0) >= o_.nnodes) {
@@ -760,7 +1042,9 @@ int Agent::run() {
       case Outcome::kFailed:
         break;
     }
-    const bool interrupted = r.failure.value("interrupted", false);
+    // A lost node cannot take part in a restart (that needs elastic membership).
+    const bool interrupted =
+        r.failure.value("interrupted", false) || r.failure.value("lost", false);
     if (const int sig = take_signal()) {  // a Ctrl-C while the failed group was being stopped
       publish_interrupted(g + 1, sig);
       print_summary(r.failure, g);

@@ -42,6 +42,11 @@ struct RunOptions {
   // --timeout: the workers' collective timeout in seconds, passed as LOCKSTEP_TIMEOUT (checked,
   // as given); empty: not set, LOCKSTEP_TIMEOUT is removed from the workers' environment.
   std::string timeout;
+  // Note [Stall watch] in agent.cpp: warn (once per collective) when ranks have waited this
+  // long in a collective another rank holds up; 0: never.
+  double stall_timeout_s = 60;
+  // A node whose agent has not been heard from for this long is lost: the job fails.
+  double node_timeout_s = 30;
   std::string program;  // resolved, absolute
   std::vector<std::string> args;
 };

@@ -114,6 +114,14 @@ int main(int argc, char** argv) {
   option("--timeout", raw.timeout,
          "seconds a collective waits for the other ranks before it fails (the workers' "
          "LOCKSTEP_TIMEOUT; default: the program's choice, else 1800)");
+  option("--stall-timeout", raw.stall_timeout,
+         "seconds ranks may wait in a collective that another rank has not issued before the "
+         "launcher warns, naming that rank (0: never; the job fails only at --timeout)")
+      ->capture_default_str();
+  option("--node-timeout", raw.node_timeout,
+         "seconds without a word from another machine's launcher before its node counts as lost "
+         "and the job fails")
+      ->capture_default_str();
   option("--token-file", raw.token_file,
          "the store's secret, shared by the machines of a job: a file only you can read");
   flag("--insecure", raw.insecure,

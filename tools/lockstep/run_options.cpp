@@ -348,6 +348,12 @@ RunOptions check_run_options(const RawRunOptions& raw, const std::vector<std::st
     parse_seconds(raw.timeout, src("--timeout"), dist::kMinTimeoutS, dist::kMaxTimeoutS);
     o.timeout = raw.timeout;
   }
+  o.stall_timeout_s =
+      raw.stall_timeout == "0"
+          ? 0
+          : parse_seconds(raw.stall_timeout, src("--stall-timeout"), 0.1, kMaxStallTimeout);
+  o.node_timeout_s =
+      parse_seconds(raw.node_timeout, src("--node-timeout"), kMinNodeTimeout, kMaxNodeTimeout);
   if (raw.tee && raw.log_dir.empty()) throw UsageError("--tee needs --log-dir");
   o.master_addr = raw.standalone ? "127.0.0.1" : raw.master_addr;
   if (o.master_addr.empty()) throw UsageError(src("--master-addr") + " must not be empty");

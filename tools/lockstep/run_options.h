@@ -20,6 +20,11 @@ inline constexpr int kMaxMaxRestarts = 1'000'000;
 // The agent checks the store this often: below the floor it would spin on the store.
 inline constexpr double kMinMonitorInterval = 0.01;
 inline constexpr double kMaxMonitorInterval = 3600;
+// --stall-timeout (Note [Stall watch] in agent.cpp): 0 turns the warning off.
+inline constexpr double kMaxStallTimeout = 7 * 24 * 3600;
+// --node-timeout: how long an agent may go unheard before the others call its node lost.
+inline constexpr double kMinNodeTimeout = 1;
+inline constexpr double kMaxNodeTimeout = 3600;
 inline constexpr double kMinRdzvTimeout = 0.1;
 inline constexpr double kMaxRdzvTimeout = 7 * 24 * 3600;
 // A token is a short secret; a longer file is most likely the wrong file.
@@ -42,6 +47,8 @@ struct RawRunOptions {
   std::string run_id;
   std::string rdzv_timeout = "900";
   std::string timeout;  // empty: the workers' own (InitOptions::timeout, else 30 minutes)
+  std::string stall_timeout = "60";
+  std::string node_timeout = "30";
   std::string token_file;
   bool insecure = false;
   // Options that were on the command line ("--nnodes"); the others came from LOCKSTEP_<NAME> or

@@ -28,12 +28,15 @@ inline constexpr const char* kStoreToken = "LOCKSTEP_STORE_TOKEN";
 inline constexpr const char* kErrorFile = "LOCKSTEP_ERROR_FILE";
 // "1": this worker's stdout reaches the launcher's terminal (progress bars redraw in place).
 inline constexpr const char* kStdoutIsTty = "LOCKSTEP_STDOUT_IS_TTY";
+// Where init_process_group maps the world group's collective trace, for the launcher to read
+// (Note [Collective trace] in lockstep/distributed/trace.h).
+inline constexpr const char* kTraceFile = "LOCKSTEP_TRACE_FILE";
 
 // Every variable above: what a launcher sets for each worker, replacing any value it inherited.
-inline constexpr std::array<const char*, 14> kLauncherSet = {
+inline constexpr std::array<const char*, 15> kLauncherSet = {
     kRank,          kLocalRank,  kWorldSize,    kLocalWorldSize, kGroupRank,
     kMasterAddr,    kMasterPort, kRestartCount, kMaxRestarts,    kRunId,
-    kUseAgentStore, kStoreToken, kErrorFile,    kStdoutIsTty};
+    kUseAgentStore, kStoreToken, kErrorFile,    kStdoutIsTty,    kTraceFile};
 
 // Read by the library but set by the user, never by the launcher.
 inline constexpr const char* kOmpNumThreads = "OMP_NUM_THREADS";

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "lockstep/distributed/store/store.h"
+#include "lockstep/distributed/trace.h"
 #include "lockstep/tensor/tensor.h"
 
 namespace lockstep::dist {
@@ -115,6 +116,7 @@ class Work {
   std::exception_ptr error_;
   std::vector<std::function<void()>> on_success_;
   std::function<void(const Work&)> wait_hook_;
+  std::shared_ptr<CollectiveTrace> trace_;  // the group's (Note [Collective trace]); may be null
 };
 using WorkPtr = std::shared_ptr<Work>;
 
@@ -165,6 +167,12 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   // Collectives issued so far.
   int64_t sequence_number() const { return seq_; }
 
+  // The last collectives of this group, always recorded (Note [Collective trace] in
+  // lockstep/distributed/trace.h); init_process_group exports the world group's to the file
+  // `lockstep run` names.
+  CollectiveTrace& trace() { return *trace_; }
+  const CollectiveTrace& trace() const { return *trace_; }
+
  protected:
   // Arguments are checked, and every tensor is contiguous: several tensors (or a strided one)
   // were packed into one flat buffer here, and are unpacked by a Work::then step. A backend
@@ -203,13 +211,20 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   static std::vector<std::function<void()>> work_take_steps(Work& work) {
     return work.take_steps();
   }
+  // The backend starts moving `work`'s data (the trace's "started"; optional).
+  static void work_start(const Work& work) {
+    if (work.trace_) work.trace_->record_start(work.seq_);
+  }
   // The public calls' buffers are staged for this device (cuda tensors on a CPU backend).
   bool stages(Device device) const {
     return !supports(device) && device.is_cuda() && supports(kCPU);
   }
 
  private:
-  WorkPtr make_work(std::string_view op, std::string detail);
+  // Numbers the collective, records it in the trace (kind: detail::CallKind; op: ReduceOp or 0)
+  // and builds its Work.
+  WorkPtr make_work(std::string_view name, std::string detail, uint32_t kind, DType dtype,
+                    uint32_t op, int root, int64_t numel);
   std::chrono::milliseconds effective(std::chrono::milliseconds timeout) const;
   void check_tensors(std::string_view op, const std::vector<Tensor>& tensors, bool reduction) const;
   // Note [Staging device tensors]: what do_* moves in place of `t` (t itself, or a pinned host
@@ -221,6 +236,8 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   const int size_;
   const std::chrono::milliseconds timeout_;
   int64_t seq_ = 0;
+  std::shared_ptr<CollectiveTrace> trace_ = std::make_shared<CollectiveTrace>();
+  bool trace_identity_set_ = false;  // backend() is virtual: named at the first collective
 };
 using ProcessGroupPtr = std::shared_ptr<ProcessGroup>;
 

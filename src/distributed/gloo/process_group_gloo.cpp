@@ -223,6 +223,7 @@ class ProcessGroupGloo::Impl : public std::enable_shared_from_this<ProcessGroupG
         return;
       }
       try {
+        work_start(*work);
         body(context_);
       } catch (const detail::CallMismatch& e) {
         // Every rank saw the same signatures and none sent data: the group goes on

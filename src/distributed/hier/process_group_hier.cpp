@@ -93,6 +93,7 @@ class ProcessGroupHier::Impl {
     }
     if (!error) {
       try {
+        work_start(*work);
         fn();
       } catch (const std::exception& e) {
         std::lock_guard<std::mutex> lock(mu_);

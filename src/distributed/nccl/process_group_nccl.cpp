@@ -218,6 +218,7 @@ class ProcessGroupNCCL::Impl {
         ready.record(cuda::current_stream(device_));
         ready.wait(stream_);
         body(comm_, cuda::raw(stream_));
+        work_start(*work);  // queued on the stream: the trace's "started"
         std::vector<std::function<void()>> steps = work_take_steps(*work);
         {
           cuda::StreamGuard on_comm(stream_);

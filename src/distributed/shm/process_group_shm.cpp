@@ -121,6 +121,7 @@ class ProcessGroupShm::Impl {
       // A rank whose collectives never wait long (its peers are always ahead) learns here that
       // another rank failed.
       seg_.check_poisoned();
+      work_start(*work);
       body(Clock::now() + timeout, timeout);
     } catch (const Mismatch& e) {
       return fail(*work, " failed: " + e.message());
