@@ -4,6 +4,7 @@
 #include "lockstep/distributed/sync_check.h"
 
 #include <algorithm>
+#include <iomanip>
 #include <sstream>
 
 #include "distributed/reducer.h"
@@ -57,6 +58,11 @@ std::string DDPStats::str() const {
      << "communication " << exposed_comm_seconds_last * 1e3 << " ms last step, "
      << (synced_steps > 0 ? exposed_comm_seconds_total * 1e3 / synced_steps : 0.0)
      << " ms on average";
+  if (slowest_rank >= 0) {
+    // Note [Slow rank]
+    os << "; slowest rank " << slowest_rank << ": " << std::fixed << std::setprecision(1)
+       << slowest_rank_ms << " ms of compute last step, median " << median_rank_ms << " ms";
+  }
   return os.str();
 }
 
@@ -190,6 +196,8 @@ Tensor DistributedDataParallel::forward(const Tensor& x) {
     // After the buffers' broadcast: what it overwrote cannot be the divergence.
     check_in_sync(*module_, *pg_);
   }
+  // Note [Slow rank]: after the collectives above, in which this rank may wait for a slow one.
+  if (autograd::grad_enabled() && module_->is_training()) reducer_->start_step_clock();
   return module_->forward(x);
 }
 

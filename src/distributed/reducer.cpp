@@ -3,11 +3,14 @@
 
 #include <cstring>
 #include <numeric>
+#include <optional>
+#include <string>
 #include <unordered_set>
 
 #include "lockstep/autograd/engine.h"
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/base/error.h"
+#include "lockstep/base/log.h"
 
 namespace lockstep::dist {
 
@@ -17,7 +20,10 @@ using Clock = std::chrono::steady_clock;
 
 Reducer::Reducer(std::vector<std::pair<std::string, Tensor>> params, ProcessGroupPtr pg,
                  const DDPOptions& opts)
-    : params_(std::move(params)), pg_(std::move(pg)), opts_(opts) {
+    : params_(std::move(params)),
+      pg_(std::move(pg)),
+      opts_(opts),
+      slow_rank_(opts_.slow_rank_ratio, opts_.slow_rank_steps) {
   LS_CHECK(opts_.first_bucket_bytes > 0 && opts_.bucket_bytes > 0,
            "DistributedDataParallel: bucket caps must be > 0 bytes, got first_bucket_bytes ",
            opts_.first_bucket_bytes, " and bucket_bytes ", opts_.bucket_bytes);
@@ -77,7 +83,8 @@ void Reducer::build_buckets(const std::vector<size_t>& order) {
   for (size_t bi = 0; bi < buckets.size(); ++bi) {
     Bucket& b = buckets[bi];
     // On the parameters' device, so that the gradients accumulate straight into it there.
-    b.flat = empty({b.numel + 1}, TensorOptions(b.dtype).with_device(b.device));
+    b.extra = bi == 0 ? 1 + pg_->size() : 1;  // Note [Slow rank]: the time slots
+    b.flat = empty({b.numel + b.extra}, TensorOptions(b.dtype).with_device(b.device));
     b.flat.zero_();
     b.pending = static_cast<int>(b.params.size());
     b.handle.index = static_cast<int>(bi);
@@ -151,6 +158,7 @@ void Reducer::on_grad_ready(size_t i) {
 void Reducer::launch_ready() {
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
     Bucket& b = buckets_[next_launch_++];
+    if (next_launch_ == 1) write_step_time(b);
     b.work = opts_.comm_hook.start(*pg_, b.handle);
     bytes_this_step_ += b.numel * dtype_size(b.dtype);
   }
@@ -171,6 +179,7 @@ void Reducer::shadow_backward() {
   }
   std::fill(ready_.begin(), ready_.end(), true);
   ready_order_.clear();
+  step_clock_running_ = false;  // no time from a joined rank (Note [Slow rank])
   iteration_active_ = true;
   bytes_this_step_ = 0;
   launch_ready();
@@ -179,6 +188,7 @@ void Reducer::shadow_backward() {
 
 void Reducer::reset_iteration() {
   iteration_active_ = false;
+  step_clock_running_ = false;
   std::fill(ready_.begin(), ready_.end(), false);
   ready_order_.clear();
   next_launch_ = 0;
@@ -227,6 +237,7 @@ void Reducer::finalize() {
   }
   contributors_ = 0;
   const double exposed = std::chrono::duration<double>(Clock::now() - t0).count();
+  const std::vector<double> step_ms = read_step_times();
   bool someone_unused = false;
   if (!opts_.find_unused_parameters) {
     for (auto& b : buckets_) {
@@ -243,11 +254,43 @@ void Reducer::finalize() {
   stats_.synced_steps += 1;
   stats_.exposed_comm_seconds_last = exposed;
   stats_.exposed_comm_seconds_total += exposed;
+  const std::optional<std::string> warning = slow_rank_.observe(step_ms, stats_);
+  if (warning && pg_->rank() == 0) log_warning(*warning);  // every rank knows; one says it
   if (!rebuilt_) {
     ready_order_ = order;
     rebuild_in_ready_order();
     ready_order_.clear();
   }
+}
+
+void Reducer::start_step_clock() {
+  if (step_clock_running_) return;
+  step_clock_running_ = true;
+  step_start_ = Clock::now();
+}
+
+// Note [Slow rank]: into bucket 0, just before its launch (the first of the step), this rank's
+// compute time in its slot and zeros in the others' (which hold the last step's sums); only
+// zeros when no training forward started the clock, or on a joined rank.
+void Reducer::write_step_time(Bucket& b) {
+  autograd::NoGradGuard no_grad;
+  const int world = pg_->size();
+  b.flat.narrow(0, b.numel + 1, world).zero_();
+  if (!step_clock_running_) return;
+  const double ms = std::chrono::duration<double, std::milli>(Clock::now() - step_start_).count();
+  b.flat.narrow(0, b.numel + 1 + pg_->rank(), 1).fill_(carried_ms(ms));
+}
+
+// Every rank's time from the reduced slots of bucket 0. The hook averaged over the world size
+// (its contract), and each slot's sum has only its rank's term: times the world size is that
+// term.
+std::vector<double> Reducer::read_step_times() const {
+  if (buckets_.empty()) return {};
+  const Bucket& b = buckets_[0];
+  const int world = pg_->size();
+  std::vector<double> ms = b.flat.narrow(0, b.numel + 1, world).to(Device()).to_vector<double>();
+  for (double& v : ms) v *= world;
+  return ms;
 }
 
 // Note [Bucket order] (see the constructor): rank 0's observed order, for every rank.

@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "distributed/slow_rank.h"
 #include "lockstep/distributed/ddp.h"
 
 namespace lockstep::dist {
@@ -33,13 +34,17 @@ class Reducer {
   // On a rank that joined: the bucket all-reduces of one synchronized backward of the others,
   // with zeros from this rank.
   void shadow_backward();
+  // Note [Slow rank]: a training forward starts this rank's clock for the step, unless a forward
+  // since the last synchronized backward (an earlier micro-batch) already did.
+  void start_step_clock();
 
  private:
   struct Bucket {
     DType dtype = DType::f32;
     Device device;               // the parameters' (one bucket, one device)
     std::vector<size_t> params;  // indices into params_
-    int64_t numel = 0;           // gradient elements (the flat buffer has one more: status)
+    int64_t numel = 0;           // gradient elements; the flat buffer has `extra` more:
+    int64_t extra = 1;           // status, and in bucket 0 one time slot per rank
     Tensor flat;
     int pending = 0;  // parameters not yet ready this iteration
     GradBucket handle;
@@ -59,6 +64,8 @@ class Reducer {
   void finalize();
   void reset_iteration();
   void rebuild_in_ready_order();
+  void write_step_time(Bucket& b);
+  std::vector<double> read_step_times() const;
   [[noreturn]] void throw_unused(const std::vector<size_t>& unused_here);
 
   std::vector<std::pair<std::string, Tensor>> params_;
@@ -76,6 +83,9 @@ class Reducer {
   int64_t bytes_this_step_ = 0;
   int contributors_ = 0;  // 0: the world size
   bool rebuilt_ = false;
+  bool step_clock_running_ = false;
+  std::chrono::steady_clock::time_point step_start_;
+  SlowRankWatch slow_rank_;
   DDPStats stats_;
 };
 

@@ -18,10 +18,16 @@ namespace lockstep::dist {
 // backward pass, then large ones so that per-collective latency is paid rarely.
 inline constexpr int64_t kDefaultFirstBucketBytes = int64_t{1} << 20;
 inline constexpr int64_t kDefaultBucketBytes = int64_t{25} << 20;
+// The slow-rank warning (Note [Slow rank], src/distributed/slow_rank.h): a rank whose compute
+// time is more than this many times the median ...
+inline constexpr double kDefaultSlowRankRatio = 1.5;
+// ... in this many synchronized steps in a row.
+inline constexpr int64_t kDefaultSlowRankSteps = 20;
 
 // One bucket's gradients, handed to a communication hook: `buffer` is the flat tensor whose
-// slices are the parameters' .grad() (plus one trailing status element of the reducer's, which
-// a hook reduces like the rest); `scratch` is the hook's to keep between start and finish.
+// slices are the parameters' .grad(), followed by elements of the reducer's that a hook reduces
+// like the rest: one status element, and in bucket 0 one slot per rank for the step's compute
+// time (Note [Slow rank]); `scratch` is the hook's to keep between start and finish.
 struct GradBucket {
   int index = 0;
   Tensor buffer;
@@ -57,6 +63,12 @@ struct DDPOptions {
   // naming the first tensor that differs and the ranks on each side. Skipped inside a dist::Join,
   // whose joined ranks could not take part.
   int64_t check_sync_every = 0;
+  // Every synchronized step measures each rank's compute time (Note [Slow rank]: carried in the
+  // first bucket, no extra collective; DDPStats has the result). Rank 0 logs a warning when the
+  // same rank is the slowest and more than slow_rank_ratio x the median (> 1) in slow_rank_steps
+  // steps in a row (0: never warn).
+  double slow_rank_ratio = kDefaultSlowRankRatio;
+  int64_t slow_rank_steps = kDefaultSlowRankSteps;
 };
 
 // What an engineer tunes DDP with.
@@ -68,6 +80,16 @@ struct DDPStats {
   double exposed_comm_seconds_last = 0;  // waiting for communication after backward ended
   double exposed_comm_seconds_total = 0;
   bool buckets_rebuilt = false;  // rebuilt in gradient-ready order after step 1
+  // Note [Slow rank]: the last synced step's compute time of each rank (forward and backward up
+  // to the first bucket), in ms, 0 for a rank that took no part (joined); the slowest rank (-1
+  // until a step measured one), its time, and the lower median over the ranks that took part;
+  // how many steps in a row that rank was above slow_rank_ratio x the median. The same on every
+  // rank.
+  std::vector<double> rank_compute_ms;
+  int slowest_rank = -1;
+  double slowest_rank_ms = 0;
+  double median_rank_ms = 0;
+  int64_t slow_rank_streak = 0;
   std::string str() const;       // a few lines for logs
 };
 
