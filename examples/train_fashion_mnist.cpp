@@ -26,6 +26,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include "fashion_mnist_models.h"
@@ -180,6 +181,26 @@ Device train_device(const Config& cfg) {
   return cfg.device == "cuda" ? cuda_device(cuda::current_device()) : kCPU;
 }
 
+// --test-slow-rank R (Note [Testing hooks]): DDP wraps the model in this on every rank (the
+// parameter names must agree), and rank R's forward sleeps kTestSlowRankDelay first, inside the
+// time DDP measures (Note [Slow rank] in src/distributed/slow_rank.h).
+constexpr auto kTestSlowRankDelay = std::chrono::milliseconds(100);
+class TestSlowForward : public nn::Module {
+ public:
+  TestSlowForward(std::shared_ptr<nn::Module> net, bool slow)
+      : nn::Module("TestSlowForward"), slow_(slow) {
+    net_ = register_module("net", std::move(net));
+  }
+  Tensor forward(const Tensor& x) override {
+    if (slow_ && is_training()) std::this_thread::sleep_for(kTestSlowRankDelay);
+    return net_->forward(x);
+  }
+
+ private:
+  bool slow_;
+  std::shared_ptr<nn::Module> net_;
+};
+
 Model build_model(const Config& cfg, const std::shared_ptr<dist::ProcessGroup>& pg, Generator& gen,
                   amp::GradScaler& scaler) {
   Model m;
@@ -254,7 +275,11 @@ Model build_model(const Config& cfg, const std::shared_ptr<dist::ProcessGroup>& 
   dopts.bucket_bytes = std::max<int64_t>(1, static_cast<int64_t>(cfg.bucket_mb * (1 << 20)));
   dopts.comm_hook = comm_hook_named(cfg.comm_hook);
   dopts.check_sync_every = cfg.check_sync_every;
-  m.ddp = std::make_shared<dist::DistributedDataParallel>(m.params, pg, dopts);
+  m.ddp = std::make_shared<dist::DistributedDataParallel>(
+      cfg.test_slow_rank < 0
+          ? m.params
+          : std::make_shared<TestSlowForward>(m.params, pg->rank() == cfg.test_slow_rank),
+      pg, dopts);
   m.forward_backward = [local, ddp = m.ddp](const data::Batch& batch, double weight, bool sync) {
     if (sync) return local(*ddp, batch, weight);  // the step's last: all-reduce during backward
     dist::DistributedDataParallel::NoSync no_sync(*ddp);
@@ -270,7 +295,9 @@ Model build_model(const Config& cfg, const std::shared_ptr<dist::ProcessGroup>& 
 // check that --resume and `lockstep run --max-restarts` recover the very same state. Only on the
 // first attempt of a run: a group that `lockstep run` restarted goes on past step N. It is armed
 // once at setup and called at one moment, after each optimizer step; nothing else in the
-// training loop knows of it.
+// training loop knows of it. --test-slow-rank R (the slow_rank test) makes rank R's forward
+// sleep 100 ms in every training step, through a wrapper DDP is built around (TestSlowForward):
+// the run must name rank R the slowest in its metrics and warn about it.
 class TestCrash {
  public:
   TestCrash(const Config& cfg, const dist::ProcessGroup& pg)
@@ -687,6 +714,8 @@ std::optional<StepResult> Trainer::train_step(const data::Batch& batch, int64_t 
 
 void Trainer::record_step(const StepResult& s, double samples_per_s) {
   if (!metrics_) return;
+  std::optional<dist::DDPStats> ddp;
+  if (model_.ddp && model_.ddp->stats().slowest_rank >= 0) ddp = model_.ddp->stats();
   metrics_->write(io::TrainRecord{
       .step = pos_.step,
       .epoch = pos_.epoch,
@@ -695,7 +724,11 @@ void Trainer::record_step(const StepResult& s, double samples_per_s) {
       .samples_per_s = samples_per_s,
       .loss_scale = scaler_.is_enabled() ? std::optional<double>(s.loss_scale) : std::nullopt,
       .grad_norm = s.grad_norm,
-      .peak_rss_mib = io::peak_rss_mib()});
+      .peak_rss_mib = io::peak_rss_mib(),
+      // Note [Slow rank]: DDP measured every rank's compute time of this step.
+      .slowest_rank = ddp ? std::optional<int64_t>(ddp->slowest_rank) : std::nullopt,
+      .slowest_rank_ms = ddp ? std::optional<double>(ddp->slowest_rank_ms) : std::nullopt,
+      .median_rank_ms = ddp ? std::optional<double>(ddp->median_rank_ms) : std::nullopt});
 }
 
 // --save-every N: a checkpoint after every N-th optimizer step, beside --save. A path that

@@ -60,6 +60,7 @@ struct Config {
   std::string schedule = "constant";  // constant | cosine
   double clip_grad_norm = 0.0;        // 0: no clipping
   int64_t test_crash_at_step = 0;     // testing only: Note [Testing hooks]
+  int64_t test_slow_rank = -1;        // testing only: Note [Testing hooks]; -1: none
   bool uneven = false;                // no padding in the train sampler; dist::Join evens out
   bool sync_bn = false;               // BatchNorm layers as dist::SyncBatchNorm
 };
@@ -185,6 +186,9 @@ inline int parse_flags(int argc, char** argv, Config& cfg) {
              "Testing only (the crash-recovery tests): the last rank kills itself (SIGKILL) "
              "after this optimizer step and its checkpoint, on the first attempt of a "
              "`lockstep run` only");
+  add_number(app, "--test-slow-rank", cfg.test_slow_rank, I{0, kMaxCount},
+             "Testing only (the slow-rank test): this rank's forward sleeps 100 ms in every "
+             "training step, so that DDP names it the slowest");
   add_number(app, "--bucket-mb", cfg.bucket_mb, R{0, kMaxBucketMb, true},
              "DDP gradient bucket size in MiB");
   app.add_option("--comm-hook", cfg.comm_hook, "DDP gradient compression on the wire")

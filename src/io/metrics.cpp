@@ -73,6 +73,9 @@ void MetricsWriter::write(const TrainRecord& r) {
   if (r.loss_scale) j["loss_scale"] = number(*r.loss_scale);
   if (r.grad_norm) j["grad_norm"] = number(*r.grad_norm);
   if (r.peak_rss_mib) j["peak_rss_mib"] = number(*r.peak_rss_mib);
+  if (r.slowest_rank) j["slowest_rank"] = *r.slowest_rank;
+  if (r.slowest_rank_ms) j["slowest_rank_ms"] = number(*r.slowest_rank_ms);
+  if (r.median_rank_ms) j["median_rank_ms"] = number(*r.median_rank_ms);
   write_line(stamped(j, start_));
 }
 

@@ -513,6 +513,29 @@ PY
     ! near "$local" "$one" 2e-3 \
       || fail "without --sync-bn train_loss $local is as close to $one: the comparison shows nothing"
     ;;
+  slow_rank)
+    # --test-slow-rank 1: rank 1's forward sleeps 100 ms in every training step (Note [Testing
+    # hooks]). DDP carries every rank's compute time in its first bucket (Note [Slow rank]):
+    # the metrics name rank 1 the slowest with at least the delay, --ddp-stats says so, and rank 0
+    # warns once rank 1 has been above 1.5x the median for 20 steps. A busy machine may hold
+    # rank 0 back in a step or two, so 20 of the 25 records must name rank 1.
+    [ -x "$tool" ] || fail "no lockstep binary given"
+    m="$work/metrics.jsonl"
+    OMP_NUM_THREADS=1 "$tool" run --standalone --nproc-per-node 2 "$exe" --log-every 0 --no-eval \
+      --max-steps 25 --threads 1 --metrics "$m" --ddp-stats --test-slow-rank 1 \
+      > "$work/out" 2>&1 || { cat "$work/out"; fail "lockstep run failed"; }
+    cat "$work/out"
+    [ "$(grep -c '"kind":"train"' "$m")" -eq 25 ] || { cat "$m"; fail "expected 25 train records"; }
+    named=$(grep -c '"slowest_rank":1,"slowest_rank_ms":' "$m")
+    [ "$named" -ge 20 ] || { cat "$m"; fail "rank 1 named the slowest in $named of 25 steps"; }
+    sed -n 's/.*"slowest_rank":1,"slowest_rank_ms":\([0-9.e+]*\),"median_rank_ms":\([0-9.e+]*\),.*/\1 \2/p' "$m" \
+      | awk '$1 < 100 || $2 <= 0 { bad = 1; print "slowest " $1 " ms, median " $2 " ms" } END { exit bad }' \
+      || fail "rank 1 named with less than its 100 ms of sleep, or no median"
+    grep -q "^\[rank0\]: ddp: .*; slowest rank 1: [0-9.]* ms of compute last step, median" "$work/out" \
+      || fail "--ddp-stats does not name rank 1"
+    grep -q "^\[rank0\]: .* WARNING: rank 1 is the slowest for 20 steps: [0-9.]* ms of compute per step against a median of [0-9.]* ms" "$work/out" \
+      || fail "no warning naming rank 1"
+    ;;
   *) fail "unknown case $case_name" ;;
 esac
 echo PASS

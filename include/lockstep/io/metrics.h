@@ -3,7 +3,8 @@
 //
 // Records (keys in this order; optional ones left out when unset):
 //   {"kind":"train","step":int,"epoch":int,"loss":float,"lr":float,"samples_per_s":float,
-//    "loss_scale":float,"grad_norm":float,"time":float,"elapsed":float}
+//    "loss_scale":float,"grad_norm":float,"peak_rss_mib":float,"slowest_rank":int,
+//    "slowest_rank_ms":float,"median_rank_ms":float,"time":float,"elapsed":float}
 //   {"kind":"eval","step":int,"epoch":int,"test_accuracy":float,"test_loss":float,
 //    "time":float,"elapsed":float}
 // `time` is Unix time in seconds, `elapsed` seconds since this writer was made. A value that is
@@ -34,6 +35,12 @@ struct TrainRecord {
   // The writing process's peak resident memory so far, in MiB (getrusage's ru_maxrss), when the
   // program reports it (peak_rss_mib()).
   std::optional<double> peak_rss_mib{};
+  // Under DDP, when the program reports them (DDPStats, Note [Slow rank]): the rank with the
+  // longest compute time in this step (forward and backward up to the first gradient bucket), its
+  // time in ms, and the median over the ranks, in ms.
+  std::optional<int64_t> slowest_rank{};
+  std::optional<double> slowest_rank_ms{};
+  std::optional<double> median_rank_ms{};
 };
 
 // This process's peak resident memory so far, in MiB (getrusage(RUSAGE_SELF).ru_maxrss).
