@@ -199,4 +199,134 @@ TEST_F(Launcher, WorkerKilledByTheOomKillerIsSaidSo) {
   EXPECT_THAT(own, Not(HasSubstr("touched 1024 MiB"))) << o.describe();
 }
 
+
+// ---- Issue 18: the verdict, the stall warning and SIGUSR1 (Note [Verdict], Note [Stall watch]) --
+
+// The position of `what` in `text` (npos when absent), for checking the order of lines.
+size_t at(const std::string& text, const std::string& what) { return text.find(what); }
+
+// Rank 1 never issues the all_reduce rank 0 waits in: within --stall-timeout the launcher warns
+// naming rank 1, without stopping anything; at --timeout the job fails and the summary starts
+// with the verdict, then each rank's details, then the failure.
+TEST_F(Launcher, ARankThatNeverIssuedTheCollectiveIsWarnedAboutThenNamedFirst) {
+  const Outcome o = run_launcher({"run", "--standalone", "--nproc-per-node", "2", "--timeout", "8",
+                                  "--stall-timeout", "1", kWorker, "skip-collective"},
+                                 dir_, "launch", {"LOCKSTEP_RENDEZVOUS_TIMEOUT=60"});
+  EXPECT_TRUE(o.exited_with(1)) << o.describe();
+  const std::string own = own_lines(o.err);
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(
+      own, m,
+      std::regex("warning: rank 1 never issued all_reduce #1 \\(sum, 4 x f32\\) \\(it finished no "
+                 "collective\\); rank 0 waited ([0-9.]+) s in all_reduce #1")))
+      << o.describe();
+  EXPECT_GE(std::stod(m[1]), 1.0) << o.describe();
+  EXPECT_LT(std::stod(m[1]), 8.0) << "warned before the timeout\n" << o.describe();
+  EXPECT_THAT(own, ContainsRegex("verdict: rank 1 never issued all_reduce #1 \\(sum, 4 x f32\\) "
+                                 "\\(it finished no collective\\); rank 0 waited [0-9.]+ s"))
+      << o.describe();
+  EXPECT_THAT(own, ContainsRegex("  rank 0 \\(node 0, host .*, pid [0-9]+\\): exited .*; issued 1, "
+                                 "finished 1; last: all_reduce #1 \\(sum, 4 x f32\\) failed at"))
+      << o.describe();
+  EXPECT_THAT(own, ContainsRegex("  rank 1 \\(node 0, host .*, pid [0-9]+\\): running; issued 0"))
+      << o.describe();
+  EXPECT_LT(at(own, "warning: rank 1"), at(own, "verdict: rank 1")) << o.describe();
+  EXPECT_LT(at(own, "verdict: rank 1"), at(own, "the job failed: rank 0")) << o.describe();
+  // Warned once, not at every look.
+  EXPECT_EQ(own.find("warning: rank 1", at(own, "warning: rank 1") + 1), std::string::npos)
+      << o.describe();
+}
+
+// Rank 1 stops itself (SIGSTOP) after the first all_reduce; rank 0 waits in the second. The
+// warning and the verdict say rank 1 is stopped, with since when.
+TEST_F(Launcher, AStoppedRankIsWarnedAboutWithinTheStallTimeoutAndNamedAtTheTimeout) {
+  const Outcome o = run_launcher({"run", "--standalone", "--nproc-per-node", "2", "--timeout", "6",
+                                  "--stall-timeout", "1.5", kWorker, "hang", "stop"},
+                                 dir_, "launch", {"LOCKSTEP_RENDEZVOUS_TIMEOUT=60"});
+  EXPECT_TRUE(o.exited_with(1)) << o.describe();
+  const std::string own = own_lines(o.err);
+  const std::string named =
+      "rank 1 never issued all_reduce #2 \\(sum, 1024 x f32\\) \\(it last finished all_reduce #1 "
+      "\\(sum, 1024 x f32\\) at [0-9:]+; it is stopped \\(state [Tt]\\) since [0-9:]+\\); rank 0 "
+      "waited ([0-9.]+) s in all_reduce #2";
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(own, m, std::regex("warning: " + named))) << o.describe();
+  EXPECT_LT(std::stod(m[1]), 6.0) << "warned before the timeout\n" << o.describe();
+  EXPECT_THAT(own, ContainsRegex("verdict: " + named)) << o.describe();
+  EXPECT_THAT(own, ContainsRegex("  rank 1 \\(node 0, host .*\\): stopped \\(state [Tt]\\)"))
+      << o.describe();
+}
+
+// Ranks that disagree on a collective: the backend's signature check fails both at once
+// (DISTRIBUTED.md, "Ranks that disagree"), and the verdict names both sides from the traces.
+TEST_F(Launcher, RanksThatIssueDifferentCollectivesAreBothNamedInTheVerdict) {
+  struct Case {
+    const char* hang;
+    const char* backend;
+    const char* expected;
+  };
+  for (const Case& c :
+       {Case{"mismatch-size", "shm",
+             "rank 0 issued all_reduce #1 (sum, 1024 x f32), rank 1 issued all_reduce #1 (sum, "
+             "512 x f32)"},
+        Case{"mismatch-size", "gloo",
+             "rank 0 issued all_reduce #1 (sum, 1024 x f32), rank 1 issued all_reduce #1 (sum, "
+             "512 x f32)"},
+        Case{"mismatch-op", "shm",
+             "rank 0 issued all_reduce #1 (sum, 1024 x f32), rank 1 issued broadcast #1 (root 0, "
+             "1024 x f32)"}}) {
+    SCOPED_TRACE(std::string(c.hang) + " over " + c.backend);
+    const Outcome o =
+        run_launcher({"run", "--standalone", "--nproc-per-node", "2", "--timeout", "60", kWorker,
+                      "hang", c.hang},
+                     dir_, "launch", {std::string("LOCKSTEP_BACKEND=") + c.backend});
+    EXPECT_TRUE(o.exited_with(1)) << o.describe();
+    const std::string own = own_lines(o.err);
+    EXPECT_THAT(own, HasSubstr(std::string("verdict: the ranks disagree on collective #1: ") +
+                               c.expected))
+        << o.describe();
+  }
+}
+
+// Rank 1 is killed while rank 0 waits for it: the verdict names rank 1 and how it ended.
+TEST_F(Launcher, AKilledRankIsNamedInTheVerdictWithItsSignal) {
+  const Outcome o = run_launcher(
+      {"run", "--standalone", "--nproc-per-node", "2", kWorker, "hang", "die"}, dir_, "launch");
+  EXPECT_TRUE(o.exited_with(1)) << o.describe();
+  EXPECT_THAT(own_lines(o.err),
+              ContainsRegex("verdict: rank 1 never issued all_reduce #1 \\(sum, 1024 x f32\\) "
+                            "\\(it finished no collective; it exited \\(signal SIGKILL \\(9\\)\\) "
+                            "at [0-9:]+\\); rank 0 waited"))
+      << o.describe();
+}
+
+// SIGUSR1 to the launcher prints the verdict and every rank's details at once, and stops
+// nothing: the job then ends only when the test stops it.
+TEST_F(Launcher, SigusrOnePrintsEveryRanksStateWithoutStoppingTheJob) {
+  const Launch l =
+      start_launcher({"run", "--standalone", "--nproc-per-node", "2", "--timeout", "120",
+                      "--stall-timeout", "0", kWorker, "skip-collective"},
+                     dir_, "launch", {"LOCKSTEP_RENDEZVOUS_TIMEOUT=60"});
+  std::string err;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    ::kill(l.pid, SIGUSR1);
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    std::ifstream in(l.err);
+    err.assign(std::istreambuf_iterator<char>(in), {});
+    if (err.find("(SIGUSR1): rank 1 never issued") != std::string::npos) break;
+  }
+  ::kill(l.pid, SIGTERM);
+  const Outcome o = wait_launcher(l);
+  EXPECT_THAT(o.err, ContainsRegex("state of the job at [0-9:]+ \\(SIGUSR1\\): rank 1 never issued "
+                                   "all_reduce #1 \\(sum, 4 x f32\\)"))
+      << o.describe();
+  EXPECT_THAT(o.err, ContainsRegex("\n  rank 0 \\(node 0, host .*\\): running; issued 1, finished "
+                                   "0; last: all_reduce #1 \\(sum, 4 x f32\\) started since"))
+      << o.describe();
+  EXPECT_THAT(o.err, HasSubstr("received SIGTERM")) << "SIGUSR1 stopped nothing\n" << o.describe();
+  EXPECT_THAT(o.err, Not(HasSubstr("verdict:"))) << o.describe();
+}
+
 }  // namespace

@@ -62,9 +62,6 @@ constexpr auto kStopGrace = std::chrono::seconds(3);
 constexpr auto kExitSyncTimeout = std::chrono::seconds(10);
 // After a signal the wait is short: the user asked the job to stop.
 constexpr auto kExitSyncAfterSignal = std::chrono::seconds(3);
-// Once everyone joined, a store request that gets no reply for this long means node 0 (or the
-// network) is gone: the workers are stopped rather than left waiting for the rendezvous timeout.
-constexpr auto kStoreRequestTimeout = std::chrono::seconds(30);
 // Connection attempts to node 0's store are made in slices this long, so that a signal is seen.
 constexpr auto kConnectSlice = std::chrono::seconds(1);
 // SIGKILLed workers that have still not exited after this (stuck in the kernel) are given up.
@@ -1020,8 +1017,11 @@ int Agent::run() {
     say("rendezvous failed: " + e.message());
     return kExitJobFailed;
   }
-  // Everyone joined: from now on a silent store means node 0 is gone.
-  store_->set_timeout(kStoreRequestTimeout);
+  // Everyone joined: from now on a store request that gets no reply for --node-timeout means
+  // node 0 (or the network) is gone, the bound within which node 0 notices a lost node too
+  // (Note [Stall watch]); the workers are stopped rather than left waiting.
+  store_->set_timeout(
+      std::chrono::milliseconds(static_cast<int64_t>(o_.node_timeout_s * 1000)));
   const auto normal_exit_wait = std::max<std::chrono::milliseconds>(
       kExitSyncTimeout,
       std::chrono::milliseconds(static_cast<int64_t>(o_.monitor_interval_s * 3000)) +

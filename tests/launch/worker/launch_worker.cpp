@@ -242,6 +242,43 @@ int skip_collective() {
   return 95;  // the all_reduce cannot succeed without rank 1
 }
 
+// Issue 18's hangs, each under the launcher's stall watch and verdict (Note [Verdict]):
+// "stop": rank 1 stops itself (SIGSTOP) after the first all_reduce, rank 0 goes on to the
+// second; "mismatch-size": rank 0 all-reduces 1024 elements, rank 1 512; "mismatch-op": rank 1
+// broadcasts instead; "die": rank 1 SIGKILLs itself a moment after rank 0 issued its all_reduce.
+int hang(const std::string& how) {
+  lockstep::dist::install_error_handler();
+  auto pg = lockstep::dist::init_process_group();
+  const int rank = pg->rank();
+  lockstep::Tensor x = lockstep::full({1024}, 1.0, lockstep::kFloat32);
+  if (how == "stop") {
+    pg->all_reduce(x)->wait();
+    if (rank == 1) ::raise(SIGSTOP);
+    pg->all_reduce(x)->wait();
+    return 95;  // rank 0 cannot get here while rank 1 is stopped
+  }
+  if (how == "mismatch-size") {
+    lockstep::Tensor y = rank == 0 ? x : lockstep::full({512}, 1.0, lockstep::kFloat32);
+    pg->all_reduce(y)->wait();
+    return 95;
+  }
+  if (how == "mismatch-op") {
+    if (rank == 0) pg->all_reduce(x)->wait();
+    if (rank == 1) pg->broadcast(x)->wait();
+    return 95;
+  }
+  if (how == "die") {
+    if (rank == 1) {
+      std::this_thread::sleep_for(1s);
+      ::raise(SIGKILL);
+    }
+    pg->all_reduce(x)->wait();
+    return 95;
+  }
+  std::fprintf(stderr, "launch_worker: unknown hang %s\n", how.c_str());
+  return 2;
+}
+
 // Rank `who` allocates and touches `mib` MiB, then "kill": SIGKILLs itself; "hold": sleeps (for
 // the out-of-memory killer to end it). The others wait to be stopped.
 int alloc(int mib, const std::string& then, int who) {
@@ -308,6 +345,7 @@ int run(int argc, char** argv) {
     throw std::runtime_error("boom from rank " + std::to_string(rank));
   }
   if (mode == "skip-collective") return skip_collective();
+  if (mode == "hang" && argc >= 3) return hang(argv[2]);
   if (mode == "alloc" && argc >= 5) return alloc(std::atoi(argv[2]), argv[3], std::atoi(argv[4]));
   if (mode == "ddp" && argc >= 4) return train_ddp(argv[2], std::atoi(argv[3]));
   if (mode == "spew" && argc >= 4) return spew_then_fail(std::atoi(argv[2]), std::atoi(argv[3]));

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# A node lost mid-job, seen from both sides (issue 18): two agents in two network namespaces
+# (--nnodes 2, --node-timeout 5), their workers running; then the link between them goes down.
+# Node 0 must fail the job naming node 1 as lost, and node 1 must stop on losing node 0's store,
+# each within a few --node-timeouts rather than at a collective timeout. Needs root (ip netns).
+# Usage: lost_node.sh <path-to-lockstep> <path-to-launch_worker>
+set -uo pipefail
+tool=$1
+worker=$2
+fail() { echo "FAIL: $*"; exit 1; }
+
+[ "$(id -u)" -eq 0 ] || fail "needs root to create network namespaces (run as root)"
+command -v ip > /dev/null || fail "'ip' not found (install iproute2: scripts/install-deps.sh)"
+
+id=$$
+ns0=lln0_$id
+ns1=lln1_$id
+veth0=llv0_$id
+veth1=llv1_$id
+subnet=10.232.$((id % 250 + 1))
+addr0=$subnet.1
+addr1=$subnet.2
+port=29556
+work=$(mktemp -d)
+cleanup() {
+  ip netns del "$ns0" 2> /dev/null
+  ip netns del "$ns1" 2> /dev/null
+  ip link del "$veth0" 2> /dev/null
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+ip netns add "$ns0" || fail "'ip netns add $ns0' failed (needs CAP_SYS_ADMIN)"
+ip netns add "$ns1" || fail "'ip netns add $ns1' failed"
+ip link add "$veth0" type veth peer name "$veth1" || fail "cannot create a veth pair"
+ip link set "$veth0" netns "$ns0" || fail "cannot move $veth0 into $ns0"
+ip link set "$veth1" netns "$ns1" || fail "cannot move $veth1 into $ns1"
+ip -n "$ns0" addr add "$addr0/24" dev "$veth0" || fail "cannot address $veth0"
+ip -n "$ns1" addr add "$addr1/24" dev "$veth1" || fail "cannot address $veth1"
+for ns in "$ns0" "$ns1"; do ip -n "$ns" link set lo up || fail "cannot bring up lo in $ns"; done
+ip -n "$ns0" link set "$veth0" up || fail "cannot bring up $veth0"
+ip -n "$ns1" link set "$veth1" up || fail "cannot bring up $veth1"
+
+(umask 077 && head -c 24 /dev/urandom | base64 > "$work/token")
+for node in 0 1; do
+  ns_var=ns$node
+  # The workers sleep (120 s, then fail): only the agents can notice the lost link.
+  timeout -k 10 150 ip netns exec "${!ns_var}" "$tool" run --nnodes 2 --node-rank "$node" \
+    --master-addr "$addr0" --master-port "$port" --nproc-per-node 1 --rdzv-timeout 60 \
+    --node-timeout 5 --token-file "$work/token" \
+    "$worker" sleep > "$work/node$node.log" 2>&1 &
+  pids[$node]=$!
+done
+# Both workers started: each agent has joined and its worker wrote its pid file... the workers
+# print nothing, so wait until both agents have been running a while after the rendezvous.
+for _ in $(seq 1 60); do
+  [ "$(grep -c "store listens" "$work/node0.log")" -ge 1 ] && break
+  sleep 0.5
+done
+sleep 6  # the agents' first heartbeats are exchanged
+ip -n "$ns0" link set "$veth0" down || fail "cannot take $veth0 down"
+cut=$(date +%s)
+status=0
+for node in 0 1; do
+  wait "${pids[$node]}"
+  rc=$?
+  took=$(($(date +%s) - cut))
+  echo "--- node $node (exit code $rc, $took s after the cut) ---"
+  cat "$work/node$node.log"
+  [ "$rc" -eq 1 ] || { echo "FAIL: node $node's agent exited $rc, expected 1 (124: hung)"; status=1; }
+  # --node-timeout 5 plus a watch interval and the stop: far below the workers' 120 s.
+  [ "$took" -le 40 ] || { echo "FAIL: node $node took $took s to notice"; status=1; }
+done
+[ "$status" -eq 0 ] || exit 1
+grep -q "the job failed: node 1 (host .*) is lost: its launcher has not been heard from for" \
+  "$work/node0.log" || fail "node 0 did not name node 1 as lost"
+grep -q "lost node 0's store at $addr0:$port" "$work/node1.log" ||
+  fail "node 1 did not say it lost node 0's store"
+echo PASS
