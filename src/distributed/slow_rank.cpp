@@ -30,8 +30,7 @@ SlowRankWatch::SlowRankWatch(double ratio, int64_t steps) : ratio_(ratio), steps
            "never warn), got ", steps_);
 }
 
-std::optional<std::string> SlowRankWatch::observe(const std::vector<double>& ms,
-                                                  DDPStats& stats) {
+std::optional<std::string> SlowRankWatch::observe(const std::vector<double>& ms, DDPStats& stats) {
   stats.rank_compute_ms = ms;
   std::vector<double> taking_part;
   int slowest = -1;
@@ -75,7 +74,8 @@ std::optional<std::string> SlowRankWatch::observe(const std::vector<double>& ms,
   return lockstep::detail::str_cat(
       "rank ", slowest, " is the slowest for ", streak_, " steps: ", one_decimal(mean_ms),
       " ms of compute per step against a median of ", one_decimal(mean_median), " ms (",
-      one_decimal(mean_ms / mean_median), "x; forward and backward up to the first gradient "
+      one_decimal(mean_ms / mean_median),
+      "x; forward and backward up to the first gradient "
       "bucket, averaged over those steps). Every other rank waits for it in each step's "
       "all-reduce: look for a busier or slower machine or device, or a larger share of the data, "
       "on rank ",

@@ -25,7 +25,8 @@ namespace lockstep::dist {
 // loss and backward up to the first full bucket. It starts after the forward's own collectives
 // (the buffers' broadcast, the Join header, the sync check), in which a fast rank would wait for
 // a slow one and take on its time; a collective inside the model's forward (SyncBatchNorm) still
-// does that. Data loading before the forward and the optimizer step are not counted.
+// does that. Data loading before the forward and the optimizer step are not counted; a training
+// forward whose backward never runs leaves the clock running into the next step's time.
 //
 // Zero means "no time": a rank inside a Join that has run out of data (it shadows the bucket
 // all-reduces with zeros, Note [Join]), or one that ran backward without a DDP forward. Such a

@@ -93,10 +93,12 @@ TEST(SlowRankWatch, CarriedTimesAreNeverZeroAndFitAnF16) {
 }
 
 TEST(SlowRankWatch, BadOptionsAreErrorsNamingTheField) {
-  EXPECT_THAT([] { SlowRankWatch(1.0, 20); },
-              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("slow_rank_ratio must be above 1")));
-  EXPECT_THAT([] { SlowRankWatch(1.5, -1); },
-              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("slow_rank_steps must be >= 0")));
+  EXPECT_THAT(
+      [] { SlowRankWatch(1.0, 20); },
+      ::testing::ThrowsMessage<Error>(::testing::HasSubstr("slow_rank_ratio must be above 1")));
+  EXPECT_THAT(
+      [] { SlowRankWatch(1.5, -1); },
+      ::testing::ThrowsMessage<Error>(::testing::HasSubstr("slow_rank_steps must be >= 0")));
 }
 
 // ---- DDP, ranks as threads ----
@@ -144,8 +146,8 @@ std::vector<DDPStats> train(const std::vector<std::chrono::milliseconds>& delays
   const int world = static_cast<int>(delays.size());
   std::vector<DDPStats> stats(delays.size());
   const auto errors = run_ranks(world, [&](int r, ProcessGroupPtr pg) {
-    auto ddp = std::make_shared<DistributedDataParallel>(
-        std::make_shared<Sleepy>(delays[r], 3), pg, opts);
+    auto ddp =
+        std::make_shared<DistributedDataParallel>(std::make_shared<Sleepy>(delays[r], 3), pg, opts);
     optim::SGD opt(ddp->parameters(), {.lr = 0.1});
     const Data d = make_data(8, 20 + r);
     for (int s = 0; s < steps; ++s) {

@@ -95,6 +95,30 @@ TEST_F(Metrics, PeakResidentMemoryIsThisProcesssAndWrittenWhenSet) {
   EXPECT_DOUBLE_EQ(r[0]["peak_rss_mib"].get<double>(), peak);
 }
 
+TEST_F(Metrics, TheSlowRankIsWrittenWhenSetAfterThePeakMemory) {
+  {
+    MetricsWriter w(path_, false);
+    w.write(TrainRecord{.step = 7,
+                        .loss = 0.5,
+                        .lr = 0.1,
+                        .samples_per_s = 1,
+                        .peak_rss_mib = 12.5,
+                        .slowest_rank = 2,
+                        .slowest_rank_ms = 41.25,
+                        .median_rank_ms = 12.5});
+  }
+  const auto r = records();
+  ASSERT_EQ(r.size(), 1u);
+  EXPECT_EQ(keys(r[0]),
+            (std::vector<std::string>{"kind", "step", "epoch", "loss", "lr", "samples_per_s",
+                                      "peak_rss_mib", "slowest_rank", "slowest_rank_ms",
+                                      "median_rank_ms", "time", "elapsed"}));
+  EXPECT_TRUE(r[0]["slowest_rank"].is_number_integer());
+  EXPECT_EQ(r[0]["slowest_rank"].get<int64_t>(), 2);
+  EXPECT_EQ(r[0]["slowest_rank_ms"].get<double>(), 41.25);
+  EXPECT_EQ(r[0]["median_rank_ms"].get<double>(), 12.5);
+}
+
 TEST_F(Metrics, TrainAndEvalRecordsHaveTheAgreedKeysAndTypes) {
   const double before = unix_now();
   {

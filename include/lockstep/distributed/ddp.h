@@ -90,7 +90,7 @@ struct DDPStats {
   double slowest_rank_ms = 0;
   double median_rank_ms = 0;
   int64_t slow_rank_streak = 0;
-  std::string str() const;       // a few lines for logs
+  std::string str() const;  // a few lines for logs
 };
 
 class Reducer;
