@@ -220,10 +220,10 @@ void CollectiveTrace::record_finish(int64_t seq, bool ok) {
     s.state.store(static_cast<int64_t>(ok ? TraceState::finished : TraceState::failed),
                   std::memory_order_release);
   }
-  // Collectives finish in order on every backend; max() keeps a late one from going back.
-  int64_t prev = r->header.finished.load(std::memory_order_relaxed);
-  while (prev < seq &&
-         !r->header.finished.compare_exchange_weak(prev, seq, std::memory_order_release)) {
+  // Collectives finish in order on every backend (one thread finishes them); the check keeps a
+  // late one from going back, without the cost of a read-modify-write.
+  if (r->header.finished.load(std::memory_order_relaxed) < seq) {
+    r->header.finished.store(seq, std::memory_order_release);
   }
 }
 

@@ -121,7 +121,8 @@ class ProcessGroupShm::Impl {
       // A rank whose collectives never wait long (its peers are always ahead) learns here that
       // another rank failed.
       seg_.check_poisoned();
-      work_start(*work);
+      // No work_start(): the collective runs now, on the thread that issued it, so its trace
+      // record's issue time is its start (Note [Collective trace]: a clock read saved).
       body(Clock::now() + timeout, timeout);
     } catch (const Mismatch& e) {
       return fail(*work, " failed: " + e.message());
