@@ -1,8 +1,10 @@
-// Op benchmarks: linear vs raw cblas_sgemm, conv2d, cross_entropy, layer_norm, a 16M-float
-// elementwise op vs memcpy, and the per-op overhead of a 1-element op with autograd recording.
+// Op benchmarks: linear vs raw cblas_sgemm, a square sgemm, fused attention vs its composition,
+// conv2d, cross_entropy, layer_norm, a 16M-float elementwise op vs memcpy, and the per-op
+// overhead of a 1-element op with autograd recording.
 #include <benchmark/benchmark.h>
 #include <cblas.h>
 
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -98,6 +100,61 @@ void BM_LayerNorm(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * rows * dim * 4 * 2);
 }
 
+// The machine's GEMM peak as this build reaches it: one square sgemm, large enough that BLAS
+// runs at full speed on every thread. args: n.
+void BM_SquareSgemm(benchmark::State& state) {
+  const int64_t n = state.range(0);
+  Generator g(0);
+  Tensor a = randn({n, n}, g), b = randn({n, n}, g), c = empty({n, n});
+  const int ni = static_cast<int>(n);
+  for (auto _ : state) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, ni, ni, ni, 1.0f, a.data<float>(), ni,
+                b.data<float>(), ni, 0.0f, c.data<float>(), ni);
+    benchmark::ClobberMemory();
+  }
+  set_gflops(state, 2.0 * n * n * n);
+}
+
+// Attention at GPT-2-small-like head shapes: (B, H, T, D) = (8, 4, T, 32). The FLOPs counted are
+// those of the math, not of what a kernel executes: 2 products of 2 T^2 D each per head in the
+// forward, 4 more in the backward (the fused backward's recomputed q k^T is not counted), and
+// only the pairs (i, j <= i) when causal. args: T, causal, fused (1) or naive composition (0),
+// backward too (1).
+constexpr int64_t kAttnBatch = 8, kAttnHeads = 4, kAttnDim = 32;
+
+void BM_Attention(benchmark::State& state) {
+  const int64_t t = state.range(0);
+  const bool causal = state.range(1) != 0, fused = state.range(2) != 0,
+             backward = state.range(3) != 0;
+  Generator g(0);
+  const Dims shape{kAttnBatch, kAttnHeads, t, kAttnDim};
+  Tensor q = randn(shape, g), k = randn(shape, g), v = randn(shape, g);
+  Tensor mask = gt(arange(t, kFloat32).view({1, t}), arange(t, kFloat32).view({t, 1}));
+  if (backward) {
+    q.requires_grad_();
+    k.requires_grad_();
+    v.requires_grad_();
+  }
+  auto run = [&] {
+    if (fused) return scaled_dot_product_attention(q, k, v, {.is_causal = causal});
+    Tensor s = mul(matmul(q, k.transpose(-2, -1)), 1.0 / std::sqrt(double(kAttnDim)));
+    if (causal) s = masked_fill(s, mask, -INFINITY);
+    return matmul(softmax(s, -1), v);
+  };
+  for (auto _ : state) {
+    if (backward) {
+      sum(run()).backward();
+      for (Tensor* t : {&q, &k, &v}) t->set_grad(Tensor());
+    } else {
+      NoGradGuard no_grad;
+      Tensor y = run();
+      benchmark::DoNotOptimize(y.data_ptr());
+    }
+  }
+  const double pairs = causal ? t * (t + 1) / 2.0 : double(t) * t;
+  set_gflops(state, (backward ? 6.0 : 2.0) * 2.0 * kAttnBatch * kAttnHeads * pairs * kAttnDim);
+}
+
 // Bandwidth is bytes read plus bytes written, for memcpy as for the ops.
 void BM_Memcpy(benchmark::State& state) {
   Tensor a = ones({kLargeElements}), b = empty({kLargeElements});
@@ -153,6 +210,13 @@ BENCHMARK(BM_LinearForwardBackward)->Args({784, 1024})->Args({1024, 1024})->Unit
 BENCHMARK(BM_Conv2d)->Args({1, 32, 28})->Args({32, 64, 13})->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK(BM_CrossEntropy)->Args({64, 10})->Args({512, 1000})->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK(BM_LayerNorm)->Args({64, 1024})->Args({4096, 768})->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_SquareSgemm)->Arg(1024)->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_Attention)
+    ->ArgNames({"T", "causal", "fused", "bwd"})
+    ->Args({128, 1, 1, 0})->Args({128, 0, 1, 0})->Args({128, 1, 0, 0})
+    ->Args({128, 1, 1, 1})->Args({128, 1, 0, 1})
+    ->Args({1024, 1, 1, 0})->Args({1024, 1, 0, 0})
+    ->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK(BM_Memcpy)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_MulScalarLarge)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_AddLarge)->Unit(benchmark::kMillisecond)->UseRealTime();

@@ -28,6 +28,7 @@
 #include "lockstep/io/safetensors.h"
 #include "lockstep/nn/layers.h"
 #include "lockstep/nn/module.h"
+#include "lockstep/ops/attention.h"
 #include "lockstep/ops/autocast.h"
 #include "lockstep/ops/elementwise.h"
 #include "lockstep/ops/linalg.h"

@@ -226,6 +226,17 @@ struct Kernels {
   LS_KERNEL_ENTRY(batch_norm_backward, const Tensor& dx, const Tensor& dweight,
                   const Tensor& dbias, const Tensor& g, const Tensor& x, const Tensor& mean,
                   const Tensor& var, const Tensor& weight, double eps, bool training)
+  // -- attention (src/ops/attention.cpp) --
+  // Contiguous q (N, Tq, D), k (N, Tk, D), v (N, Tk, Dv), f32/f64, N = batch * heads. Writes
+  // out (N, Tq, Dv) = softmax(q k^T * scale, causal mask when causal) v and each query row's
+  // log-sum-exp of its scaled scores, lse (N, Tq), for the backward.
+  LS_KERNEL_ENTRY(attention, const Tensor& out, const Tensor& lse, const Tensor& q,
+                  const Tensor& k, const Tensor& v, double scale, bool causal)
+  // Overwrites dq, dk, dv (like q, k, v, contiguous) from g (out's gradient, contiguous) and
+  // the forward's out and lse, recomputing the probabilities tile by tile.
+  LS_KERNEL_ENTRY(attention_backward, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                  const Tensor& g, const Tensor& q, const Tensor& k, const Tensor& v,
+                  const Tensor& out, const Tensor& lse, double scale, bool causal)
   // -- multi-tensor updates (src/amp/grad_scaler.cpp, src/optim/optimizer.cpp) --
   // One launch over a list of contiguous tensors of one device, however many (Note [Multi-tensor
   // kernels] in src/ops/cuda/multi_tensor.cu). The CPU keeps its own parallel loops in amp/ and

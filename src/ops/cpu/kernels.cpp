@@ -57,6 +57,9 @@ constexpr Kernels make_table() {
   t.batch_norm_stats = batch_norm_stats_kernel;
   t.batch_norm = batch_norm_kernel;
   t.batch_norm_backward = batch_norm_backward_kernel;
+  // -- attention --
+  t.attention = attention_kernel;
+  t.attention_backward = attention_backward_kernel;
   return t;
 }
 }  // namespace

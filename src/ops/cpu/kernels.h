@@ -99,4 +99,11 @@ void batch_norm_backward_kernel(const Tensor& dx, const Tensor& dweight, const T
                                 const Tensor& var, const Tensor& weight, double eps,
                                 bool training);
 
+// -- attention (src/ops/cpu/attention.cpp) --
+void attention_kernel(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
+                      const Tensor& v, double scale, bool causal);
+void attention_backward_kernel(const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                               const Tensor& g, const Tensor& q, const Tensor& k, const Tensor& v,
+                               const Tensor& out, const Tensor& lse, double scale, bool causal);
+
 }  // namespace lockstep::cpu
