@@ -10,6 +10,11 @@
 //   gen<g>/succeeded                              nodes whose workers all exited 0
 //   gen<g>/stopped                                nodes that stopped their workers after a
 //                                                 failure; all stopped = start generation g+1
+//   gen<g>/view/node<n>                           node n's ranks (process states and collective
+//                                                 traces, JSON) and a counter: the heartbeat
+//                                                 (Note [Stall watch])
+//   gen<g>/final/node<n>                          the same, captured at the failure, for the
+//                                                 verdict
 //   exit                                          agents done; node 0 keeps the store up until
 //                                                 every agent has read the outcome
 // Workers use the same store (LOCKSTEP_USE_AGENT_STORE=1) under lockstep/<run-id>/gen<g>/, so a
