@@ -22,6 +22,7 @@
 #include "lockstep/distributed/store/store.h"
 #include "lockstep/distributed/store/tcp_store.h"
 #include "lockstep/distributed/sync_batchnorm.h"
+#include "lockstep/distributed/zero.h"
 #include "lockstep/io/checkpoint.h"
 #include "lockstep/io/metrics.h"
 #include "lockstep/io/progress.h"

@@ -1,0 +1,91 @@
+// ZeroRedundancyOptimizer (ZeRO stage 1): each rank keeps the optimizer state of a 1/world_size
+// shard of the flattened parameters, steps only that shard, and all-gathers the updated values.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "lockstep/distributed/process_group.h"
+#include "lockstep/optim/optimizer.h"
+
+namespace lockstep::dist {
+
+// Builds the wrapped optimizer over the groups it is handed: this rank's pieces of the user's
+// groups, with their lr and weight decay (e.g. [](auto g) { return
+// std::make_unique<optim::AdamW>(std::move(g), opts); }).
+using OptimizerFactory =
+    std::function<std::unique_ptr<optim::Optimizer>(std::vector<optim::ParamGroup>)>;
+
+// What ZeRO saves, on this rank.
+struct ZeroStats {
+  int64_t total_elements = 0;  // parameter elements over all groups
+  int64_t shard_elements = 0;  // elements per rank's shard: ceil(total / world)
+  int64_t padding = 0;         // shard_elements * world - total (on the last ranks)
+  int64_t state_bytes = 0;     // this rank's optimizer state (all fields, scalars included)
+};
+
+// Note [ZeRO-1] (src/distributed/zero.cpp): the parameters of all groups, flattened in group
+// then parameter order and padded to a multiple of the world size, are cut into world_size equal
+// contiguous shards; rank r owns shard r. step() steps the wrapped optimizer over this rank's
+// pieces (the parts of parameters inside its shard, with their averaged gradients) and
+// all-gathers the shards back into every rank's parameters. With an element-wise optimizer (SGD,
+// AdamW) the parameters are bitwise those of the wrapped optimizer stepping everything.
+//
+// Construct it on every rank of `pg` with the same parameters (DDP's module's parameters; every
+// rank must hold the same values, as DDP's broadcast ensures). Parameters: one dtype (f32 or
+// f64) and one device.
+class ZeroRedundancyOptimizer {
+ public:
+  ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> groups, ProcessGroupPtr pg,
+                          const OptimizerFactory& make);
+  ZeroRedundancyOptimizer(const std::vector<Tensor>& params, ProcessGroupPtr pg,
+                          const OptimizerFactory& make)
+      : ZeroRedundancyOptimizer({optim::ParamGroup{params}}, std::move(pg), make) {}
+  ~ZeroRedundancyOptimizer();
+  ZeroRedundancyOptimizer(const ZeroRedundancyOptimizer&) = delete;
+  ZeroRedundancyOptimizer& operator=(const ZeroRedundancyOptimizer&) = delete;
+
+  // Collective: steps this rank's shard, then all-gathers every shard into the parameters.
+  void step();
+  void zero_grad(bool set_to_none = true);
+  void set_lr(double lr);
+  int64_t steps() const { return steps_; }
+
+  // Collective: the full state, exactly what the wrapped optimizer's state_dict() would be over
+  // all parameters ("<index>.<field>" with the parameters' shapes, "step", "group.<g>.lr"), on
+  // every rank. A checkpoint of a ZeRO run is therefore an ordinary checkpoint.
+  optim::NamedTensors state_dict() const;
+  // Local (every rank, with the same `state`): takes this rank's shard of a full state, from
+  // state_dict() of a ZeRO run of any world size or of a plain optimizer.
+  void load_state_dict(const optim::NamedTensors& state);
+
+  ZeroStats stats() const;
+  // The wrapped optimizer over this rank's pieces; null on a rank whose shard is all padding.
+  optim::Optimizer* local_optimizer() { return local_.get(); }
+
+ private:
+  struct Piece {
+    size_t param = 0;          // index over all groups' parameters, in order
+    int64_t param_offset = 0;  // first element of the parameter in this piece
+    int64_t shard_offset = 0;  // where it starts in shard_
+    int64_t numel = 0;
+    Tensor tensor;  // shard_'s slice: what the wrapped optimizer steps
+  };
+
+  ProcessGroupPtr pg_;
+  std::vector<Tensor> params_;   // all groups', in order
+  std::vector<int64_t> offset_;  // each parameter's first element in the flat order
+  std::vector<size_t> group_of_;
+  size_t num_groups_ = 0;
+  int64_t total_ = 0;
+  int64_t chunk_ = 0;
+  Tensor shard_;  // (chunk_): this rank's shard of the flat parameters
+  Tensor flat_;   // (chunk_ * world): the all-gathered parameters
+  std::vector<Piece> pieces_;
+  std::unique_ptr<optim::Optimizer> local_;
+  int64_t steps_ = 0;
+};
+
+}  // namespace lockstep::dist

@@ -1,0 +1,221 @@
+// ZeroRedundancyOptimizer with ranks as threads: parameters and optimizer state bitwise those of
+// plain DDP with the same optimizer over 2, 3 and 4 ranks, optimizer state per rank about
+// 1/world of the whole, and checkpoints that move between ZeRO and plain runs of any size.
+#include <cstdio>
+
+#include "distributed/ddp_helpers.h"
+#include "distributed/thread_ranks.h"
+#include "lockstep/distributed/checkpoint.h"
+#include "lockstep/distributed/ddp.h"
+#include "lockstep/distributed/zero.h"
+#include "testing.h"
+
+using namespace lockstep;
+using namespace lockstep::dist;
+using namespace std::chrono_literals;
+using namespace lockstep::testing::ddp;
+
+namespace {
+
+constexpr int64_t kPerRank = 4;  // samples per rank per step
+constexpr int kSteps = 20;
+
+enum class Opt { sgd, adamw };
+
+std::unique_ptr<optim::Optimizer> make_optimizer(Opt o, std::vector<optim::ParamGroup> groups) {
+  if (o == Opt::sgd) {
+    return std::make_unique<optim::SGD>(
+        std::move(groups),
+        optim::SGDOptions{.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-3, .nesterov = true});
+  }
+  return std::make_unique<optim::AdamW>(std::move(groups), optim::AdamWOptions{.lr = 1e-2});
+}
+
+// Two groups, so that each piece must land in its parameter's group: the first layer at its own
+// learning rate, the rest at the optimizer's.
+std::vector<optim::ParamGroup> groups_of(const nn::Module& m) {
+  const auto ps = m.parameters();
+  optim::ParamGroup first{{ps[0], ps[1]}, 0.02};
+  optim::ParamGroup rest{{ps.begin() + 2, ps.end()}};
+  return {first, rest};
+}
+
+struct Snapshot {
+  optim::NamedTensors model;
+  optim::NamedTensors optimizer;
+};
+
+struct Result {
+  std::vector<std::vector<double>> params;
+  Snapshot snapshot;
+  ZeroStats zero;
+};
+
+// Steps [start, start + steps) of a run on rank r: the MLP (from `from` when given) under DDP,
+// the optimizer plain or wrapped in ZeRO. Step s's batch depends on s and the world size only.
+Result train(int r, const ProcessGroupPtr& pg, Opt o, bool zero, int start, int steps,
+             const Snapshot* from) {
+  auto model = mlp(7);
+  if (from) model->load_state_dict(from->model);
+  DistributedDataParallel ddp(model, pg);
+  std::unique_ptr<optim::Optimizer> plain;
+  std::unique_ptr<ZeroRedundancyOptimizer> sharded;
+  if (zero) {
+    sharded = std::make_unique<ZeroRedundancyOptimizer>(
+        groups_of(*model), pg, [o](auto g) { return make_optimizer(o, std::move(g)); });
+    if (from) sharded->load_state_dict(from->optimizer);
+  } else {
+    plain = make_optimizer(o, groups_of(*model));
+    if (from) plain->load_state_dict(from->optimizer);
+  }
+  const int world = pg->size();
+  for (int s = start; s < start + steps; ++s) {
+    const Data batch = shard(make_data(kPerRank * world, 100 + static_cast<uint64_t>(s)), r, world);
+    if (zero) {
+      sharded->zero_grad();
+    } else {
+      plain->zero_grad();
+    }
+    cross_entropy(ddp.forward(batch.x), batch.y).backward();
+    if (zero) {
+      sharded->step();
+    } else {
+      plain->step();
+    }
+  }
+  Result res;
+  res.params = param_values(*model);
+  res.snapshot.model = model->state_dict();
+  res.snapshot.optimizer = zero ? sharded->state_dict() : plain->state_dict();
+  if (zero) res.zero = sharded->stats();
+  return res;
+}
+
+// Runs `world` ranks; every rank's result must be the same parameters (lockstep).
+std::vector<Result> run(int world, Opt o, bool zero, int start, int steps,
+                        const Snapshot* from = nullptr) {
+  std::vector<Result> results(static_cast<size_t>(world));
+  const auto errors = lockstep::testing::run_ranks(world, [&](int r, ProcessGroupPtr pg) {
+    results[r] = train(r, pg, o, zero, start, steps, from);
+  });
+  for (int r = 0; r < world; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+  for (int r = 1; r < world; ++r) EXPECT_EQ(results[r].params, results[0].params) << "rank " << r;
+  return results;
+}
+
+// Names, shapes and every value bitwise equal (f32 and f64 values are exact as doubles).
+void expect_same_state(const optim::NamedTensors& got, const optim::NamedTensors& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t k = 0; k < got.size(); ++k) {
+    EXPECT_EQ(got[k].first, want[k].first);
+    EXPECT_EQ(got[k].second.shape(), want[k].second.shape()) << got[k].first;
+    EXPECT_EQ(got[k].second.to_vector<double>(), want[k].second.to_vector<double>())
+        << got[k].first;
+  }
+}
+
+int64_t per_element_state_bytes(const optim::NamedTensors& state) {
+  int64_t bytes = 0;
+  for (const auto& [name, t] : state)
+    if (name[0] >= '0' && name[0] <= '9' && t.dim() > 0) bytes += t.nbytes();
+  return bytes;
+}
+
+struct Case {
+  int world;
+  Opt opt;
+};
+
+class ZeroEqualsDDP : public ::testing::TestWithParam<Case> {};
+
+TEST_P(ZeroEqualsDDP, ParametersAndStateBitwiseOverManyStepsWithAShardOfTheStatePerRank) {
+  const auto [world, o] = GetParam();
+  const auto plain = run(world, o, false, 0, kSteps);
+  const auto zero = run(world, o, true, 0, kSteps);
+  EXPECT_EQ(zero[0].params, plain[0].params);
+  for (int r = 0; r < world; ++r)
+    expect_same_state(zero[r].snapshot.optimizer, plain[0].snapshot.optimizer);
+  // Training moved the parameters (the comparison is not of two untouched models).
+  EXPECT_NE(plain[0].params, param_values(*mlp(7)));
+
+  // The state per rank: its 1/world of the per-element state, plus a scalar per piece (AdamW's
+  // step count; a rank has at most one piece per parameter); padding holds no state.
+  const int64_t total_bytes = per_element_state_bytes(plain[0].snapshot.optimizer);
+  const int64_t fields = o == Opt::sgd ? 1 : 2;
+  const int64_t params = static_cast<int64_t>(plain[0].params.size());
+  const int64_t scalar_slack = o == Opt::adamw ? params * 8 : 0;
+  int64_t sum = 0;
+  for (int r = 0; r < world; ++r) {
+    const ZeroStats& s = zero[r].zero;
+    EXPECT_EQ(s.shard_elements * world - s.total_elements, s.padding);
+    EXPECT_LT(s.padding, world);
+    EXPECT_LE(s.state_bytes, s.shard_elements * fields * 4 + scalar_slack) << "rank " << r;
+    EXPECT_LE(s.state_bytes, total_bytes / world + fields * 4 * world + scalar_slack);
+    sum += s.state_bytes;
+    std::printf("world %d %s rank %d: optimizer state %lld bytes of %lld (plain), ratio %.3f\n",
+                world, o == Opt::sgd ? "SGD" : "AdamW", r, static_cast<long long>(s.state_bytes),
+                static_cast<long long>(total_bytes),
+                static_cast<double>(s.state_bytes) / static_cast<double>(total_bytes));
+  }
+  EXPECT_GE(sum, total_bytes);  // every element's state is somewhere
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, ZeroEqualsDDP,
+                         ::testing::Values(Case{2, Opt::sgd}, Case{3, Opt::sgd}, Case{4, Opt::sgd},
+                                           Case{2, Opt::adamw}, Case{3, Opt::adamw},
+                                           Case{4, Opt::adamw}),
+                         [](const auto& info) {
+                           return std::string(info.param.opt == Opt::sgd ? "SGD" : "AdamW") + "_" +
+                                  std::to_string(info.param.world) + "ranks";
+                         });
+
+TEST(ZeroCheckpoint, SavedByTwoRanksResumesInThreeZeroRanksAndInPlainDDPAndBack) {
+  lockstep::testing::TempDir dir;
+  const std::string path = dir.path("zero.safetensors");
+  constexpr int kHalf = kSteps / 2;
+  // A ZeRO run of 2 ranks writes one ordinary checkpoint file (rank 0), the full state gathered.
+  const auto errors = lockstep::testing::run_ranks(2, [&](int r, ProcessGroupPtr pg) {
+    const Result res = train(r, pg, Opt::adamw, true, 0, kHalf, nullptr);
+    io::TrainingCheckpoint ckpt;
+    ckpt.model = res.snapshot.model;
+    ckpt.optimizer = res.snapshot.optimizer;
+    ckpt.step = kHalf;
+    ckpt.world_size = pg->size();
+    save_checkpoint(*pg, path, ckpt);
+  });
+  for (const auto& e : errors) ASSERT_EQ(e, "");
+  const io::TrainingCheckpoint ckpt = io::load_checkpoint(path);
+  const Snapshot saved{ckpt.model, ckpt.optimizer};
+  // It is the checkpoint plain DDP writes at that step.
+  expect_same_state(saved.optimizer, run(2, Opt::adamw, false, 0, kHalf)[0].snapshot.optimizer);
+
+  // Uninterrupted, the 2-rank ZeRO run goes on as if never saved.
+  EXPECT_EQ(run(2, Opt::adamw, true, kHalf, kHalf, &saved)[0].params,
+            run(2, Opt::adamw, true, 0, kSteps)[0].params);
+
+  // Into 3 ranks, ZeRO and plain: the same continuation, bitwise.
+  const auto zero3 = run(3, Opt::adamw, true, kHalf, kHalf, &saved);
+  const auto plain3 = run(3, Opt::adamw, false, kHalf, kHalf, &saved);
+  EXPECT_EQ(zero3[0].params, plain3[0].params);
+  expect_same_state(zero3[0].snapshot.optimizer, plain3[0].snapshot.optimizer);
+
+  // And back: a plain 3-rank checkpoint half way resumes in 4 ZeRO ranks as in 4 plain ones.
+  const Snapshot mid = run(3, Opt::adamw, false, kHalf, kHalf / 2, &saved)[0].snapshot;
+  const auto zero4 = run(4, Opt::adamw, true, kHalf + kHalf / 2, kHalf / 2, &mid);
+  const auto plain4 = run(4, Opt::adamw, false, kHalf + kHalf / 2, kHalf / 2, &mid);
+  EXPECT_EQ(zero4[0].params, plain4[0].params);
+  expect_same_state(zero4[0].snapshot.optimizer, plain4[0].snapshot.optimizer);
+}
+
+TEST(ZeroRedundancyOptimizer, RejectsParametersOfMixedDtypes) {
+  const auto errors = lockstep::testing::run_ranks(1, [&](int, ProcessGroupPtr pg) {
+    Tensor a = zeros({3}).requires_grad_(true);
+    Tensor b = zeros({3}, kFloat64).requires_grad_(true);
+    ZeroRedundancyOptimizer z({a, b}, pg, [](auto g) {
+      return std::make_unique<optim::SGD>(std::move(g), optim::SGDOptions{});
+    });
+  });
+  EXPECT_NE(errors[0].find("one dtype and device"), std::string::npos) << errors[0];
+}
+
+}  // namespace
