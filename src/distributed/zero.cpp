@@ -73,10 +73,9 @@ bool split_key(const std::string& name, size_t& index, std::string& field) {
 
 ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> groups,
                                                  ProcessGroupPtr pg, const OptimizerFactory& make)
-    : pg_(std::move(pg)) {
+    : Optimizer(groups, 0.0, 0.0, "ZeroRedundancyOptimizer"), pg_(std::move(pg)) {
   LS_CHECK(pg_ != nullptr, "ZeroRedundancyOptimizer: expected a process group, got null");
   LS_CHECK(make != nullptr, "ZeroRedundancyOptimizer: expected an optimizer factory, got null");
-  num_groups_ = groups.size();
   for (size_t g = 0; g < groups.size(); ++g) {
     for (const Tensor& p : groups[g].params) {
       LS_CHECK(p.defined() && p.is_contiguous(),
@@ -121,6 +120,22 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> 
   if (!pieces_.empty()) local_ = make(std::move(local));
   LS_CHECK(pieces_.empty() || local_ != nullptr,
            "ZeroRedundancyOptimizer: the optimizer factory returned null");
+  // The groups' lr and weight decay as the wrapped optimizer resolved them (its defaults where
+  // the user left them unset), from rank 0, which always has pieces (its shard starts at 0).
+  std::ostringstream text;
+  if (local_) {
+    for (const auto& g : local_->param_groups())
+      text << exact(g.lr) << ' ' << exact(g.weight_decay) << ' ';
+  }
+  const std::string mine = text.str();
+  const Bytes agreed = pg_->broadcast_object(Bytes(mine.begin(), mine.end()), 0);
+  std::istringstream in(std::string(agreed.begin(), agreed.end()));
+  for (auto& g : groups_) {
+    std::string lr, wd;
+    in >> lr >> wd;
+    g.lr = std::strtod(lr.c_str(), nullptr);
+    g.weight_decay = std::strtod(wd.c_str(), nullptr);
+  }
 }
 
 ZeroRedundancyOptimizer::~ZeroRedundancyOptimizer() = default;
@@ -137,27 +152,18 @@ void ZeroRedundancyOptimizer::step() {
     piece.tensor.set_grad(g.defined() ? g.reshape({-1}).narrow(0, piece.param_offset, piece.numel)
                                       : Tensor());
   }
-  if (local_) local_->step();
+  if (local_) {
+    // set_lr and schedules write the user's groups; the wrapped optimizer follows them.
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      local_->param_groups()[g].lr = groups_[g].lr;
+      local_->param_groups()[g].weight_decay = groups_[g].weight_decay;
+    }
+    local_->step();
+  }
   pg_->all_gather(flat_, shard_)->wait();
   for (size_t i = 0; i < params_.size(); ++i) {
     params_[i].reshape({-1}).copy_(flat_.narrow(0, offset_[i], params_[i].numel()));
   }
-}
-
-void ZeroRedundancyOptimizer::zero_grad(bool set_to_none) {
-  autograd::NoGradGuard no_grad;
-  for (const Tensor& p : params_) {
-    if (set_to_none) {
-      p.set_grad(Tensor());
-    } else if (p.grad().defined()) {
-      p.grad().zero_();
-    }
-  }
-  for (Piece& piece : pieces_) piece.tensor.set_grad(Tensor());
-}
-
-void ZeroRedundancyOptimizer::set_lr(double lr) {
-  if (local_) local_->set_lr(lr);
 }
 
 ZeroStats ZeroRedundancyOptimizer::stats() const {
@@ -175,8 +181,8 @@ ZeroStats ZeroRedundancyOptimizer::stats() const {
   return s;
 }
 
-// Note [ZeRO-1], Checkpoints. The text each rank sends: "global <name> <value>" (rank 0's are
-// used), "field <name> <dtype>" per per-element field, "has <param> <field>" per parameter that
+// Note [ZeRO-1], Checkpoints. The text each rank sends: "field <name> <dtype>" per per-element
+// field, "has <param> <field>" per parameter that
 // has it, "scalar <param> <field> <dtype> <value>" per piece scalar.
 optim::NamedTensors ZeroRedundancyOptimizer::state_dict() const {
   autograd::NoGradGuard no_grad;
@@ -187,11 +193,7 @@ optim::NamedTensors ZeroRedundancyOptimizer::state_dict() const {
     for (const auto& [name, t] : local_->state_dict()) {
       size_t k = 0;
       std::string field;
-      if (!split_key(name, k, field)) {
-        text << "global " << name << ' ' << static_cast<int>(t.dtype()) << ' ' << exact(t.item())
-             << '\n';
-        continue;
-      }
+      if (!split_key(name, k, field)) continue;  // "step", "group.<g>.lr": ours below
       LS_CHECK(k < pieces_.size(), "ZeroRedundancyOptimizer: the wrapped optimizer has state '",
                name, "' for piece ", k, " of ", pieces_.size());
       const Piece& piece = pieces_[k];
@@ -214,7 +216,11 @@ optim::NamedTensors ZeroRedundancyOptimizer::state_dict() const {
   const std::string mine = text.str();
   const auto all = pg_->all_gather_object(Bytes(mine.begin(), mine.end()));
 
-  optim::NamedTensors globals;
+  // The step count and the groups' lr are the same on every rank: this rank's.
+  optim::NamedTensors out;
+  out.emplace_back("step", full({}, static_cast<double>(steps_), kInt64));
+  for (size_t g = 0; g < groups_.size(); ++g)
+    out.emplace_back("group." + std::to_string(g) + ".lr", full({}, groups_[g].lr, kFloat64));
   std::map<std::string, DType> all_fields;
   std::set<std::pair<size_t, std::string>> has;
   std::map<std::pair<size_t, std::string>, Tensor> scalars;
@@ -225,13 +231,7 @@ optim::NamedTensors ZeroRedundancyOptimizer::state_dict() const {
       std::string name, value;
       int dtype = 0;
       size_t param = 0;
-      if (kind == "global") {
-        in >> name >> dtype >> value;
-        if (r == 0) {
-          globals.emplace_back(
-              name, full({}, std::strtod(value.c_str(), nullptr), static_cast<DType>(dtype)));
-        }
-      } else if (kind == "field") {
+      if (kind == "field") {
         in >> name >> dtype;
         all_fields.emplace(name, static_cast<DType>(dtype));
       } else if (kind == "has") {
@@ -262,8 +262,7 @@ optim::NamedTensors ZeroRedundancyOptimizer::state_dict() const {
           gathered.narrow(0, offset_[i], params_[i].numel()).clone().view(params_[i].shape());
     }
   }
-  // The plain optimizer's order: globals, then by parameter, fields sorted.
-  optim::NamedTensors out = std::move(globals);
+  // The plain optimizer's order: step, groups, then by parameter, fields sorted.
   for (size_t i = 0; i < params_.size(); ++i) {
     std::map<std::string, Tensor> entries;
     for (const auto& [key, t] : per_element)
@@ -285,6 +284,13 @@ void ZeroRedundancyOptimizer::load_state_dict(const optim::NamedTensors& state) 
     std::string field;
     if (!split_key(name, i, field)) {
       if (name == "step") steps_ = static_cast<int64_t>(t.item());
+      const size_t dot = name.rfind('.');
+      if (name.rfind("group.", 0) == 0 && dot > 6 && name.substr(dot) == ".lr") {
+        const size_t g = std::stoul(name.substr(6, dot - 6));
+        LS_CHECK(g < groups_.size(), "ZeroRedundancyOptimizer: state has group ", g,
+                 " but the optimizer has ", groups_.size(), " groups");
+        groups_[g].lr = t.item();
+      }
       local.emplace_back(name, t);
       continue;
     }

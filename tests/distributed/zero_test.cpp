@@ -19,6 +19,7 @@ namespace {
 
 constexpr int64_t kPerRank = 4;  // samples per rank per step
 constexpr int kSteps = 20;
+constexpr int kLrChangeStep = 5;
 
 enum class Opt { sgd, adamw };
 
@@ -58,36 +59,28 @@ Result train(int r, const ProcessGroupPtr& pg, Opt o, bool zero, int start, int 
   auto model = mlp(7);
   if (from) model->load_state_dict(from->model);
   DistributedDataParallel ddp(model, pg);
-  std::unique_ptr<optim::Optimizer> plain;
-  std::unique_ptr<ZeroRedundancyOptimizer> sharded;
+  std::unique_ptr<optim::Optimizer> opt;
   if (zero) {
-    sharded = std::make_unique<ZeroRedundancyOptimizer>(
+    opt = std::make_unique<ZeroRedundancyOptimizer>(
         groups_of(*model), pg, [o](auto g) { return make_optimizer(o, std::move(g)); });
-    if (from) sharded->load_state_dict(from->optimizer);
   } else {
-    plain = make_optimizer(o, groups_of(*model));
-    if (from) plain->load_state_dict(from->optimizer);
+    opt = make_optimizer(o, groups_of(*model));
   }
+  if (from) opt->load_state_dict(from->optimizer);
   const int world = pg->size();
   for (int s = start; s < start + steps; ++s) {
     const Data batch = shard(make_data(kPerRank * world, 100 + static_cast<uint64_t>(s)), r, world);
-    if (zero) {
-      sharded->zero_grad();
-    } else {
-      plain->zero_grad();
-    }
+    // A schedule's change to one group, which the wrapped optimizer must follow.
+    if (s == kLrChangeStep) opt->param_groups()[0].lr *= 0.5;
+    opt->zero_grad();
     cross_entropy(ddp.forward(batch.x), batch.y).backward();
-    if (zero) {
-      sharded->step();
-    } else {
-      plain->step();
-    }
+    opt->step();
   }
   Result res;
   res.params = param_values(*model);
   res.snapshot.model = model->state_dict();
-  res.snapshot.optimizer = zero ? sharded->state_dict() : plain->state_dict();
-  if (zero) res.zero = sharded->stats();
+  res.snapshot.optimizer = opt->state_dict();
+  if (zero) res.zero = static_cast<ZeroRedundancyOptimizer&>(*opt).stats();
   return res;
 }
 

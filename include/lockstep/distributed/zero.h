@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "lockstep/distributed/process_group.h"
@@ -36,34 +37,39 @@ struct ZeroStats {
 // Construct it on every rank of `pg` with the same parameters (DDP's module's parameters; every
 // rank must hold the same values, as DDP's broadcast ensures). Parameters: one dtype (f32 or
 // f64) and one device.
-class ZeroRedundancyOptimizer {
+//
+// It is an optim::Optimizer, so a schedule, a GradScaler and a checkpoint take it as they take the
+// optimizer it wraps: param_groups() are the user's groups over the whole parameters (set_lr and
+// a schedule write there; step() hands lr and weight decay on to the wrapped optimizer), and
+// zero_grad() drops the whole parameters' gradients. step(), and so GradScaler::step, and
+// state_dict() are collective: every rank calls them together (not inside a dist::Join, whose
+// joined ranks skip the step).
+class ZeroRedundancyOptimizer : public optim::Optimizer {
  public:
   ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> groups, ProcessGroupPtr pg,
                           const OptimizerFactory& make);
   ZeroRedundancyOptimizer(const std::vector<Tensor>& params, ProcessGroupPtr pg,
                           const OptimizerFactory& make)
       : ZeroRedundancyOptimizer({optim::ParamGroup{params}}, std::move(pg), make) {}
-  ~ZeroRedundancyOptimizer();
-  ZeroRedundancyOptimizer(const ZeroRedundancyOptimizer&) = delete;
-  ZeroRedundancyOptimizer& operator=(const ZeroRedundancyOptimizer&) = delete;
+  ~ZeroRedundancyOptimizer() override;
 
   // Collective: steps this rank's shard, then all-gathers every shard into the parameters.
-  void step();
-  void zero_grad(bool set_to_none = true);
-  void set_lr(double lr);
-  int64_t steps() const { return steps_; }
+  void step() override;
 
   // Collective: the full state, exactly what the wrapped optimizer's state_dict() would be over
   // all parameters ("<index>.<field>" with the parameters' shapes, "step", "group.<g>.lr"), on
   // every rank. A checkpoint of a ZeRO run is therefore an ordinary checkpoint.
-  optim::NamedTensors state_dict() const;
+  optim::NamedTensors state_dict() const override;
   // Local (every rank, with the same `state`): takes this rank's shard of a full state, from
   // state_dict() of a ZeRO run of any world size or of a plain optimizer.
-  void load_state_dict(const optim::NamedTensors& state);
+  void load_state_dict(const optim::NamedTensors& state) override;
 
   ZeroStats stats() const;
   // The wrapped optimizer over this rank's pieces; null on a rank whose shard is all padding.
   optim::Optimizer* local_optimizer() { return local_.get(); }
+
+ protected:
+  std::vector<std::string> state_fields() const override { return {}; }
 
  private:
   struct Piece {
@@ -75,17 +81,15 @@ class ZeroRedundancyOptimizer {
   };
 
   ProcessGroupPtr pg_;
-  std::vector<Tensor> params_;   // all groups', in order
+  std::vector<Tensor> params_;   // all groups', in order (as in groups_)
   std::vector<int64_t> offset_;  // each parameter's first element in the flat order
   std::vector<size_t> group_of_;
-  size_t num_groups_ = 0;
   int64_t total_ = 0;
   int64_t chunk_ = 0;
   Tensor shard_;  // (chunk_): this rank's shard of the flat parameters
   Tensor flat_;   // (chunk_ * world): the all-gathered parameters
   std::vector<Piece> pieces_;
   std::unique_ptr<optim::Optimizer> local_;
-  int64_t steps_ = 0;
 };
 
 }  // namespace lockstep::dist

@@ -39,10 +39,11 @@ class Optimizer {
 
   // Per-parameter state as named tensors "<param index>.<field>" (indices count across groups
   // in order), plus "step" and one "group.<g>.lr" per group (0-dim f64), ready for a
-  // safetensors checkpoint.
-  NamedTensors state_dict() const;
+  // safetensors checkpoint. Virtual for wrappers that keep the state elsewhere
+  // (dist::ZeroRedundancyOptimizer, whose state_dict() is collective).
+  virtual NamedTensors state_dict() const;
   // Restores what state_dict() produced; checks names, shapes and the parameter count.
-  void load_state_dict(const NamedTensors& state);
+  virtual void load_state_dict(const NamedTensors& state);
   int64_t steps() const { return steps_; }
 
  protected:
