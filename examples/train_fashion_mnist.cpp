@@ -34,6 +34,7 @@
 #include "lockstep/base/worker_env.h"
 #include "lockstep/data/data.h"
 #include "lockstep/distributed/checkpoint.h"
+#include "lockstep/distributed/zero.h"
 #include "lockstep/io/checkpoint.h"
 #include "lockstep/io/metrics.h"
 #include "lockstep/io/progress.h"
@@ -200,6 +201,21 @@ class TestSlowForward : public nn::Module {
   bool slow_;
   std::shared_ptr<nn::Module> net_;
 };
+
+// SGD over the model's parameters; with --zero 1 wrapped so that each rank keeps the state of
+// its shard only (Note [ZeRO-1]): the same parameters, bit for bit, and a checkpoint that is the
+// same file, loadable with or without --zero and with any number of ranks.
+std::unique_ptr<optim::Optimizer> build_optimizer(const Config& cfg, double lr,
+                                                  const nn::Module& model,
+                                                  const std::shared_ptr<dist::ProcessGroup>& pg) {
+  const optim::SGDOptions opts{
+      .lr = lr, .momentum = cfg.momentum, .weight_decay = cfg.weight_decay};
+  if (cfg.zero == 0) return std::make_unique<optim::SGD>(model.parameters(), opts);
+  return std::make_unique<dist::ZeroRedundancyOptimizer>(
+      model.parameters(), pg, [opts](std::vector<optim::ParamGroup> groups) {
+        return std::make_unique<optim::SGD>(std::move(groups), opts);
+      });
+}
 
 Model build_model(const Config& cfg, const std::shared_ptr<dist::ProcessGroup>& pg, Generator& gen,
                   amp::GradScaler& scaler) {
@@ -406,8 +422,7 @@ class Trainer {
         model_(build_model(cfg, pg_, gen_, scaler_)),
         effective_batch_(effective_batch_of(cfg, world_)),
         lr_(scaled_lr(cfg, effective_batch_)),
-        opt_(model_.params->parameters(),
-             {.lr = lr_, .momentum = cfg.momentum, .weight_decay = cfg.weight_decay}),
+        opt_(build_optimizer(cfg, lr_, *model_.params, pg_)),
         // --uneven: no padding, so the ranks' shares differ (Note [Uneven inputs]).
         sampler_(std::make_shared<data::DistributedSampler>(
             train_data_->size(), data::DistributedSamplerOptions{.num_replicas = world_,
@@ -426,7 +441,7 @@ class Trainer {
                                 : loader_.num_batches()),
         steps_per_epoch_((full_epoch_batches_ + cfg.accum_steps - 1) / cfg.accum_steps),
         total_steps_(total_steps_of(cfg, steps_per_epoch_)),
-        scheduler_(opt_, schedule_of(cfg, total_steps_)),
+        scheduler_(*opt_, schedule_of(cfg, total_steps_)),
         // On a terminal, rank 0 draws a progress bar in place of the periodic loss lines.
         progress_({.terminal = true, .enabled = main_rank_ && stdout_is_terminal()}),
         test_crash_(cfg, *pg_) {
@@ -475,7 +490,7 @@ class Trainer {
   Model model_;
   const int64_t effective_batch_;
   const double lr_;
-  optim::SGD opt_;
+  std::unique_ptr<optim::Optimizer> opt_;
   std::shared_ptr<data::DistributedSampler> sampler_;
   data::DataLoader loader_;
   const int64_t full_epoch_batches_, steps_per_epoch_, total_steps_;
@@ -528,7 +543,7 @@ void Trainer::load(const std::string& path) {
                   it == ckpt.user.end() ? "(unset)" : it->second, ", this run has --", key, " ",
                   value);
   }
-  opt_.load_state_dict(ckpt.optimizer);
+  opt_->load_state_dict(ckpt.optimizer);
   if (scaler_.is_enabled()) scaler_.load_state_dict(ckpt.scaler);
   if (auto it = ckpt.rng.find("init"); it != ckpt.rng.end()) {
     gen_.manual_seed(it->second.seed);
@@ -629,7 +644,7 @@ EpochResult Trainer::train_epoch() {
       cfg_.uneven ? 0 : (full_epoch_batches_ - micro_batches) / cfg_.accum_steps;
   // --uneven: Note [Uneven inputs].
   std::optional<dist::Join> join;
-  if (cfg_.uneven && model_.ddp) join.emplace(*model_.ddp, dist::JoinOptions{&opt_, &scaler_});
+  if (cfg_.uneven && model_.ddp) join.emplace(*model_.ddp, dist::JoinOptions{opt_.get(), &scaler_});
   EpochResult e;
   e.finished = micro_batches == 0;
   micro_ = 0;
@@ -698,16 +713,16 @@ std::optional<StepResult> Trainer::train_step(const data::Batch& batch, int64_t 
   StepResult s;
   s.loss = std::exchange(step_loss_, 0.0);
   if (cfg_.clip_grad_norm > 0) {
-    scaler_.unscale_(opt_);
+    scaler_.unscale_(*opt_);
     s.grad_norm = optim::clip_grad_norm(model_.params->parameters(), cfg_.clip_grad_norm);
   }
   // What this step ran with, before update() and the scheduler move on to the next.
   s.loss_scale = scaler_.get_scale();
   s.lr = scheduler_.last_lr();
-  scaler_.step(opt_);
+  scaler_.step(*opt_);
   scaler_.update();
   scheduler_.step();
-  opt_.zero_grad();
+  opt_->zero_grad();
   ++pos_.step;
   return s;
 }
@@ -771,7 +786,7 @@ io::TrainingCheckpoint Trainer::checkpoint(const Position& at) {
   pg_->all_reduce(sums)->wait();
   io::TrainingCheckpoint ckpt;
   ckpt.model = model_.params->state_dict();
-  ckpt.optimizer = opt_.state_dict();
+  ckpt.optimizer = opt_->state_dict();
   ckpt.optimizer_param_names = param_names_;
   if (scaler_.is_enabled()) ckpt.scaler = scaler_.state_dict();
   ckpt.step = at.step;
@@ -856,6 +871,14 @@ void Trainer::report_final(const Totals& totals) const {
   if (model_.ddp && cfg_.ddp_stats && main_rank_)
     std::printf("ddp: %s\n", model_.ddp->stats().str().c_str());
   if (!main_rank_) return;
+  if (const auto* zero = dynamic_cast<const dist::ZeroRedundancyOptimizer*>(opt_.get())) {
+    const dist::ZeroStats z = zero->stats();
+    std::printf(
+        "zero: rank 0 keeps %lld bytes of optimizer state, for its shard of %lld of the %lld "
+        "parameter elements (padding %lld)\n",
+        static_cast<long long>(z.state_bytes), static_cast<long long>(z.shard_elements),
+        static_cast<long long>(z.total_elements), static_cast<long long>(z.padding));
+  }
   if (totals.samples == 0)
     log_info("nothing left to train: step ", pos_.step, " reached --max-steps / --epochs");
   std::printf("final test_accuracy=%s train_loss=%.4f steps=%lld samples_per_s=%.1f\n",

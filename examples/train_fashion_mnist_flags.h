@@ -63,6 +63,7 @@ struct Config {
   int64_t test_slow_rank = -1;        // testing only: Note [Testing hooks]; -1: none
   bool uneven = false;                // no padding in the train sampler; dist::Join evens out
   bool sync_bn = false;               // BatchNorm layers as dist::SyncBatchNorm
+  int64_t zero = 0;                   // 1: the optimizer state sharded (ZeRO-1)
 };
 
 // Note [Numeric flags]
@@ -239,6 +240,10 @@ inline int parse_flags(int argc, char** argv, Config& cfg) {
                "BatchNorm statistics over the whole batch of all ranks (dist::SyncBatchNorm), "
                "so N ranks of --batch-size B normalize as one process of N x B; needs a model "
                "with BatchNorm (--model cnn-bn). Not with --dp");
+  add_number(app, "--zero", cfg.zero, I{0, 1},
+             "ZeRO stage: 1 shards the optimizer state across the ranks "
+             "(dist::ZeroRedundancyOptimizer; each rank keeps 1/world of it, the parameters are "
+             "bitwise those of 0); 0: every rank keeps all of it. Not with --dp or --uneven");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -276,14 +281,19 @@ inline int parse_flags(int argc, char** argv, Config& cfg) {
                         : !cfg.resume.empty() ? "--resume (a position mid-epoch assumes equal "
                                                 "shares)"
                         : cfg.dp > 1          ? "--dp (one process: no rank runs out)"
-                        : cfg.sync_bn ? "--sync-bn (its all-gather needs every rank's batch)"
-                                      : nullptr;
+                        : cfg.sync_bn  ? "--sync-bn (its all-gather needs every rank's batch)"
+                        : cfg.zero > 0 ? "--zero 1 (its step is a collective of all ranks)"
+                                       : nullptr;
     if (other != nullptr)
       return usage_error(std::string("--uneven cannot be combined with ") + other);
   }
   if (cfg.sync_bn && cfg.model != "cnn-bn") {
     return usage_error("--sync-bn synchronizes BatchNorm layers, and --model " + cfg.model +
                        " has none: use --model cnn-bn");
+  }
+  if (cfg.zero > 0 && cfg.dp > 1) {
+    return usage_error("--zero 1 shards the optimizer state across ranks; --dp " +
+                       std::to_string(cfg.dp) + " runs replicas on threads of one process");
   }
   if (cfg.sync_bn && cfg.dp > 1) {
     return usage_error("--sync-bn needs a process group of ranks; --dp " + std::to_string(cfg.dp) +

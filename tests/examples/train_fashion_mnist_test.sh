@@ -536,6 +536,36 @@ PY
     grep -q "^\[rank0\]: .* WARNING: rank 1 is the slowest for 20 steps: [0-9.]* ms of compute per step against a median of [0-9.]* ms" "$work/out" \
       || fail "no warning naming rank 1"
     ;;
+  zero)
+    # --zero 1 (ZeRO-1, Note [ZeRO-1]): 3 ranks write the very checkpoints (parameters and the
+    # full, gathered optimizer state) that 3 ranks of plain DDP write; rank 0 keeps a third of the
+    # state. Its step-15 checkpoint resumes in 2 ranks, with --zero 1 and without, to the same end.
+    [ -x "$tool" ] || fail "no lockstep binary given"
+    args=(--log-every 0 --no-eval --threads 1 --momentum 0.9 --max-steps 30 --save-every 15)
+    for z in 0 1; do
+      OMP_NUM_THREADS=1 "$tool" run --standalone --nproc-per-node 3 "$exe" "${args[@]}" --zero $z \
+        --save "$work/z$z/ck.safetensors" > "$work/z$z.out" 2>&1 \
+        || { cat "$work/z$z.out"; fail "3 ranks with --zero $z failed"; }
+    done
+    cat "$work/z1.out"
+    cmp "$work/z0/ck.safetensors" "$work/z1/ck.safetensors" \
+      || fail "--zero 1 ended with other parameters or optimizer state than --zero 0"
+    cmp "$work/z0/ck.step00000015.safetensors" "$work/z1/ck.step00000015.safetensors" \
+      || fail "the step-15 checkpoints of --zero 1 and --zero 0 differ"
+    [[ "$(grep -o 'zero: rank 0 keeps [0-9]* bytes .* shard of [0-9]* of the [0-9]* parameter' "$work/z1.out")" =~ keeps\ ([0-9]+)\ bytes.*of\ the\ ([0-9]+)\ parameter ]] \
+      || fail "no optimizer-state line"
+    # SGD with momentum: one f32 per element; rank 0 holds about a third of them.
+    awk -v b="${BASH_REMATCH[1]}" -v n="${BASH_REMATCH[2]}" 'BEGIN { exit !(b <= 4 * (n / 3 + 3) && b >= 4 * (n / 3 - 3)) }' \
+      || fail "rank 0 keeps ${BASH_REMATCH[1]} bytes of state for ${BASH_REMATCH[2]} elements"
+    for z in 0 1; do
+      OMP_NUM_THREADS=1 "$tool" run --standalone --nproc-per-node 2 "$exe" "${args[@]}" --zero $z \
+        --resume "$work/z1/ck.step00000015.safetensors" --save "$work/r$z/ck.safetensors" \
+        > "$work/r$z.out" 2>&1 || { cat "$work/r$z.out"; fail "resuming in 2 ranks with --zero $z failed"; }
+    done
+    grep -q "written by 3 ranks, now 2" "$work/r1.out" || { cat "$work/r1.out"; fail "no world-size change"; }
+    cmp "$work/r0/ck.safetensors" "$work/r1/ck.safetensors" \
+      || fail "the 2-rank continuations with --zero 1 and --zero 0 differ"
+    ;;
   *) fail "unknown case $case_name" ;;
 esac
 echo PASS
