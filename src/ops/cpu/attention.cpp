@@ -20,10 +20,12 @@ namespace lockstep::cpu {
 
 namespace {
 
-// Query rows and key columns of one tile. 64 x 64 keeps a tile of scores (16 KiB in f32) and
-// the q, k, v rows it multiplies in L2 while giving BLAS products large enough to run near its
-// peak; the one (T, T) tile per head the design allows is then a (64, 64) one.
-constexpr int64_t kTile = 64;
+// Query rows and key columns of one tile of scores: the only (T, T)-like buffer a head holds,
+// 16 KiB in f32, so that it and the q, k, v rows it multiplies stay in L1/L2. Measured at
+// (B, H, T, D) = (8, 4, 128, 32) on the 2-core VM: 64 x 64 ran the forward fastest; 128 x 64,
+// 128 x 128 and 32 x 64 were 5-40% slower (docs/PERFORMANCE.md, issue 19). Nothing else assumes
+// the two are equal.
+constexpr int64_t kRows = 64, kCols = 64;
 
 // Note [Vectorized exp]
 // The softmax of a tile costs one exp per score next to 4 * D multiply-adds of its two products,
@@ -128,26 +130,29 @@ struct Dims3 {
   int64_t tq, tk, d, dv;
 };
 
-// One head of the forward: o (tq, dv) and lse (tq). s is a kTile x kTile scratch tile, m and l
-// kTile each: the running max and sum of exponentials of the current query tile's rows.
+// One head of the forward: o (tq, dv) and lse (tq). s is a kRows x kCols scratch tile, m and l
+// kRows each: the running max and sum of exponentials of the current query tile's rows.
 template <typename T>
 void forward_head(const T* q, const T* k, const T* v, T* o, T* lse, const Dims3& n, T scale,
                   bool causal, T* s, T* m, T* l) {
-  for (int64_t i0 = 0; i0 < n.tq; i0 += kTile) {
-    const int64_t rows = std::min(kTile, n.tq - i0);
+  for (int64_t i0 = 0; i0 < n.tq; i0 += kRows) {
+    const int64_t rows = std::min(kRows, n.tq - i0);
     T* oi = o + i0 * n.dv;
     std::fill(oi, oi + rows * n.dv, T(0));
     std::fill(m, m + rows, -std::numeric_limits<T>::infinity());
     std::fill(l, l + rows, T(0));
     // Causal: key tiles past this query tile's last row are all masked; skip them.
     const int64_t kend = causal ? std::min(n.tk, i0 + rows) : n.tk;
-    for (int64_t j0 = 0; j0 < kend; j0 += kTile) {
-      const int64_t cols = std::min(kTile, kend - j0);
-      gemm<T>(false, true, rows, cols, n.d, q + i0 * n.d, n.d, k + j0 * n.d, n.d, T(0), s, kTile);
+    for (int64_t j0 = 0; j0 < kend; j0 += kCols) {
+      const int64_t cols = std::min(kCols, kend - j0);
+      gemm<T>(false, true, rows, cols, n.d, q + i0 * n.d, n.d, k + j0 * n.d, n.d, T(0), s, kCols);
       for (int64_t r = 0; r < rows; ++r) {
-        T* row = s + r * kTile;
+        T* row = s + r * kCols;
         const int64_t vis = visible(i0 + r, j0, cols, causal);
-        // Tiles share the grid of query rows, so with the mask every row sees key j0 at least.
+        if (vis == 0) {  // causal: this row sees none of these keys
+          std::fill(row, row + cols, T(0));
+          continue;
+        }
         const T m_new = std::max(m[r], max_row(row, vis) * scale);
         const T alpha = std::exp(m[r] - m_new);  // 0 for the first tile (m = -inf)
         const T sum = exp_row(row, vis, scale, m_new);
@@ -157,7 +162,7 @@ void forward_head(const T* q, const T* k, const T* v, T* o, T* lse, const Dims3&
         if (alpha != T(1))
           for (int64_t c = 0; c < n.dv; ++c) oi[r * n.dv + c] *= alpha;
       }
-      gemm<T>(false, false, rows, n.dv, cols, s, kTile, v + j0 * n.dv, n.dv, T(1), oi, n.dv);
+      gemm<T>(false, false, rows, n.dv, cols, s, kCols, v + j0 * n.dv, n.dv, T(1), oi, n.dv);
     }
     for (int64_t r = 0; r < rows; ++r) {
       const T inv = T(1) / l[r];
@@ -168,7 +173,7 @@ void forward_head(const T* q, const T* k, const T* v, T* o, T* lse, const Dims3&
 }
 
 // One head of the backward (the key-tile-outer order of FlashAttention-2: dk and dv of a key
-// tile are finished before the next, dq accumulates over key tiles). p and dp are kTile x kTile
+// tile are finished before the next, dq accumulates over key tiles). p and dp are kRows x kCols
 // scratch tiles; delta (tq) holds rowsum(g * o).
 template <typename T>
 void backward_head(T* dq, T* dk, T* dv, const T* g, const T* q, const T* k, const T* v, const T* o,
@@ -179,37 +184,37 @@ void backward_head(T* dq, T* dk, T* dv, const T* g, const T* q, const T* k, cons
     delta[i] = acc;
   }
   std::fill(dq, dq + n.tq * n.d, T(0));
-  for (int64_t j0 = 0; j0 < n.tk; j0 += kTile) {
-    const int64_t cols = std::min(kTile, n.tk - j0);
+  for (int64_t j0 = 0; j0 < n.tk; j0 += kCols) {
+    const int64_t cols = std::min(kCols, n.tk - j0);
     T* dkj = dk + j0 * n.d;
     T* dvj = dv + j0 * n.dv;
     std::fill(dkj, dkj + cols * n.d, T(0));
     std::fill(dvj, dvj + cols * n.dv, T(0));
-    // Causal (tq == tk, one tile grid): query tiles before this key tile see none of its keys.
-    for (int64_t i0 = causal ? j0 : 0; i0 < n.tq; i0 += kTile) {
-      const int64_t rows = std::min(kTile, n.tq - i0);
-      gemm<T>(false, true, rows, cols, n.d, q + i0 * n.d, n.d, k + j0 * n.d, n.d, T(0), p, kTile);
+    // Causal (tq == tk): query tiles that end before key j0 see none of this tile's keys.
+    for (int64_t i0 = causal ? j0 / kRows * kRows : 0; i0 < n.tq; i0 += kRows) {
+      const int64_t rows = std::min(kRows, n.tq - i0);
+      gemm<T>(false, true, rows, cols, n.d, q + i0 * n.d, n.d, k + j0 * n.d, n.d, T(0), p, kCols);
       for (int64_t r = 0; r < rows; ++r) {
-        T* row = p + r * kTile;
+        T* row = p + r * kCols;
         const int64_t vis = visible(i0 + r, j0, cols, causal);
         exp_row(row, vis, scale, lse[i0 + r]);
         std::fill(row + vis, row + cols, T(0));
       }
       const T* gi = g + i0 * n.dv;
       // dv_j += p^T g_i; dp = g_i v_j^T.
-      gemm<T>(true, false, cols, n.dv, rows, p, kTile, gi, n.dv, T(1), dvj, n.dv);
-      gemm<T>(false, true, rows, cols, n.dv, gi, n.dv, v + j0 * n.dv, n.dv, T(0), dp, kTile);
+      gemm<T>(true, false, cols, n.dv, rows, p, kCols, gi, n.dv, T(1), dvj, n.dv);
+      gemm<T>(false, true, rows, cols, n.dv, gi, n.dv, v + j0 * n.dv, n.dv, T(0), dp, kCols);
       // ds = p * (dp - delta) * scale, the gradient of the scaled scores times the scale.
       for (int64_t r = 0; r < rows; ++r) {
-        T* ds = dp + r * kTile;
-        const T* pr = p + r * kTile;
+        T* ds = dp + r * kCols;
+        const T* pr = p + r * kCols;
         const T di = delta[i0 + r];
         for (int64_t c = 0; c < cols; ++c) ds[c] = pr[c] * (ds[c] - di) * scale;
       }
       // dq_i += ds k_j; dk_j += ds^T q_i.
-      gemm<T>(false, false, rows, n.d, cols, dp, kTile, k + j0 * n.d, n.d, T(1), dq + i0 * n.d,
+      gemm<T>(false, false, rows, n.d, cols, dp, kCols, k + j0 * n.d, n.d, T(1), dq + i0 * n.d,
               n.d);
-      gemm<T>(true, false, cols, n.d, rows, dp, kTile, q + i0 * n.d, n.d, T(1), dkj, n.d);
+      gemm<T>(true, false, cols, n.d, rows, dp, kCols, q + i0 * n.d, n.d, T(1), dkj, n.d);
     }
   }
 }
@@ -230,7 +235,7 @@ void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, co
                        const Tensor& v, double scale, bool causal) {
   const int64_t heads = q.size(0);
   const Dims3 n{q.size(1), k.size(1), q.size(2), v.size(2)};
-  check_blas_size(kTile, kTile, std::max(n.d, n.dv), "scaled_dot_product_attention");
+  check_blas_size(kRows, kCols, std::max(n.d, n.dv), "scaled_dot_product_attention");
   const T* pq = q.data<T>();
   const T* pk = k.data<T>();
   const T* pv = v.data<T>();
@@ -238,11 +243,11 @@ void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, co
   T* pl = lse.data<T>();
   for_each_head(heads, [&](int64_t h) {
     thread_local std::vector<T> scratch;
-    scratch.resize(kTile * kTile + 2 * kTile);
+    scratch.resize(kRows * kCols + 2 * kRows);
     T* s = scratch.data();
     forward_head<T>(pq + h * n.tq * n.d, pk + h * n.tk * n.d, pv + h * n.tk * n.dv,
                     po + h * n.tq * n.dv, pl + h * n.tq, n, static_cast<T>(scale), causal, s,
-                    s + kTile * kTile, s + kTile * kTile + kTile);
+                    s + kRows * kCols, s + kRows * kCols + kRows);
   });
 }
 
@@ -257,12 +262,12 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
   T *pdq = dq.data<T>(), *pdk = dk.data<T>(), *pdv = dv.data<T>();
   for_each_head(heads, [&](int64_t h) {
     thread_local std::vector<T> scratch;
-    scratch.resize(2 * kTile * kTile + n.tq);
+    scratch.resize(2 * kRows * kCols + n.tq);
     T* p = scratch.data();
     backward_head<T>(pdq + h * n.tq * n.d, pdk + h * n.tk * n.d, pdv + h * n.tk * n.dv,
                      pg + h * n.tq * n.dv, pq + h * n.tq * n.d, pk + h * n.tk * n.d,
                      pv + h * n.tk * n.dv, po + h * n.tq * n.dv, pl + h * n.tq, n,
-                     static_cast<T>(scale), causal, p, p + kTile * kTile, p + 2 * kTile * kTile);
+                     static_cast<T>(scale), causal, p, p + kRows * kCols, p + 2 * kRows * kCols);
   });
 }
 
