@@ -32,22 +32,28 @@ namespace lockstep::dist {
 // parameter, as LAMB) would not be equal, and is not supported.
 //
 // Why the gradients are still all-reduced. ZeRO-1 proper reduce-scatters the gradient buckets,
-// so each rank receives only its shard's sums (half the traffic of an all-reduce's two phases).
-// Bitwise equality with DDP then needs the reduce-scatter to add the ranks' terms for every
-// element in the order the all-reduce adds them, and our backends do not promise that (a ring
-// all-reduce starts each chunk's sum at a different rank; a reduce-scatter need not cut chunks
-// where our shards are). Until a backend documents and tests that agreement, this optimizer takes
-// the gradients DDP already averaged (any comm hook, the unused-parameter status and the slow-rank
-// slots of Note [Slow rank] untouched) and saves the optimizer-state memory, which is ZeRO-1's
-// point; it adds one all-gather of the parameters per step. Reduce-scattering the buckets is the
-// next step (issue 19), behind the same class.
+// so each rank receives only its shard's sums. Bitwise equality with DDP then needs the
+// reduce-scatter to add the ranks' terms of every element in the order the all-reduce adds them.
+// shm does (both reduce each element in rank order; tests/distributed/shm_test.cpp checks that
+// reduce_scatter's chunk is bit-identical to all_reduce's), and so does any backend at 2 ranks
+// (a + b == b + a). Gloo at 3 or more does not promise it: its all_reduce is gloo::allreduce,
+// whose order of addition for an element depends on the segment the element falls in, and its
+// reduce_scatter is our own ring (src/distributed/gloo/ring.cpp) with its own chunks; nothing
+// tests that the two agree (shm_test finds shm and Gloo's all_reduce apart at 3 ranks). And the
+// shards would have to be per bucket (each bucket padded to a multiple of the world size), with
+// DDP's bucket layout rebuilt after the first step. So for now this optimizer takes the
+// gradients DDP already averaged (any comm hook; the unused-parameter status and the slow-rank
+// slots of Note [Slow rank] untouched) and saves the optimizer-state memory, ZeRO-1's point, for
+// one all-gather of the parameters per step (not yet overlapped with the next forward).
+// Reduce-scattering the buckets is the next step (issue 19), behind the same class: shm and two
+// ranks first, Gloo once its two rings agree.
 //
 // Checkpoints. state_dict() rebuilds the full state in the plain optimizer's own format: for each
 // per-element field, every rank writes its pieces' state into a shard-sized buffer and one
-// all_gather per field reassembles the flat state; the scalars per parameter and the global
-// entries travel as text in an all_gather_object. load_state_dict() takes this rank's slices of
-// a full state. So a checkpoint is the same file whether ZeRO wrote it or not, and loads into
-// any world size, with ZeRO or without.
+// all_gather per field reassembles the flat state; the scalars per parameter (AdamW's step
+// count) travel as text in an all_gather_object; "step" and the groups' lr are every rank's.
+// load_state_dict() takes this rank's slices of a full state. So a checkpoint is the same file
+// whether ZeRO wrote it or not, and loads into any world size, with ZeRO or without.
 
 namespace {
 
