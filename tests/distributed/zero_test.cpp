@@ -200,6 +200,51 @@ TEST(ZeroCheckpoint, SavedByTwoRanksResumesInThreeZeroRanksAndInPlainDDPAndBack)
   expect_same_state(zero4[0].snapshot.optimizer, plain4[0].snapshot.optimizer);
 }
 
+// More ranks than parameter elements: ranks 2 and 3 own only padding (no wrapped optimizer), and
+// a 0-dim parameter is one piece. Gradients are set by hand, the same on every rank, as DDP leaves
+// them.
+TEST(ZeroRedundancyOptimizer, RanksWithOnlyPaddingAndAZeroDimParameterStepAsThePlainOptimizer) {
+  constexpr int kWorld = 4;
+  auto make_params = [] {
+    return std::vector<Tensor>{full({1}, 0.5).requires_grad_(true),
+                               full({}, -1.25).requires_grad_(true)};
+  };
+  auto set_grads = [](const std::vector<Tensor>& ps, int s) {
+    autograd::NoGradGuard no_grad;
+    ps[0].set_grad(full({1}, 0.1 * (s + 1)));
+    ps[1].set_grad(full({}, -0.3 + 0.05 * s));
+  };
+  auto factory = [](std::vector<optim::ParamGroup> g) {
+    return std::make_unique<optim::AdamW>(std::move(g), optim::AdamWOptions{.lr = 0.1});
+  };
+  const auto want_params = make_params();
+  auto plain = factory({optim::ParamGroup{want_params}});
+  for (int s = 0; s < 5; ++s) {
+    set_grads(want_params, s);
+    plain->step();
+  }
+  std::vector<std::vector<double>> got(kWorld);
+  std::vector<optim::NamedTensors> state(kWorld);
+  std::vector<bool> has_local(kWorld);
+  const auto errors = lockstep::testing::run_ranks(kWorld, [&](int r, ProcessGroupPtr pg) {
+    const auto ps = make_params();
+    ZeroRedundancyOptimizer z(ps, pg, factory);
+    for (int s = 0; s < 5; ++s) {
+      set_grads(ps, s);
+      z.step();
+    }
+    got[r] = {ps[0].item(), ps[1].item()};
+    state[r] = z.state_dict();
+    has_local[r] = z.local_optimizer() != nullptr;
+  });
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_EQ(errors[r], "") << "rank " << r;
+    EXPECT_EQ(got[r], (std::vector<double>{want_params[0].item(), want_params[1].item()}));
+    expect_same_state(state[r], plain->state_dict());
+    EXPECT_EQ(has_local[r], r < 2) << "rank " << r;
+  }
+}
+
 TEST(ZeroRedundancyOptimizer, RejectsParametersOfMixedDtypes) {
   const auto errors = lockstep::testing::run_ranks(1, [&](int, ProcessGroupPtr pg) {
     Tensor a = zeros({3}).requires_grad_(true);
