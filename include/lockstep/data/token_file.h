@@ -101,7 +101,8 @@ struct TokenWindowOptions {
 // fixed set and a resume must replay a generator's stream. The middle way keeps resumes exact:
 // a trainer wanting different cuts per epoch builds the epoch's dataset with an offset that is
 // a pure function of (seed, epoch), so a resumed run computes the same offset again. The window
-// count may then differ by one between epochs, which the sampler's per-epoch size absorbs.
+// count may then differ by one between epochs, so it builds that epoch's sampler (and loader)
+// over that epoch's dataset too; samples consumed still count positions in that epoch's order.
 class TokenWindowDataset : public Dataset {
  public:
   TokenWindowDataset(std::shared_ptr<const TokenFile> tokens, const TokenWindowOptions& options);
