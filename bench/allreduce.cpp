@@ -197,9 +197,9 @@ double trace_cost_ns(int rounds, bool waited) {
       held->record_finish(seq, true);
       if (waited) held->record_wait(0);
     }
-    ns.push_back(std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0)
-                     .count() /
-                 kCalls);
+    ns.push_back(
+        std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count() /
+        kCalls);
   }
   std::filesystem::remove(path);
   std::sort(ns.begin(), ns.end());

@@ -24,6 +24,18 @@ std::string_view call_kind_name(uint32_t kind) {
   return "?";
 }
 
+CallSignature signature(CallKind kind, const Tensor* t, ReduceOp op, int root) {
+  CallSignature s;
+  s.kind = static_cast<uint32_t>(kind);
+  if (t != nullptr) {
+    s.dtype = static_cast<uint32_t>(t->dtype());
+    s.numel = t->numel();
+  }
+  s.op = static_cast<uint32_t>(op);
+  s.root = root;
+  return s;
+}
+
 std::string call_mismatch(const std::vector<CallSignature>& by_rank) {
   if (by_rank.empty()) return "";
   const CallSignature& h0 = by_rank[0];

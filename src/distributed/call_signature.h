@@ -7,6 +7,8 @@
 #include <string_view>
 #include <vector>
 
+#include "lockstep/distributed/process_group.h"
+
 namespace lockstep::dist::detail {
 
 enum class CallKind : uint32_t { all_reduce = 1, broadcast, all_gather, reduce_scatter, barrier };
@@ -24,6 +26,10 @@ struct CallSignature {
   int64_t numel = 0;
 };
 static_assert(sizeof(CallSignature) == 24, "CallSignature travels as 24 bytes");
+
+// The signature of a collective on `t` (null: a barrier), with its op (reductions) and root
+// (broadcast).
+CallSignature signature(CallKind kind, const Tensor* t, ReduceOp op = ReduceOp::sum, int root = 0);
 
 // "" when every rank's signature equals rank 0's; otherwise the first difference, naming both
 // ranks and both values ("all_reduce: rank 1 has 512 elements, rank 0 has 1024"), so that every

@@ -343,8 +343,7 @@ WorkPtr ProcessGroup::broadcast(std::vector<Tensor> tensors, const BroadcastOpti
   Tensor wire = stage_in(flat, root);
   WorkPtr work = make_work(
       "broadcast", lockstep::detail::str_cat("root ", opts.root, ", ", describe(tensors)),
-      static_cast<uint32_t>(detail::CallKind::broadcast), flat.dtype(), 0, opts.root,
-      flat.numel());
+      static_cast<uint32_t>(detail::CallKind::broadcast), flat.dtype(), 0, opts.root, flat.numel());
   if (!root) stage_back(work, flat, wire);
   if (packed && !root) work->then([flat, tensors] { unpack(flat, tensors); });
   do_broadcast(wire, opts.root, timeout, work);
@@ -363,8 +362,8 @@ WorkPtr ProcessGroup::all_gather(const Tensor& output, const Tensor& input,
   Tensor wire_out = stage_in(out, false);
   Tensor wire_in = stage_in(input.contiguous(), true);
   WorkPtr work = make_work("all_gather", describe({input}),
-                           static_cast<uint32_t>(detail::CallKind::all_gather), input.dtype(), 0,
-                           0, input.numel());
+                           static_cast<uint32_t>(detail::CallKind::all_gather), input.dtype(), 0, 0,
+                           input.numel());
   stage_back(work, out, wire_out);
   if (!output.is_contiguous()) work->then([output, out] { copy_elements(output, out); });
   do_all_gather(wire_out, wire_in, timeout, work);
@@ -388,8 +387,8 @@ WorkPtr ProcessGroup::all_gather(std::vector<Tensor> outputs, const Tensor& inpu
   Tensor wire_out = stage_in(flat, false);
   Tensor wire_in = stage_in(input.contiguous(), true);
   WorkPtr work = make_work("all_gather", describe({input}),
-                           static_cast<uint32_t>(detail::CallKind::all_gather), input.dtype(), 0,
-                           0, input.numel());
+                           static_cast<uint32_t>(detail::CallKind::all_gather), input.dtype(), 0, 0,
+                           input.numel());
   stage_back(work, flat, wire_out);
   work->then([flat, outputs] { unpack(flat, outputs); });
   do_all_gather(wire_out, wire_in, timeout, work);

@@ -75,8 +75,9 @@ void init_region(TraceRegion& r) {
 }
 
 std::string dtype_text(uint32_t dtype) {
-  return dtype <= static_cast<uint32_t>(DType::b8) ? std::string(dtype_name(static_cast<DType>(dtype)))
-                                                   : str_cat("dtype ", dtype);
+  return dtype <= static_cast<uint32_t>(DType::b8)
+             ? std::string(dtype_name(static_cast<DType>(dtype)))
+             : str_cat("dtype ", dtype);
 }
 
 std::string op_text(uint32_t op) {
@@ -170,8 +171,8 @@ void CollectiveTrace::export_to(const std::string& path) {
   LS_CHECK(!mapping_, "collective trace: already exported; export_to(", path, ") is called once");
   Fd fd(LS_SYSCHECK_MSG(::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600),
                         "cannot create the collective trace file ", path));
-  LS_SYSCHECK_MSG(::ftruncate(fd.get(), sizeof(TraceRegion)), "cannot size the collective trace file ",
-                  path);
+  LS_SYSCHECK_MSG(::ftruncate(fd.get(), sizeof(TraceRegion)),
+                  "cannot size the collective trace file ", path);
   void* addr =
       ::mmap(nullptr, sizeof(TraceRegion), PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
   LS_CHECK(addr != MAP_FAILED, "cannot map the collective trace file ", path, ": ",
@@ -287,11 +288,11 @@ std::optional<TraceSnapshot> read_trace_file(const std::string& path, std::strin
   };
   Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (!fd) return fail(str_cat("cannot open ", path, ": ", errno_text(errno)));
-  struct stat st{};
+  struct stat st {};
   if (::fstat(fd.get(), &st) != 0) return fail(str_cat("cannot stat ", path));
   if (static_cast<size_t>(st.st_size) < sizeof(TraceRegion)) {
-    return fail(str_cat(path, " holds ", st.st_size, " bytes, a trace needs ",
-                        sizeof(TraceRegion)));
+    return fail(
+        str_cat(path, " holds ", st.st_size, " bytes, a trace needs ", sizeof(TraceRegion)));
   }
   // Mapped, not read: the writer may be updating it while we copy (each field is atomic).
   void* addr = ::mmap(nullptr, sizeof(TraceRegion), PROT_READ, MAP_SHARED, fd.get(), 0);

@@ -189,6 +189,62 @@ TEST(Nccl, WatchdogAbortsAStuckCollectiveAndPoisonsTheGroup) {
                                   {"barrier #4", "was not run"});
 }
 
+// Note [NCCL signature check]: two ranks (one GPU each: NCCL cannot put two ranks on one GPU)
+// that disagree on a collective's size, and then on its kind, both fail before any data moves,
+// naming both sides; the group stays usable, and a matching all_reduce then sums.
+TEST(Nccl, RanksThatDisagreeFailOnBothRanksNamingBothSidesAndTheGroupGoesOn) {
+  LS_REQUIRE_GPU();
+  if (lockstep::testing::gpu_as_cpu() || cuda::device_count() < 2) {
+    GTEST_SKIP() << "needs 2 GPUs (NCCL puts one rank on each), found "
+                 << (lockstep::testing::gpu_as_cpu() ? 0 : cuda::device_count());
+  }
+  auto store = std::make_shared<HashStore>(30s);
+  std::vector<std::string> errors(2), kinds(2);
+  std::vector<double> sums(2, 0);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        cuda::set_device(r);
+        BackendConfig c;
+        c.store = store;
+        c.rank = r;
+        c.size = 2;
+        c.timeout = 60s;
+        auto pg = std::make_shared<ProcessGroupNCCL>(c);
+        const auto on = TensorOptions(kFloat32).with_device(cuda_device(r));
+        Tensor x = full({r == 0 ? 1024 : 512}, 1.0, on);
+        try {
+          pg->all_reduce(x)->synchronize();
+        } catch (const Error& e) {
+          errors[r] = e.message();
+        }
+        Tensor y = full({8}, 1.0, on);
+        try {
+          if (r == 0) pg->all_reduce(y)->synchronize();
+          if (r == 1) pg->broadcast(y)->synchronize();
+        } catch (const Error& e) {
+          kinds[r] = e.message();
+        }
+        Tensor z = full({8}, static_cast<double>(r + 1), on);
+        pg->all_reduce(z)->synchronize();
+        sums[r] = z.to(kCPU).data<float>()[0];
+      } catch (const std::exception& e) {
+        errors[r] += std::string(" | unexpected: ") + e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("all_reduce: rank 1 has 512 elements, rank 0 has 1024"),
+              std::string::npos)
+        << errors[r];
+    EXPECT_NE(kinds[r].find("rank 1 called broadcast, rank 0 called all_reduce"), std::string::npos)
+        << kinds[r];
+    EXPECT_EQ(sums[r], 3.0) << "the group went on after the mismatches";
+  }
+}
+
 // DDP's reducer on the device through NCCL: buckets on the GPU, all-reduces launched from the
 // backward hooks on the group's stream, the optimizer ordered after them by wait().
 TEST(Nccl, DdpOnOneRankEqualsOneProcessOnTheCpu) {

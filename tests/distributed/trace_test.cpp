@@ -156,9 +156,7 @@ TEST(CollectiveTrace, AFileThatIsNotATraceIsRefusedSayingWhy) {
   EXPECT_FALSE(read_trace_file(temp_path("missing").string(), &why).has_value());
   EXPECT_THAT(why, HasSubstr("cannot open"));
   const auto path = temp_path("short");
-  {
-    std::ofstream(path) << "LSTRACE";
-  }
+  { std::ofstream(path) << "LSTRACE"; }
   EXPECT_FALSE(read_trace_file(path.string(), &why).has_value());
   EXPECT_THAT(why, HasSubstr("a trace needs"));
   {

@@ -199,7 +199,6 @@ TEST_F(Launcher, WorkerKilledByTheOomKillerIsSaidSo) {
   EXPECT_THAT(own, Not(HasSubstr("touched 1024 MiB"))) << o.describe();
 }
 
-
 // ---- Issue 18: the verdict, the stall warning and SIGUSR1 (Note [Verdict], Note [Stall watch]) --
 
 // The position of `what` in `text` (npos when absent), for checking the order of lines.
@@ -276,14 +275,13 @@ TEST_F(Launcher, RanksThatIssueDifferentCollectivesAreBothNamedInTheVerdict) {
              "rank 0 issued all_reduce #1 (sum, 1024 x f32), rank 1 issued broadcast #1 (root 0, "
              "1024 x f32)"}}) {
     SCOPED_TRACE(std::string(c.hang) + " over " + c.backend);
-    const Outcome o =
-        run_launcher({"run", "--standalone", "--nproc-per-node", "2", "--timeout", "60", kWorker,
-                      "hang", c.hang},
-                     dir_, "launch", {std::string("LOCKSTEP_BACKEND=") + c.backend});
+    const Outcome o = run_launcher({"run", "--standalone", "--nproc-per-node", "2", "--timeout",
+                                    "60", kWorker, "hang", c.hang},
+                                   dir_, "launch", {std::string("LOCKSTEP_BACKEND=") + c.backend});
     EXPECT_TRUE(o.exited_with(1)) << o.describe();
     const std::string own = own_lines(o.err);
-    EXPECT_THAT(own, HasSubstr(std::string("verdict: the ranks disagree on collective #1: ") +
-                               c.expected))
+    EXPECT_THAT(
+        own, HasSubstr(std::string("verdict: the ranks disagree on collective #1: ") + c.expected))
         << o.describe();
   }
 }
@@ -303,10 +301,9 @@ TEST_F(Launcher, AKilledRankIsNamedInTheVerdictWithItsSignal) {
 // SIGUSR1 to the launcher prints the verdict and every rank's details at once, and stops
 // nothing: the job then ends only when the test stops it.
 TEST_F(Launcher, SigusrOnePrintsEveryRanksStateWithoutStoppingTheJob) {
-  const Launch l =
-      start_launcher({"run", "--standalone", "--nproc-per-node", "2", "--timeout", "120",
-                      "--stall-timeout", "0", kWorker, "skip-collective"},
-                     dir_, "launch", {"LOCKSTEP_RENDEZVOUS_TIMEOUT=60"});
+  const Launch l = start_launcher({"run", "--standalone", "--nproc-per-node", "2", "--timeout",
+                                   "120", "--stall-timeout", "0", kWorker, "skip-collective"},
+                                  dir_, "launch", {"LOCKSTEP_RENDEZVOUS_TIMEOUT=60"});
   std::string err;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   while (std::chrono::steady_clock::now() < deadline) {

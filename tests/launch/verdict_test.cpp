@@ -154,8 +154,9 @@ TEST(Verdict, ARankWithoutATraceIsSaidSo) {
 }
 
 TEST(Verdict, ViewsSurviveTheirTripThroughTheStore) {
-  RankView a = rank(2, {rec(7, kBroadcast, 1, TraceState::finished, 2, 3),
-                        rec(8, kAllReduce, 1024, TraceState::started, 4)},
+  RankView a = rank(2,
+                    {rec(7, kBroadcast, 1, TraceState::finished, 2, 3),
+                     rec(8, kAllReduce, 1024, TraceState::started, 4)},
                     "stopped");
   a.process_detail = "state T";
   a.process_since_ns = kT0 + 7;

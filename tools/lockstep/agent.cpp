@@ -138,9 +138,9 @@ struct Worker {
   int local_rank = 0;
   int rank = 0;
   std::string error_file;
-  std::string trace_file;         // Note [Collective trace]: the world group's ring
-  int64_t stopped_since_ns = 0;   // first seen in state T (0: running)
-  int64_t exited_ns = 0;          // first seen exited
+  std::string trace_file;                // Note [Collective trace]: the world group's ring
+  int64_t stopped_since_ns = 0;          // first seen in state T (0: running)
+  int64_t exited_ns = 0;                 // first seen exited
   std::string log_dir;                   // its stdout.log and stderr.log, with --log-dir
   std::unique_ptr<WorkerOutput> output;  // where its lines go (output.h)
   std::unique_ptr<WorkerProcess> proc;
@@ -800,9 +800,9 @@ std::optional<json> Agent::watch(int g) {
     why << std::fixed << "lost: its launcher has not been heard from for " << silent
         << " s (--node-timeout " << o_.node_timeout_s << " s); its machine, its launcher or the "
         << "network between it and node " << o_.node_rank << " failed";
-    return json{{"rank", -1}, {"node", n},          {"host", host},
-                {"lost", true}, {"status", why.str()}, {"time", utc_now()},
-                {"seen_by", o_.node_rank}};
+    return json{
+        {"rank", -1},          {"node", n},         {"host", host},           {"lost", true},
+        {"status", why.str()}, {"time", utc_now()}, {"seen_by", o_.node_rank}};
   }
   if (o_.node_rank != 0 || o_.stall_timeout_s <= 0) return std::nullopt;
   const auto views = all_views(g, "view", mine);
@@ -840,8 +840,8 @@ void Agent::report_now(int g) {
   const auto views = all_views(g, "view", mine);
   const int64_t now_ns = dist::trace_now_ns();
   const Verdict v = judge(views, now_ns);
-  std::string text = "state of the job at " + clock_text(now_ns) + " (SIGUSR1): " +
-                     (v.line.empty() ? "no rank waits in a collective" : v.line);
+  std::string text = "state of the job at " + clock_text(now_ns) +
+                     " (SIGUSR1): " + (v.line.empty() ? "no rank waits in a collective" : v.line);
   for (const auto& d : rank_details(views, now_ns)) text += "\n  " + d;
   say(text);
 }
@@ -860,7 +860,8 @@ void Agent::judge_failure(int g) {
   verdict_lines_.clear();
   try {
     std::vector<std::string> keys;
-    for (int n = 0; n < o_.nnodes; ++n) keys.push_back(gen_key(g, "final/node" + std::to_string(n)));
+    for (int n = 0; n < o_.nnodes; ++n)
+      keys.push_back(gen_key(g, "final/node" + std::to_string(n)));
     const auto deadline = Clock::now() + kFinalViewWait;
     while (!store_->check(keys) && Clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -1025,8 +1026,7 @@ int Agent::run() {
   // Everyone joined: from now on a store request that gets no reply for --node-timeout means
   // node 0 (or the network) is gone, the bound within which node 0 notices a lost node too
   // (Note [Stall watch]); the workers are stopped rather than left waiting.
-  store_->set_timeout(
-      std::chrono::milliseconds(static_cast<int64_t>(o_.node_timeout_s * 1000)));
+  store_->set_timeout(std::chrono::milliseconds(static_cast<int64_t>(o_.node_timeout_s * 1000)));
   const auto normal_exit_wait = std::max<std::chrono::milliseconds>(
       kExitSyncTimeout,
       std::chrono::milliseconds(static_cast<int64_t>(o_.monitor_interval_s * 3000)) +

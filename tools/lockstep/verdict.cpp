@@ -107,9 +107,8 @@ Verdict judge(const std::vector<RankView>& ranks, int64_t now_ns) {
     const TraceRecord* mine = r.trace->find(k->seq);
     if (mine != nullptr && mine->state != TraceState::finished) {
       waiting.push_back(r.rank);
-      const int64_t until = mine->state == TraceState::failed && mine->finished_ns
-                                ? mine->finished_ns
-                                : now_ns;
+      const int64_t until =
+          mine->state == TraceState::failed && mine->finished_ns ? mine->finished_ns : now_ns;
       waited = std::max(waited, static_cast<double>(until - mine->issued_ns) / 1e9);
     } else if (r.trace->issued < k->seq) {
       laggards.push_back(r.rank);
@@ -117,10 +116,9 @@ Verdict judge(const std::vector<RankView>& ranks, int64_t now_ns) {
   }
   v.waited_s = std::max(0.0, waited);
   const std::string what = k->describe();
-  const std::string waiters =
-      waiting.empty() ? ""
-                      : "; " + rank_list(waiting) + " waited " + seconds_text(v.waited_s) + " in " +
-                            what;
+  const std::string waiters = waiting.empty() ? ""
+                                              : "; " + rank_list(waiting) + " waited " +
+                                                    seconds_text(v.waited_s) + " in " + what;
   auto view_of = [&](int rank) -> const RankView& {
     return *std::find_if(ranks.begin(), ranks.end(),
                          [&](const RankView& r) { return r.rank == rank; });
@@ -137,8 +135,9 @@ Verdict judge(const std::vector<RankView>& ranks, int64_t now_ns) {
     if (!proc.empty()) since += "; " + proc;
     const std::string who =
         laggards.size() == 1 ? "rank " + std::to_string(l.rank) : rank_list(laggards);
-    v.line = who + " never issued " + what + " (" + (laggards.size() > 1 ? "rank " + std::to_string(l.rank) + ": " : "") +
-             since + ")" + waiters;
+    v.line = who + " never issued " + what + " (" +
+             (laggards.size() > 1 ? "rank " + std::to_string(l.rank) + ": " : "") + since + ")" +
+             waiters;
     v.culprit = true;
     return v;
   }
@@ -215,9 +214,12 @@ std::vector<std::string> rank_details(const std::vector<RankView>& ranks, int64_
 }
 
 json to_json(const RankView& v) {
-  json j = {{"rank", v.rank},       {"node", v.node},
-            {"host", v.host},       {"process", v.process},
-            {"detail", v.process_detail}, {"since", v.process_since_ns}};
+  json j = {{"rank", v.rank},
+            {"node", v.node},
+            {"host", v.host},
+            {"process", v.process},
+            {"detail", v.process_detail},
+            {"since", v.process_since_ns}};
   if (!v.trace) {
     j["no_trace"] = v.no_trace;
     return j;

@@ -22,17 +22,17 @@ struct RankView {
   // "running", "stopped" (state T or t), "exited", or "unknown" (not started, or its node did
   // not answer).
   std::string process = "unknown";
-  std::string process_detail;  // "state T", "killed by SIGKILL", "exit code 1"
+  std::string process_detail;    // "state T", "killed by SIGKILL", "exit code 1"
   int64_t process_since_ns = 0;  // stopped or exited since (0: unknown)
   std::optional<dist::TraceSnapshot> trace;
   std::string no_trace;  // why trace is empty ("it has not initialized its process group yet")
 };
 
 struct Verdict {
-  std::string line;       // empty: nobody waits in a collective and no rank is stopped
-  int64_t seq = 0;        // the collective some ranks wait in (0: none)
-  double waited_s = 0;    // how long the longest of them has waited
-  bool culprit = false;   // the line names a rank at fault (not only "every rank issued it")
+  std::string line;      // empty: nobody waits in a collective and no rank is stopped
+  int64_t seq = 0;       // the collective some ranks wait in (0: none)
+  double waited_s = 0;   // how long the longest of them has waited
+  bool culprit = false;  // the line names a rank at fault (not only "every rank issued it")
 };
 
 // Note [Verdict]

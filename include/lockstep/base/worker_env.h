@@ -49,5 +49,7 @@ inline constexpr const char* kRendezvousTimeout = "LOCKSTEP_RENDEZVOUS_TIMEOUT";
 inline constexpr const char* kTimeout = "LOCKSTEP_TIMEOUT";
 // The process group backend init_process_group uses when its options name none ("gloo", "shm").
 inline constexpr const char* kBackend = "LOCKSTEP_BACKEND";
+// "0": the NCCL backend skips its signature check before each collective (benchmarks only).
+inline constexpr const char* kNcclCheck = "LOCKSTEP_NCCL_CHECK";
 
 }  // namespace lockstep::env

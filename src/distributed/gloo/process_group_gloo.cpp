@@ -118,19 +118,6 @@ void with_word_type(int64_t element_size, F&& f) {
 
 using Clock = std::chrono::steady_clock;
 
-detail::CallSignature signature(detail::CallKind kind, const Tensor* t, ReduceOp op = ReduceOp::sum,
-                                int root = 0) {
-  detail::CallSignature s;
-  s.kind = static_cast<uint32_t>(kind);
-  if (t != nullptr) {
-    s.dtype = static_cast<uint32_t>(t->dtype());
-    s.numel = t->numel();
-  }
-  s.op = static_cast<uint32_t>(op);
-  s.root = root;
-  return s;
-}
-
 }  // namespace
 
 class ProcessGroupGloo::Impl : public std::enable_shared_from_this<ProcessGroupGloo::Impl> {
@@ -392,7 +379,7 @@ void ProcessGroupGloo::do_all_reduce(Tensor tensor, ReduceOp op, std::chrono::mi
   const auto tag = static_cast<uint32_t>(work->seq());
   impl_->run(work, timeout, [tensor, op, timeout, tag](const std::shared_ptr<gloo::Context>& ctx) {
     const auto deadline = Clock::now() + timeout;
-    detail::check_signatures(ctx, signature(detail::CallKind::all_reduce, &tensor, op), tag,
+    detail::check_signatures(ctx, detail::signature(detail::CallKind::all_reduce, &tensor, op), tag,
                              timeout);
     const auto n = static_cast<size_t>(tensor.numel());
     if (n == 0) return;
@@ -416,7 +403,7 @@ void ProcessGroupGloo::do_broadcast(Tensor tensor, int root, std::chrono::millis
       work, timeout, [tensor, root, timeout, tag](const std::shared_ptr<gloo::Context>& ctx) {
         const auto deadline = Clock::now() + timeout;
         detail::check_signatures(
-            ctx, signature(detail::CallKind::broadcast, &tensor, ReduceOp::sum, root), tag,
+            ctx, detail::signature(detail::CallKind::broadcast, &tensor, ReduceOp::sum, root), tag,
             timeout);
         if (tensor.numel() == 0) return;
         gloo::BroadcastOptions o(ctx);
@@ -434,7 +421,7 @@ void ProcessGroupGloo::do_all_gather(Tensor output, Tensor input, std::chrono::m
   impl_->run(
       work, timeout, [output, input, timeout, tag](const std::shared_ptr<gloo::Context>& ctx) {
         const auto deadline = Clock::now() + timeout;
-        detail::check_signatures(ctx, signature(detail::CallKind::all_gather, &input), tag,
+        detail::check_signatures(ctx, detail::signature(detail::CallKind::all_gather, &input), tag,
                                  timeout);
         if (input.numel() == 0) return;
         gloo::AllgatherOptions o(ctx);
@@ -451,21 +438,21 @@ void ProcessGroupGloo::do_all_gather(Tensor output, Tensor input, std::chrono::m
 void ProcessGroupGloo::do_reduce_scatter(Tensor output, Tensor input, ReduceOp op,
                                          std::chrono::milliseconds timeout, const WorkPtr& work) {
   const auto tag = static_cast<uint32_t>(work->seq());
-  impl_->run(work, timeout,
-             [output, input, op, timeout, tag](const std::shared_ptr<gloo::Context>& ctx) {
-               const auto deadline = Clock::now() + timeout;
-               detail::check_signatures(
-                   ctx, signature(detail::CallKind::reduce_scatter, &output, op), tag, timeout);
-               if (output.numel() == 0) return;
-               detail::ring_reduce_scatter(
-                   ctx, output.data_ptr(), input.data_ptr(), static_cast<size_t>(output.nbytes()),
-                   static_cast<size_t>(output.element_size()),
-                   detail::reduce_fn(output.dtype(), op), tag, detail::time_left(deadline));
-               if (op == ReduceOp::avg) {
-                 detail::divide_in_place(output.data_ptr(), output.dtype(),
-                                         static_cast<size_t>(output.numel()), ctx->size);
-               }
-             });
+  impl_->run(
+      work, timeout, [output, input, op, timeout, tag](const std::shared_ptr<gloo::Context>& ctx) {
+        const auto deadline = Clock::now() + timeout;
+        detail::check_signatures(
+            ctx, detail::signature(detail::CallKind::reduce_scatter, &output, op), tag, timeout);
+        if (output.numel() == 0) return;
+        detail::ring_reduce_scatter(
+            ctx, output.data_ptr(), input.data_ptr(), static_cast<size_t>(output.nbytes()),
+            static_cast<size_t>(output.element_size()), detail::reduce_fn(output.dtype(), op), tag,
+            detail::time_left(deadline));
+        if (op == ReduceOp::avg) {
+          detail::divide_in_place(output.data_ptr(), output.dtype(),
+                                  static_cast<size_t>(output.numel()), ctx->size);
+        }
+      });
 }
 
 // The signature exchange is a barrier already: each rank hears from every other rank before it
@@ -473,7 +460,8 @@ void ProcessGroupGloo::do_reduce_scatter(Tensor output, Tensor input, ReduceOp o
 void ProcessGroupGloo::do_barrier(std::chrono::milliseconds timeout, const WorkPtr& work) {
   const auto tag = static_cast<uint32_t>(work->seq());
   impl_->run(work, timeout, [timeout, tag](const std::shared_ptr<gloo::Context>& ctx) {
-    detail::check_signatures(ctx, signature(detail::CallKind::barrier, nullptr), tag, timeout);
+    detail::check_signatures(ctx, detail::signature(detail::CallKind::barrier, nullptr), tag,
+                             timeout);
   });
 }
 

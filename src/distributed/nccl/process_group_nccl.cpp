@@ -10,9 +10,11 @@
 #include <mutex>
 #include <thread>
 
+#include "distributed/call_signature.h"
 #include "distributed/nccl/nccl_check.h"
 #include "distributed/nccl/register.h"
 #include "lockstep/base/log.h"
+#include "lockstep/base/worker_env.h"
 #include "tensor/cuda/runtime.h"
 
 namespace lockstep::dist {
@@ -100,6 +102,25 @@ std::string what_of(const std::exception_ptr& e) {
   }
 }
 
+// Note [NCCL signature check]
+// NCCL's collectives carry no header: ranks that disagree on a collective's kind, dtype, size or
+// root hang until the timeout or read out of bounds. So, as Gloo and shm do (Note [Gloo
+// signature check]), every collective first all-gathers each rank's 24-byte CallSignature, and
+// a mismatch fails the collective on every rank, naming both sides, before any of its data
+// moves (the group stays usable). The exchange runs on a communicator split from the group's
+// (`check_comm_`) and on a stream of its own that waits for nothing the caller queued, so the
+// host waits only for the 24-byte exchange itself (one small NCCL launch, tens of microseconds),
+// never for the compute stream: DDP's overlap of communication with backward is kept. The wait
+// is bounded by the collective's timeout; a rank that never issues the collective makes it fail
+// there, as the collective itself would. LOCKSTEP_NCCL_CHECK=0 turns the check off (benchmarks
+// of the bare collective).
+constexpr size_t kSignatureBytes = sizeof(detail::CallSignature);
+
+bool nccl_check_enabled() {
+  const char* v = std::getenv(env::kNcclCheck);
+  return v == nullptr || std::string(v) != "0";
+}
+
 // Note [Stream-ordered works]
 // A collective of this group is three things queued on the group's stream: a wait for an event
 // recorded on the caller's current stream (the tensors' producers), the NCCL call, and the
@@ -174,6 +195,18 @@ class ProcessGroupNCCL::Impl {
                " (two ranks on one GPU are not possible with NCCL)");
     }
     stream_ = cuda::Stream::create(device_, /*high_priority=*/true);
+    if (config.size > 1 && nccl_check_enabled()) {
+      // Note [NCCL signature check]: a communicator and a stream of its own.
+      LS_NCCL_CHECK(ncclCommSplit(comm_, 0, config.rank, &check_comm_, nullptr));
+      check_stream_ = cuda::Stream::create(device_, /*high_priority=*/true);
+      const auto on_device = TensorOptions(kUInt8).with_device(cuda_device(device_));
+      check_send_ = empty({static_cast<int64_t>(kSignatureBytes)}, on_device);
+      check_recv_ = empty({static_cast<int64_t>(kSignatureBytes) * config.size}, on_device);
+      check_host_send_ = empty_pinned({static_cast<int64_t>(kSignatureBytes)}, kUInt8);
+      check_host_recv_ =
+          empty_pinned({static_cast<int64_t>(kSignatureBytes) * config.size}, kUInt8);
+      size_ = config.size;
+    }
     watchdog_ = std::thread([this] { watch(); });
   }
 
@@ -184,9 +217,10 @@ class ProcessGroupNCCL::Impl {
     }
     cv_.notify_all();
     if (watchdog_.joinable()) watchdog_.join();
-    if (comm_ != nullptr && !aborted_) {
+    for (ncclComm_t c : {check_comm_, comm_}) {
+      if (c == nullptr || aborted_) continue;
       cuda::DeviceGuard on(device_);
-      const ncclResult_t r = ncclCommDestroy(comm_);
+      const ncclResult_t r = ncclCommDestroy(c);
       if (r != ncclSuccess) {
         log_warning(who_, ": ncclCommDestroy failed: ", ncclGetErrorString(r));
       }
@@ -199,6 +233,7 @@ class ProcessGroupNCCL::Impl {
   // Queues `body` (the NCCL call on the communicator and the group's stream) as the collective of
   // `w` (Note [Stream-ordered works]); `tensors` are what it reads and writes.
   void launch(const WorkPtr& w, std::chrono::milliseconds timeout, std::vector<Tensor> tensors,
+              const detail::CallSignature& sig,
               const std::function<void(ncclComm_t, cudaStream_t)>& body,
               bool host_blocking = false) {
     auto work = std::static_pointer_cast<WorkNCCL>(w);
@@ -211,29 +246,41 @@ class ProcessGroupNCCL::Impl {
     {
       std::unique_lock<std::timed_mutex> comm(comm_mu_);
       if (refuse_if_broken(*work)) return;
+      std::string mismatch;
       try {
-        cuda::DeviceGuard on(device_);
-        // The group's stream waits for what the caller queued so far: the tensors' producers.
-        cuda::Event ready;
-        ready.record(cuda::current_stream(device_));
-        ready.wait(stream_);
-        body(comm_, cuda::raw(stream_));
-        work_start(*work);  // queued on the stream: the trace's "started"
-        std::vector<std::function<void()>> steps = work_take_steps(*work);
-        {
-          cuda::StreamGuard on_comm(stream_);
-          for (auto& step : steps) step();
-        }
-        for (const Tensor& t : tensors) {
-          if (t.numel() > 0 && t.storage()->owned()) cuda::record_stream(t, stream_);
-        }
-        work->end_.record(stream_);
-        work->keep_ = std::move(tensors);
-        work->steps_ = std::move(steps);
-        work->deadline_ = Clock::now() + timeout;
+        if (check_comm_ != nullptr) mismatch = check_signatures(sig, timeout);
       } catch (...) {
         error = std::current_exception();
       }
+      if (!mismatch.empty()) {
+        // Nothing was sent: this collective fails, the group goes on.
+        work_finish(*work, make_error(lockstep::detail::str_cat(who_, ": ", work->description(),
+                                                                " failed: ", mismatch)));
+        return;
+      }
+      if (!error) try {
+          cuda::DeviceGuard on(device_);
+          // The group's stream waits for what the caller queued so far: the tensors' producers.
+          cuda::Event ready;
+          ready.record(cuda::current_stream(device_));
+          ready.wait(stream_);
+          body(comm_, cuda::raw(stream_));
+          work_start(*work);  // queued on the stream: the trace's "started"
+          std::vector<std::function<void()>> steps = work_take_steps(*work);
+          {
+            cuda::StreamGuard on_comm(stream_);
+            for (auto& step : steps) step();
+          }
+          for (const Tensor& t : tensors) {
+            if (t.numel() > 0 && t.storage()->owned()) cuda::record_stream(t, stream_);
+          }
+          work->end_.record(stream_);
+          work->keep_ = std::move(tensors);
+          work->steps_ = std::move(steps);
+          work->deadline_ = Clock::now() + timeout;
+        } catch (...) {
+          error = std::current_exception();
+        }
     }
     if (error) {
       // The communicator's state is unknown after a failed call: no collective may follow.
@@ -250,6 +297,37 @@ class ProcessGroupNCCL::Impl {
   }
 
  private:
+  // Note [NCCL signature check]: every rank's signature of this collective, gathered on the
+  // check communicator; "" when they agree, else call_mismatch's sentence. Throws when the
+  // exchange does not finish within `timeout` (a rank did not issue the collective).
+  std::string check_signatures(const detail::CallSignature& sig,
+                               std::chrono::milliseconds timeout) {
+    cuda::DeviceGuard on(device_);
+    std::memcpy(check_host_send_.data_ptr(), &sig, kSignatureBytes);
+    const cudaStream_t s = cuda::raw(check_stream_);
+    LS_CUDA_CHECK(cudaMemcpyAsync(check_send_.data_ptr(), check_host_send_.data_ptr(),
+                                  kSignatureBytes, cudaMemcpyHostToDevice, s));
+    LS_NCCL_CHECK(ncclAllGather(check_send_.data_ptr(), check_recv_.data_ptr(), kSignatureBytes,
+                                ncclUint8, check_comm_, s));
+    LS_CUDA_CHECK(cudaMemcpyAsync(check_host_recv_.data_ptr(), check_recv_.data_ptr(),
+                                  kSignatureBytes * static_cast<size_t>(size_),
+                                  cudaMemcpyDeviceToHost, s));
+    // Polled, not synchronized: a rank that never comes must not hold this thread forever.
+    const auto deadline = Clock::now() + timeout;
+    int spins = 0;
+    while (!check_stream_.query()) {
+      if (Clock::now() >= deadline) {
+        LS_THROW("timed out after ", seconds(timeout),
+                 " waiting for every rank's signature of this collective (Note [NCCL signature "
+                 "check]): a rank did not reach it or is far behind");
+      }
+      if (++spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    std::vector<detail::CallSignature> all(static_cast<size_t>(size_));
+    std::memcpy(all.data(), check_host_recv_.data_ptr(), kSignatureBytes * all.size());
+    return detail::call_mismatch(all);
+  }
+
   std::exception_ptr make_error(const std::string& msg) const {
     return std::make_exception_ptr(Error(msg, __FILE__, __LINE__));
   }
@@ -305,9 +383,12 @@ class ProcessGroupNCCL::Impl {
       log_warning(who_, ": aborting the NCCL communicator while a thread is inside an NCCL call");
     }
     cuda::DeviceGuard on(device_);
-    const ncclResult_t r = ncclCommAbort(comm_);
-    if (r != ncclSuccess) {
-      log_warning(who_, ": ncclCommAbort failed: ", ncclGetErrorString(r));
+    for (ncclComm_t c : {check_comm_, comm_}) {
+      if (c == nullptr) continue;
+      const ncclResult_t r = ncclCommAbort(c);
+      if (r != ncclSuccess) {
+        log_warning(who_, ": ncclCommAbort failed: ", ncclGetErrorString(r));
+      }
     }
     aborted_ = true;
   }
@@ -403,6 +484,11 @@ class ProcessGroupNCCL::Impl {
   const int device_;
   ncclComm_t comm_ = nullptr;
   cuda::Stream stream_;
+  // Note [NCCL signature check]; check_comm_ null: no check (one rank, or turned off).
+  ncclComm_t check_comm_ = nullptr;
+  cuda::Stream check_stream_;
+  Tensor check_send_, check_recv_, check_host_send_, check_host_recv_;
+  int size_ = 1;
 
   // Held while the communicator is used by a thread other than the watchdog's polling (a call
   // queueing a collective, the abort).
@@ -447,42 +533,50 @@ WorkPtr ProcessGroupNCCL::create_work(std::string description, int64_t seq) {
 
 void ProcessGroupNCCL::do_all_reduce(Tensor tensor, ReduceOp op, std::chrono::milliseconds timeout,
                                      const WorkPtr& work) {
-  impl_->launch(work, timeout, {tensor}, [&](ncclComm_t comm, cudaStream_t stream) {
-    if (tensor.numel() == 0) return;
-    LS_NCCL_CHECK(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(),
-                                static_cast<size_t>(tensor.numel()), nccl_type(tensor.dtype()),
-                                nccl_op(op), comm, stream));
-  });
+  impl_->launch(work, timeout, {tensor},
+                detail::signature(detail::CallKind::all_reduce, &tensor, op),
+                [&](ncclComm_t comm, cudaStream_t stream) {
+                  if (tensor.numel() == 0) return;
+                  LS_NCCL_CHECK(ncclAllReduce(
+                      tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()),
+                      nccl_type(tensor.dtype()), nccl_op(op), comm, stream));
+                });
 }
 
 // Broadcast and all_gather move bytes: any dtype, bool included.
 void ProcessGroupNCCL::do_broadcast(Tensor tensor, int root, std::chrono::milliseconds timeout,
                                     const WorkPtr& work) {
-  impl_->launch(work, timeout, {tensor}, [&](ncclComm_t comm, cudaStream_t stream) {
-    if (tensor.numel() == 0) return;
-    LS_NCCL_CHECK(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(),
-                                static_cast<size_t>(tensor.nbytes()), ncclUint8, root, comm,
-                                stream));
-  });
+  impl_->launch(work, timeout, {tensor},
+                detail::signature(detail::CallKind::broadcast, &tensor, ReduceOp::sum, root),
+                [&](ncclComm_t comm, cudaStream_t stream) {
+                  if (tensor.numel() == 0) return;
+                  LS_NCCL_CHECK(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(),
+                                              static_cast<size_t>(tensor.nbytes()), ncclUint8, root,
+                                              comm, stream));
+                });
 }
 
 void ProcessGroupNCCL::do_all_gather(Tensor output, Tensor input, std::chrono::milliseconds timeout,
                                      const WorkPtr& work) {
-  impl_->launch(work, timeout, {output, input}, [&](ncclComm_t comm, cudaStream_t stream) {
-    if (input.numel() == 0) return;
-    LS_NCCL_CHECK(ncclAllGather(input.data_ptr(), output.data_ptr(),
-                                static_cast<size_t>(input.nbytes()), ncclUint8, comm, stream));
-  });
+  impl_->launch(
+      work, timeout, {output, input}, detail::signature(detail::CallKind::all_gather, &input),
+      [&](ncclComm_t comm, cudaStream_t stream) {
+        if (input.numel() == 0) return;
+        LS_NCCL_CHECK(ncclAllGather(input.data_ptr(), output.data_ptr(),
+                                    static_cast<size_t>(input.nbytes()), ncclUint8, comm, stream));
+      });
 }
 
 void ProcessGroupNCCL::do_reduce_scatter(Tensor output, Tensor input, ReduceOp op,
                                          std::chrono::milliseconds timeout, const WorkPtr& work) {
-  impl_->launch(work, timeout, {output, input}, [&](ncclComm_t comm, cudaStream_t stream) {
-    if (output.numel() == 0) return;
-    LS_NCCL_CHECK(ncclReduceScatter(input.data_ptr(), output.data_ptr(),
-                                    static_cast<size_t>(output.numel()), nccl_type(output.dtype()),
-                                    nccl_op(op), comm, stream));
-  });
+  impl_->launch(work, timeout, {output, input},
+                detail::signature(detail::CallKind::reduce_scatter, &output, op),
+                [&](ncclComm_t comm, cudaStream_t stream) {
+                  if (output.numel() == 0) return;
+                  LS_NCCL_CHECK(ncclReduceScatter(
+                      input.data_ptr(), output.data_ptr(), static_cast<size_t>(output.numel()),
+                      nccl_type(output.dtype()), nccl_op(op), comm, stream));
+                });
 }
 
 // NCCL has no barrier: an all-reduce of one element, whose wait() blocks the host.
@@ -490,7 +584,7 @@ void ProcessGroupNCCL::do_barrier(std::chrono::milliseconds timeout, const WorkP
   Tensor one = empty({1}, TensorOptions(kFloat32).with_device(cuda_device(impl_->device())));
   one.zero_();
   impl_->launch(
-      work, timeout, {one},
+      work, timeout, {one}, detail::signature(detail::CallKind::barrier, nullptr),
       [&](ncclComm_t comm, cudaStream_t stream) {
         LS_NCCL_CHECK(
             ncclAllReduce(one.data_ptr(), one.data_ptr(), 1, ncclFloat32, ncclSum, comm, stream));
