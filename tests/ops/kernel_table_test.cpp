@@ -49,6 +49,8 @@ TEST(KernelTable, CpuTableHasEveryCoreKernel) {
   EXPECT_NE(cpu->softmax_backward, nullptr);
   EXPECT_NE(cpu->dropout_mask, nullptr);
   EXPECT_NE(cpu->masked_scale, nullptr);
+  EXPECT_NE(cpu->attention, nullptr);
+  EXPECT_NE(cpu->attention_backward, nullptr);
 }
 
 TEST(KernelTable, TheCpuKernelIsTheOneTheTableHolds) {
