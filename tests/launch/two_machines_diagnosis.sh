@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# A node lost mid-job, seen from both sides (issue 18): two agents in two network namespaces
-# (--nnodes 2, --node-timeout 5), their workers running; then the link between them goes down.
-# Node 0 must fail the job naming node 1 as lost, and node 1 must stop on losing node 0's store,
-# each within a few --node-timeouts rather than at a collective timeout. Needs root (ip netns).
-# Usage: lost_node.sh <path-to-lockstep> <path-to-launch_worker>
+# Diagnosis across machines (issue 18), two agents in two network namespaces (--nnodes 2):
+# 1. rank 1, on node 1, stops itself (SIGSTOP) while rank 0, on node 0, waits for it in an
+#    all_reduce: node 0's launcher must warn, naming rank 1 as stopped, from the view node 1's
+#    agent published through the store, and start the failure summary with the same verdict.
+# 2. a node lost mid-job, seen from both sides: the link between the namespaces goes down; node
+#    0 must fail the job naming node 1 as lost, and node 1 must stop on losing node 0's store,
+#    each within a few --node-timeouts rather than at a collective timeout.
+# Needs root (ip netns).
+# Usage: two_machines_diagnosis.sh <path-to-lockstep> <path-to-launch_worker>
 set -uo pipefail
 tool=$1
 worker=$2
@@ -42,6 +46,34 @@ ip -n "$ns0" link set "$veth0" up || fail "cannot bring up $veth0"
 ip -n "$ns1" link set "$veth1" up || fail "cannot bring up $veth1"
 
 (umask 077 && head -c 24 /dev/urandom | base64 > "$work/token")
+
+# 1. The stopped rank on the other machine. (The workers share /dev/shm and the boot id, so the
+# auto backend picks shm; what crosses the namespaces is the agents' views, through the store.)
+for node in 0 1; do
+  ns_var=ns$node
+  LOCKSTEP_RENDEZVOUS_TIMEOUT=60 timeout -k 10 120 ip netns exec "${!ns_var}" "$tool" run \
+    --nnodes 2 --node-rank "$node" --master-addr "$addr0" --master-port "$port" \
+    --nproc-per-node 1 --rdzv-timeout 60 --timeout 12 --stall-timeout 2 \
+    --token-file "$work/token" "$worker" hang stop > "$work/stop$node.log" 2>&1 &
+  pids[$node]=$!
+done
+for node in 0 1; do wait "${pids[$node]}"; rcs[$node]=$?; done
+echo "--- stopped rank: node 0 (exit code ${rcs[0]}) ---"
+cat "$work/stop0.log"
+echo "--- stopped rank: node 1 (exit code ${rcs[1]}) ---"
+cat "$work/stop1.log"
+[ "${rcs[0]}" -eq 1 ] && [ "${rcs[1]}" -eq 1 ] || fail "expected both agents to exit 1"
+named="rank 1 never issued all_reduce #2 (sum, 1024 x f32) (it last finished all_reduce #1"
+grep -q "warning: $named" "$work/stop0.log" || fail "node 0 did not warn about rank 1"
+grep -q "warning: .*it is stopped (state [Tt])" "$work/stop0.log" ||
+  fail "node 0's warning does not say rank 1 is stopped"
+grep -q "verdict: $named.*it is stopped (state [Tt])" "$work/stop0.log" ||
+  fail "node 0's summary does not start with the verdict naming the stopped rank"
+grep -q "verdict: $named" "$work/stop1.log" || fail "node 1's summary has no verdict"
+grep -q "  rank 1 (node 1, host .*): stopped" "$work/stop0.log" ||
+  fail "node 0 does not show rank 1's state from node 1"
+
+# 2. The lost link.
 for node in 0 1; do
   ns_var=ns$node
   # The workers sleep (120 s, then fail): only the agents can notice the lost link.
