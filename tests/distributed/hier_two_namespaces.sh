@@ -11,40 +11,11 @@ set -uo pipefail
 bin=$1
 fail() { echo "FAIL: $*"; exit 1; }
 
-[ "$(id -u)" -eq 0 ] || fail "needs root to create network namespaces (run as root)"
-command -v ip > /dev/null || fail "'ip' not found (install iproute2: scripts/install-deps.sh)"
 command -v unshare > /dev/null || fail "'unshare' not found (install util-linux)"
-
-# Names unique to this run (interface names have at most 15 characters).
-id=$$
-ns=(lhn0_$id lhn1_$id)
-veth0=lhv0_$id
-veth1=lhv1_$id
-subnet=10.232.$((id % 250 + 1))
-addr0=$subnet.1
-addr1=$subnet.2
+source "$(dirname "$0")/../launch/netns_pair.sh"
+netns_pair lh
+ns=("$ns0" "$ns1")
 port=29566
-work=$(mktemp -d)
-cleanup() {
-  ip netns del "${ns[0]}" 2> /dev/null
-  ip netns del "${ns[1]}" 2> /dev/null
-  ip link del "$veth0" 2> /dev/null
-  rm -rf "$work"
-}
-trap cleanup EXIT
-
-ip netns add "${ns[0]}" || fail "'ip netns add ${ns[0]}' failed (needs CAP_SYS_ADMIN)"
-ip netns add "${ns[1]}" || fail "'ip netns add ${ns[1]}' failed"
-ip link add "$veth0" type veth peer name "$veth1" || fail "cannot create a veth pair"
-ip link set "$veth0" netns "${ns[0]}" || fail "cannot move $veth0 into ${ns[0]}"
-ip link set "$veth1" netns "${ns[1]}" || fail "cannot move $veth1 into ${ns[1]}"
-ip -n "${ns[0]}" addr add "$addr0/24" dev "$veth0" || fail "cannot address $veth0"
-ip -n "${ns[1]}" addr add "$addr1/24" dev "$veth1" || fail "cannot address $veth1"
-for n in "${ns[@]}"; do
-  ip -n "$n" link set lo up || fail "cannot bring up lo in $n"
-done
-ip -n "${ns[0]}" link set "$veth0" up || fail "cannot bring up $veth0"
-ip -n "${ns[1]}" link set "$veth1" up || fail "cannot bring up $veth1"
 
 # run_job MODE PER_MACHINE: 2 x PER_MACHINE ranks, machine 0 (which hosts the store) holding
 # the first PER_MACHINE. The workers take the default backend, "auto", which must choose hier

@@ -8,40 +8,9 @@ tool=$1
 worker=$2
 fail() { echo "FAIL: $*"; exit 1; }
 
-[ "$(id -u)" -eq 0 ] || fail "needs root to create network namespaces (run as root)"
-command -v ip > /dev/null || fail "'ip' not found (install iproute2: scripts/install-deps.sh)"
-
-# Names unique to this run (interface names have at most 15 characters).
-id=$$
-ns0=lsn0_$id
-ns1=lsn1_$id
-veth0=lsv0_$id
-veth1=lsv1_$id
-subnet=10.231.$((id % 250 + 1))
-addr0=$subnet.1
-addr1=$subnet.2
+source "$(dirname "$0")/netns_pair.sh"
+netns_pair ls
 port=29555
-work=$(mktemp -d)
-cleanup() {
-  ip netns del "$ns0" 2> /dev/null
-  ip netns del "$ns1" 2> /dev/null
-  ip link del "$veth0" 2> /dev/null
-  rm -rf "$work"
-}
-trap cleanup EXIT
-
-ip netns add "$ns0" || fail "'ip netns add $ns0' failed (needs CAP_SYS_ADMIN)"
-ip netns add "$ns1" || fail "'ip netns add $ns1' failed"
-ip link add "$veth0" type veth peer name "$veth1" || fail "cannot create a veth pair"
-ip link set "$veth0" netns "$ns0" || fail "cannot move $veth0 into $ns0"
-ip link set "$veth1" netns "$ns1" || fail "cannot move $veth1 into $ns1"
-ip -n "$ns0" addr add "$addr0/24" dev "$veth0" || fail "cannot address $veth0"
-ip -n "$ns1" addr add "$addr1/24" dev "$veth1" || fail "cannot address $veth1"
-for ns in "$ns0" "$ns1"; do
-  ip -n "$ns" link set lo up || fail "cannot bring up lo in $ns"
-done
-ip -n "$ns0" link set "$veth0" up || fail "cannot bring up $veth0"
-ip -n "$ns1" link set "$veth1" up || fail "cannot bring up $veth1"
 
 mkdir -p "$work/out"
 # The secret the two machines share (a job on several machines needs one).
