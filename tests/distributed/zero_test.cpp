@@ -119,6 +119,10 @@ struct Case {
   Opt opt;
 };
 
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << (c.opt == Opt::sgd ? "SGD" : "AdamW") << " over " << c.world << " ranks";
+}
+
 class ZeroEqualsDDP : public ::testing::TestWithParam<Case> {};
 
 TEST_P(ZeroEqualsDDP, ParametersAndStateBitwiseOverManyStepsWithAShardOfTheStatePerRank) {
