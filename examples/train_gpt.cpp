@@ -1,30 +1,58 @@
-// Trains a GPT-2 style byte-level language model: the data part (prepare) is built, the training
-// loop is not yet.
+// Trains a GPT-2 style byte-level language model (examples/gpt_model.h) on token files.
 //
 //   train_gpt --prepare [FILES...] --out DIR    text -> DIR/train.tokens, DIR/val.tokens
-//   train_gpt --data DIR ...                    training (not built yet: exits 2 saying so)
+//   train_gpt --data DIR --max-steps 2000 ...   training, one process or under `lockstep run`
 //
 // --prepare checks every file (missing, empty, not UTF-8: an error naming the file), splits the
 // concatenated bytes 90/10 (Note [Text corpus]) and prints the unigram entropy of the training
 // bytes, the loss a model must beat. Its last line is machine-readable: "prepared files=...
-// train_tokens=... val_tokens=... entropy_bits=... entropy_nats=...". The flags are in
-// train_gpt_flags.h.
+// train_tokens=... val_tokens=... entropy_bits=... entropy_nats=...".
 //
-// Layout for the training loop to come: run() sets up once (the world, the data with
-// open_split(), the model, the optimizer, a resumed position), then epoch after epoch of
-// train_step, evaluate, checkpoint, reading top to bottom as train_fashion_mnist.cpp does.
-#include <cstdio>
-#include <memory>
-#include <string>
+// Training reads top to bottom as train_fashion_mnist.cpp does: run() sets up once (the world,
+// the data, the model with DDP when there are several ranks, AdamW with its two groups, the
+// warmup + cosine schedule, a resumed position), then optimizer step after optimizer step, each
+// of --accum-steps micro-batches; every --eval-every steps rank 0 prints the training and
+// validation loss, tokens/s and the model FLOPs utilisation (Note [MFU]). At the end, --sample N
+// prints N bytes the model generates on rank 0. The last line is machine-readable: "final
+// val_loss=... train_loss=... steps=... tokens_per_s=... entropy_nats=...". The flags are in
+// train_gpt_flags.h.
+#include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "gpt_model.h"
+#include "lockstep/base/log.h"
+#include "lockstep/base/worker_env.h"
 #include "lockstep/data/data.h"
+#include "lockstep/distributed/checkpoint.h"
+#include "lockstep/distributed/zero.h"
+#include "lockstep/io/checkpoint.h"
+#include "lockstep/io/metrics.h"
+#include "lockstep/io/progress.h"
+#include "lockstep/lockstep.h"
+#include "lockstep/optim/optimizer.h"
+#include "lockstep/optim/schedule.h"
 #include "train_gpt_flags.h"
 
 using namespace lockstep;
 
 namespace {
 
+using Clock = std::chrono::steady_clock;
 using examples::GptConfig;
+
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
 
 int prepare(const GptConfig& cfg) {
   const bool fortunes = cfg.prepare_files.empty();
@@ -55,24 +83,432 @@ int prepare(const GptConfig& cfg) {
 // One split's windows: DIR/<split>.tokens cut into block_size windows (Note [Token windows]);
 // each rank then reads its own shard of them through a DistributedSampler, and resumes from
 // (epoch, samples consumed) as train_fashion_mnist does.
-[[maybe_unused]] std::shared_ptr<data::TokenWindowDataset> open_split(const GptConfig& cfg,
-                                                                      const std::string& split) {
+std::shared_ptr<data::TokenWindowDataset> open_split(const GptConfig& cfg,
+                                                     const std::string& split) {
   auto tokens = std::make_shared<const data::TokenFile>(cfg.data + "/" + split + ".tokens");
   return std::make_shared<data::TokenWindowDataset>(
       tokens, data::TokenWindowOptions{.block_size = cfg.block_size});
 }
 
+// The unigram entropy (nats per byte) of the training tokens: the loss of a model that knows
+// only byte frequencies, printed next to the validation loss a trained model must go below.
+double unigram_entropy_nats(const data::TokenFile& tokens) {
+  std::vector<int64_t> counts(static_cast<size_t>(tokens.vocab_size()), 0);
+  for (int64_t i = 0; i < tokens.size(); ++i) ++counts[static_cast<size_t>(tokens[i])];
+  double h = 0;
+  for (int64_t c : counts)
+    if (c > 0) {
+      const double p = static_cast<double>(c) / static_cast<double>(tokens.size());
+      h -= p * std::log(p);
+    }
+  return h;
+}
+
+// Note [MFU]
+// Model FLOPs utilisation, as llm.c prints it: the FLOPs the model's arithmetic needs per
+// trained token (Gpt::flops_per_token: 6 per parameter plus the attention's 12 L T C) times the
+// tokens per second, over the machine's GEMM peak. The peak is measured at start, not taken
+// from a data sheet: the best of a few (n, n) x (n, n) matmuls in the training dtype (bf16 under
+// --amp bf16, else f32) on this process's threads, so MFU says how close the whole step comes
+// to this machine's own best GEMM. Under DDP every rank runs its own GEMMs, so the job's peak
+// is world times a rank's; the ranks share the CPU's cores here, so that overstates the peak
+// and understates MFU when ranks outnumber cores.
+double measure_gemm_peak_flops(DType dtype) {
+  constexpr int64_t n = 512;
+  Generator gen(1);
+  Tensor a = randn({n, n}, gen).to(dtype), b = randn({n, n}, gen).to(dtype);
+  NoGradGuard no_grad;
+  double best = 1e30;
+  for (int i = 0; i < 5; ++i) {
+    const auto t = Clock::now();
+    Tensor c = matmul(a, b);
+    (void)c.at({0, 0});  // finished (a device result is copied back)
+    best = std::min(best, seconds_since(t));
+  }
+  return 2.0 * n * n * n / best;
+}
+
+std::optional<std::chrono::milliseconds> timeout_of(const GptConfig& cfg) {
+  if (cfg.timeout <= 0) return std::nullopt;
+  return std::chrono::milliseconds(std::max<int64_t>(1, std::llround(cfg.timeout * 1000)));
+}
+
+bool stdout_is_terminal() {
+  const char* launcher_tty = std::getenv(env::kStdoutIsTty);
+  return launcher_tty ? std::string(launcher_tty) == "1" : ::isatty(1) == 1;
+}
+
+// Warmup then cosine decay to --min-lr-factor of --lr over all --max-steps optimizer steps.
+optim::Schedule schedule_of(const GptConfig& cfg) {
+  LS_CHECK(cfg.max_steps > cfg.warmup_steps, "expected --warmup-steps below --max-steps ",
+           cfg.max_steps, ", got ", cfg.warmup_steps);
+  return cfg.warmup_steps > 0
+             ? optim::warmup_cosine(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_factor)
+             : optim::cosine_decay(cfg.max_steps, cfg.min_lr_factor);
+}
+
+// AdamW over the GPT's two groups (gpt_param_groups); with --zero 1 wrapped so that each rank
+// keeps the moments of its shard only (Note [ZeRO-1]).
+std::unique_ptr<optim::Optimizer> build_optimizer(const GptConfig& cfg, const nn::Module& model,
+                                                  const std::shared_ptr<dist::ProcessGroup>& pg) {
+  const optim::AdamWOptions opts{.lr = cfg.lr,
+                                 .beta1 = cfg.beta1,
+                                 .beta2 = cfg.beta2,
+                                 .eps = 1e-8,
+                                 .weight_decay = cfg.weight_decay};
+  std::vector<optim::ParamGroup> groups = examples::gpt_param_groups(model, cfg.weight_decay);
+  if (cfg.zero == 0) return std::make_unique<optim::AdamW>(std::move(groups), opts);
+  return std::make_unique<dist::ZeroRedundancyOptimizer>(
+      std::move(groups), pg, [opts](std::vector<optim::ParamGroup> g) {
+        return std::make_unique<optim::AdamW>(std::move(g), opts);
+      });
+}
+
+// Where training stands: optimizer steps taken; the sampler epoch and the windows all ranks
+// together consumed in it. A checkpoint stores exactly this (and resumes the data exactly, as
+// the Fashion-MNIST example does).
+struct Position {
+  int64_t step = 0;
+  int64_t epoch = 0;
+  int64_t epoch_consumed = 0;
+};
+
+class Trainer {
+ public:
+  explicit Trainer(const GptConfig& cfg)
+      : cfg_(cfg),
+        train_data_(open_split(cfg, "train")),
+        val_data_(open_split(cfg, "val")),
+        pg_(dist::init_process_group({.backend = cfg.backend, .timeout = timeout_of(cfg)})),
+        world_(pg_->size()),
+        main_rank_(pg_->rank() == 0),
+        gen_(cfg.seed),
+        gpt_(std::make_shared<examples::Gpt>(
+            examples::GptModelConfig{.vocab_size = train_data_->tokens().vocab_size(),
+                                     .block_size = cfg.block_size,
+                                     .n_layer = cfg.n_layer,
+                                     .n_head = cfg.n_head,
+                                     .n_embd = cfg.n_embd},
+            gen_)),
+        // Several ranks: DDP averages the gradients across them during the last backward of
+        // each step (its constructor broadcasts rank 0's parameters).
+        ddp_(world_ > 1 ? std::make_shared<dist::DistributedDataParallel>(gpt_, pg_) : nullptr),
+        opt_(build_optimizer(cfg, *gpt_, pg_)),
+        scheduler_(*opt_, schedule_of(cfg)),
+        sampler_(std::make_shared<data::DistributedSampler>(
+            train_data_->size(),
+            data::DistributedSamplerOptions{
+                .num_replicas = world_, .rank = pg_->rank(), .shuffle = true, .seed = cfg.seed})),
+        loader_(train_data_, sampler_,
+                {.batch_size = cfg.batch_size, .drop_last = true, .num_workers = cfg.workers}),
+        amp_dtype_(cfg.amp == "bf16" ? kBFloat16 : kFloat32),
+        progress_({.terminal = true, .enabled = main_rank_ && stdout_is_terminal()}) {
+    LS_CHECK(loader_.num_batches() > 0, "expected at least one batch of ", cfg.batch_size,
+             " windows per rank in ", cfg.data, "/train.tokens, got ", sampler_->num_samples(),
+             " windows of ", cfg.block_size, " tokens for this rank");
+    for (const auto& [name, p] : gpt_->named_parameters()) param_names_.push_back(name);
+  }
+
+  void resume();
+  void start();
+  void train();
+  double evaluate();
+  void sample();
+  void save_final();
+  void finish();
+
+ private:
+  double train_step();
+  void log_step(double loss, double grad_norm, double tokens_per_s);
+  void save(const std::string& path);
+  io::TrainingCheckpoint checkpoint() const;
+  bool done() const { return pos_.step >= cfg_.max_steps; }
+
+  const GptConfig& cfg_;
+  std::shared_ptr<data::TokenWindowDataset> train_data_, val_data_;
+  std::shared_ptr<dist::ProcessGroup> pg_;
+  const int world_;
+  const bool main_rank_;
+  Generator gen_;
+  std::shared_ptr<examples::Gpt> gpt_;
+  std::shared_ptr<dist::DistributedDataParallel> ddp_;
+  std::unique_ptr<optim::Optimizer> opt_;
+  optim::LRScheduler scheduler_;
+  std::shared_ptr<data::DistributedSampler> sampler_;
+  data::DataLoader loader_;
+  const DType amp_dtype_;
+  io::Progress progress_;
+  std::vector<std::string> param_names_;
+  std::optional<io::MetricsWriter> metrics_;
+  Position pos_;
+  double peak_flops_ = 0;  // the job's: world x a rank's measured GEMM peak (Note [MFU])
+  double entropy_nats_ = 0;
+  double last_train_loss_ = 0, last_val_loss_ = NAN;
+  int64_t tokens_ = 0;  // trained by all ranks in this run
+  double seconds_ = 0;  // spent in train steps in this run
+};
+
+// --resume FILE, or auto: the newest checkpoint beside --save that verifies.
+void Trainer::resume() {
+  if (!cfg_.save.empty()) dist::check_checkpoint_path(*pg_, "--save", cfg_.save);
+  if (cfg_.resume.empty()) return;
+  const io::CheckpointChoice choice = dist::resolve_resume(*pg_, cfg_.resume, cfg_.save);
+  if (choice.path.empty()) {
+    log_rank0(LogLevel::kInfo, "resume: no checkpoint beside ", cfg_.save,
+              " yet, starting from step 0");
+    return;
+  }
+  io::TrainingCheckpoint ckpt = dist::load_checkpoint(*pg_, choice.path);
+  try {
+    gpt_->load_state_dict(ckpt.model);
+  } catch (const Error& e) {
+    LS_THROW("--resume ", choice.path, " holds another model than --n-layer ", cfg_.n_layer,
+             " --n-head ", cfg_.n_head, " --n-embd ", cfg_.n_embd, " --block-size ",
+             cfg_.block_size, ": ", e.message());
+  }
+  opt_->load_state_dict(ckpt.optimizer);
+  pos_ = {.step = ckpt.step, .epoch = ckpt.epoch, .epoch_consumed = ckpt.epoch_samples};
+  scheduler_.set_step(pos_.step);
+  log_rank0(LogLevel::kInfo, "resumed ", choice.path, ": step ", pos_.step, ", epoch ", pos_.epoch,
+            " after ", pos_.epoch_consumed, " of its windows (written by ", ckpt.world_size,
+            " ranks, now ", world_, ")");
+}
+
+void Trainer::start() {
+  entropy_nats_ = unigram_entropy_nats(train_data_->tokens());
+  peak_flops_ = world_ * measure_gemm_peak_flops(amp_dtype_);
+  if (!main_rank_) return;
+  std::printf(
+      "gpt n_layer=%lld n_head=%lld n_embd=%lld block_size=%lld vocab=%lld params=%lld "
+      "world_size=%d backend=%s threads=%d\n",
+      static_cast<long long>(cfg_.n_layer), static_cast<long long>(cfg_.n_head),
+      static_cast<long long>(cfg_.n_embd), static_cast<long long>(cfg_.block_size),
+      static_cast<long long>(gpt_->config().vocab_size),
+      static_cast<long long>(gpt_->num_parameters()), world_, std::string(pg_->backend()).c_str(),
+      get_num_threads());
+  std::printf(
+      "data train_windows=%lld val_windows=%lld batch=%lld accum_steps=%lld tokens_per_step=%lld "
+      "amp=%s lr=%g warmup_steps=%lld max_steps=%lld weight_decay=%g grad_clip=%g\n",
+      static_cast<long long>(train_data_->size()), static_cast<long long>(val_data_->size()),
+      static_cast<long long>(cfg_.batch_size), static_cast<long long>(cfg_.accum_steps),
+      static_cast<long long>(cfg_.batch_size * cfg_.accum_steps * world_ * cfg_.block_size),
+      cfg_.amp.c_str(), cfg_.lr, static_cast<long long>(cfg_.warmup_steps),
+      static_cast<long long>(cfg_.max_steps), cfg_.weight_decay, cfg_.grad_clip);
+  std::printf(
+      "unigram entropy of the training bytes: %.4f nats/byte (the loss to beat); GEMM peak "
+      "%.2f GFLOP/s (%s, all ranks; Note [MFU])\n",
+      entropy_nats_, peak_flops_ / 1e9, cfg_.amp == "bf16" ? "bf16" : "f32");
+  if (!cfg_.metrics.empty()) {
+    const auto dir = std::filesystem::path(cfg_.metrics).parent_path();
+    std::error_code ec;
+    if (!dir.empty()) std::filesystem::create_directories(dir, ec);  // else open says why
+    metrics_.emplace(cfg_.metrics);
+  }
+}
+
+// Optimizer steps until --max-steps, epoch after epoch of the shuffled windows; a resumed run
+// starts inside its epoch after the windows already consumed.
+void Trainer::train() {
+  progress_.start_epoch(0, cfg_.max_steps);
+  while (!done()) {
+    loader_.set_epoch(pos_.epoch);
+    sampler_->set_start_index(pos_.epoch_consumed);
+    // Whole optimizer steps of --accum-steps micro-batches while the epoch has them (the
+    // batches after set_start_index).
+    const int64_t batches = loader_.num_batches();
+    int64_t taken = 0;
+    auto it = loader_.begin();
+    while (!done() && it != loader_.end() && batches - taken >= cfg_.accum_steps) {
+      const auto t = Clock::now();
+      double loss = 0;
+      for (int64_t m = 0; m < cfg_.accum_steps; ++m, ++it, ++taken) {
+        const bool last = m + 1 == cfg_.accum_steps;
+        std::optional<dist::DistributedDataParallel::NoSync> no_sync;
+        if (ddp_ && !last) no_sync.emplace(*ddp_);  // accumulate locally, all-reduce at the last
+        nn::Module& net = ddp_ ? static_cast<nn::Module&>(*ddp_) : *gpt_;
+        Tensor l;
+        {
+          amp::autocast ac(amp_dtype_, cfg_.amp == "bf16");
+          Tensor logits = net.forward((*it).input);      // (B,T,V)
+          l = examples::gpt_loss(logits, (*it).target);  // () f32
+        }
+        // Each micro-batch holds as many windows: the step's loss is their mean.
+        mul(l, 1.0 / static_cast<double>(cfg_.accum_steps)).backward();
+        loss += l.item() / static_cast<double>(cfg_.accum_steps);
+      }
+      const double grad_norm =
+          cfg_.grad_clip > 0 ? optim::clip_grad_norm(gpt_->parameters(), cfg_.grad_clip) : 0.0;
+      const double lr = scheduler_.last_lr();
+      opt_->step();
+      scheduler_.step();
+      opt_->zero_grad();
+      ++pos_.step;
+      const int64_t windows = cfg_.batch_size * cfg_.accum_steps * world_;
+      pos_.epoch_consumed += windows;
+      const double dt = seconds_since(t);
+      tokens_ += windows * cfg_.block_size;
+      seconds_ += dt;
+      last_train_loss_ = loss;
+      if (metrics_)
+        metrics_->write(io::TrainRecord{
+            .step = pos_.step,
+            .epoch = pos_.epoch,
+            .loss = loss,
+            .lr = lr,
+            .samples_per_s = windows / dt,
+            .grad_norm = cfg_.grad_clip > 0 ? std::optional<double>(grad_norm) : std::nullopt,
+            .peak_rss_mib = io::peak_rss_mib()});
+      progress_.update(pos_.step, loss, windows);
+      if (cfg_.save_every > 0 && pos_.step % cfg_.save_every == 0 && !cfg_.save.empty())
+        save(io::checkpoint_path_for_step(cfg_.save, pos_.step));
+      if (pos_.step % cfg_.eval_every == 0 || done())
+        log_step(loss, grad_norm, windows * cfg_.block_size / dt);
+    }
+    // The epoch's tail that does not fill a step is left out; the next epoch starts afresh.
+    if (!done()) pos_ = {.step = pos_.step, .epoch = pos_.epoch + 1};
+  }
+  progress_.finish();
+}
+
+// One log line: the step's loss (the mean over ranks), the validation loss (every rank evaluates
+// its share), tokens/s over the whole run so far and MFU (Note [MFU]).
+void Trainer::log_step(double loss, double grad_norm, double tokens_per_s) {
+  Tensor mean = full({1}, loss, kFloat64);  // this rank's; the line shows all ranks' mean
+  pg_->all_reduce(mean, {.op = dist::ReduceOp::avg})->wait();
+  loss = last_train_loss_ = mean.item();
+  last_val_loss_ = evaluate();
+  if (!main_rank_) return;
+  const double run_tokens_per_s = seconds_ > 0 ? tokens_ / seconds_ : tokens_per_s;
+  const double mfu = gpt_->flops_per_token(cfg_.block_size) * run_tokens_per_s / peak_flops_;
+  std::printf(
+      "step %lld/%lld loss %.4f val_loss %.4f (unigram %.4f) lr %.3g grad_norm %.3f tokens/s "
+      "%.0f mfu %.1f%%\n",
+      static_cast<long long>(pos_.step), static_cast<long long>(cfg_.max_steps), loss,
+      last_val_loss_, entropy_nats_, scheduler_.last_lr(), grad_norm, run_tokens_per_s,
+      100.0 * mfu);
+}
+
+// The mean loss over the first --eval-batches batches of every rank's share of the validation
+// windows (in order, no padding), averaged over all of them across ranks.
+double Trainer::evaluate() {
+  NoGradGuard no_grad;
+  gpt_->eval();
+  data::DistributedSampler shard(
+      val_data_->size(),
+      {.num_replicas = world_, .rank = pg_->rank(), .shuffle = false, .pad = false});
+  const std::vector<int64_t> idx = shard.indices();
+  const size_t limit =
+      std::min<size_t>(idx.size(), static_cast<size_t>(cfg_.eval_batches * cfg_.batch_size));
+  Tensor sums = zeros({2}, kFloat64);  // loss x windows, windows
+  double loss_sum = 0;
+  for (size_t start = 0; start < limit; start += static_cast<size_t>(cfg_.batch_size)) {
+    const size_t n = std::min<size_t>(static_cast<size_t>(cfg_.batch_size), limit - start);
+    std::vector<data::Example> rows;
+    for (size_t i = start; i < start + n; ++i) rows.push_back(val_data_->get(idx[i]));
+    data::Batch b = data::collate(rows);
+    amp::autocast ac(amp_dtype_, cfg_.amp == "bf16");
+    loss_sum += examples::gpt_loss(gpt_->forward(b.input), b.target).item() * n;
+  }
+  sums.set_at({0}, loss_sum);
+  sums.set_at({1}, static_cast<double>(limit));
+  pg_->all_reduce(sums)->wait();
+  gpt_->train();
+  if (metrics_)
+    metrics_->write(io::EvalRecord{.step = pos_.step,
+                                   .epoch = pos_.epoch,
+                                   .test_accuracy = 0,
+                                   .test_loss = sums.at({0}) / sums.at({1})});
+  return sums.at({0}) / sums.at({1});
+}
+
+// --sample N: rank 0 generates N bytes, one at a time, from a newline: the last block_size
+// tokens in, the last position's logits divided by --temperature, cut to the --top-k most
+// likely, one drawn from their softmax.
+void Trainer::sample() {
+  if (cfg_.sample <= 0 || !main_rank_) return;
+  NoGradGuard no_grad;
+  gpt_->eval();
+  Generator gen(cfg_.seed + 1);
+  std::vector<int64_t> context = {'\n'};
+  std::string text;
+  for (int64_t i = 0; i < cfg_.sample; ++i) {
+    const int64_t T = std::min<int64_t>(static_cast<int64_t>(context.size()), cfg_.block_size);
+    std::vector<int64_t> window(context.end() - T, context.end());
+    Tensor logits = gpt_->forward(from_vector(window, {1, T}));           // (1,T,V)
+    std::vector<double> z = logits.select(1, T - 1).to_vector<double>();  // (V)
+    std::vector<double> sorted = z;
+    const size_t k = std::min<size_t>(static_cast<size_t>(cfg_.top_k), z.size());
+    std::nth_element(sorted.begin(), sorted.begin() + (k - 1), sorted.end(),
+                     std::greater<double>());
+    const double cut = sorted[k - 1], top = *std::max_element(z.begin(), z.end());
+    double total = 0;
+    for (double& v : z) total += v = v < cut ? 0.0 : std::exp((v - top) / cfg_.temperature);
+    double u = rand({1}, gen, kFloat64).item() * total;
+    int64_t next = 0;
+    for (; next + 1 < static_cast<int64_t>(z.size()); ++next)
+      if ((u -= z[static_cast<size_t>(next)]) < 0) break;
+    context.push_back(next);
+    text.push_back(static_cast<char>(next));
+  }
+  gpt_->train();
+  std::printf("sample (%lld bytes, temperature %g, top-k %lld):\n%s\n--- end of sample\n",
+              static_cast<long long>(cfg_.sample), cfg_.temperature,
+              static_cast<long long>(cfg_.top_k), text.c_str());
+}
+
+io::TrainingCheckpoint Trainer::checkpoint() const {
+  io::TrainingCheckpoint ckpt;
+  ckpt.model = gpt_->state_dict();
+  ckpt.optimizer = opt_->state_dict();
+  ckpt.optimizer_param_names = param_names_;
+  ckpt.step = pos_.step;
+  ckpt.epoch = pos_.epoch;
+  ckpt.epoch_samples = pos_.epoch_consumed;
+  ckpt.world_size = world_;
+  ckpt.user = {{"n_layer", std::to_string(cfg_.n_layer)},
+               {"n_head", std::to_string(cfg_.n_head)},
+               {"n_embd", std::to_string(cfg_.n_embd)},
+               {"block_size", std::to_string(cfg_.block_size)}};
+  return ckpt;
+}
+
+void Trainer::save(const std::string& path) {
+  dist::save_checkpoint(*pg_, path, checkpoint(), cfg_.keep);
+  log_rank0(LogLevel::kInfo, "saved ", path);
+}
+
+void Trainer::save_final() {
+  if (!cfg_.save.empty()) save(cfg_.save);
+}
+
+void Trainer::finish() {
+  if (!main_rank_) return;
+  if (std::isnan(last_val_loss_))
+    log_info("nothing left to train: step ", pos_.step, " reached --max-steps");
+  std::printf(
+      "final val_loss=%.4f train_loss=%.4f steps=%lld tokens_per_s=%.1f entropy_nats=%.4f\n",
+      last_val_loss_, last_train_loss_, static_cast<long long>(pos_.step),
+      seconds_ > 0 ? tokens_ / seconds_ : 0.0, entropy_nats_);
+}
+
 int run(const GptConfig& cfg) {
   if (cfg.prepare) return prepare(cfg);
-  std::fprintf(stderr,
-               "train_gpt: training is not built yet (issue 19); this build only prepares data:\n"
-               "  train_gpt --prepare [FILES...] --out DIR\n");
-  return examples::kUsageError;
+  if (cfg.threads > 0) set_num_threads(static_cast<int>(cfg.threads));
+  Trainer trainer(cfg);
+  trainer.resume();
+  trainer.start();
+  trainer.train();
+  trainer.save_final();
+  trainer.sample();
+  trainer.finish();
+  dist::destroy_process_group();
+  return 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Line by line even into a pipe (`lockstep run`), so a killed run loses no printed line.
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   GptConfig cfg;
   if (const int rc = examples::parse_gpt_flags(argc, argv, cfg); rc >= 0) return rc;
@@ -80,6 +516,7 @@ int main(int argc, char** argv) {
     return run(cfg);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
+    dist::record_error(e.what());  // for `lockstep run`'s failure summary
     return 1;
   }
 }

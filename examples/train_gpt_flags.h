@@ -24,11 +24,44 @@ struct GptConfig {
   std::string fortunes_dir = data::kDefaultFortunesDir;
   std::string out = kDefaultGptDataDir;  // --prepare's output directory
 
-  // Training (the loop is not built yet; these are what it reads first).
+  // Training.
   std::string data = kDefaultGptDataDir;  // the directory with train.tokens and val.tokens
-  int64_t block_size = 256;               // tokens per example (T)
-  int64_t batch_size = 16;                // examples per rank and step (B)
-  uint64_t seed = 0;                      // the sampler's shuffle (and later the model's init)
+  int64_t block_size = 128;               // tokens per example (T), the longest context
+  int64_t batch_size = 16;                // examples per rank and micro-batch (B)
+  uint64_t seed = 0;                      // the model's init and the sampler's shuffle
+  // The model (examples/gpt_model.h).
+  int64_t n_layer = 4;
+  int64_t n_head = 4;
+  int64_t n_embd = 128;
+  // The optimization: AdamW, warmup then cosine decay to min_lr_factor * lr over max_steps.
+  int64_t max_steps = 1000;
+  int64_t warmup_steps = 50;
+  double lr = 2e-3;
+  double min_lr_factor = 0.1;
+  double weight_decay = 0.1;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double grad_clip = 1.0;  // 0: no clipping
+  int64_t accum_steps = 1;
+  std::string amp = "none";  // or "bf16"
+  int64_t zero = 0;          // 1: ZeRO-1 (dist::ZeroRedundancyOptimizer)
+  // Reporting.
+  int64_t eval_every = 100;   // a log line with the validation loss every N steps
+  int64_t eval_batches = 20;  // batches per rank of the validation windows per evaluation
+  std::string metrics;        // JSON Lines per step and evaluation (rank 0)
+  int64_t sample = 0;         // bytes generated at the end (rank 0)
+  double temperature = 0.8;
+  int64_t top_k = 40;
+  // Checkpoints, as train_fashion_mnist.
+  std::string save;
+  int64_t save_every = 0;
+  int64_t keep = 0;
+  std::string resume;  // a checkpoint file, or "auto": the latest beside --save
+  // Execution.
+  int64_t threads = 0;
+  int64_t workers = 1;
+  std::string backend;
+  double timeout = 0;
 };
 
 // Upper bound of --block-size: a window is copied per sample, and the model's attention is
@@ -39,6 +72,7 @@ constexpr int64_t kMaxBlockSize = 1 << 16;
 // (0 after --help; kUsageError with the reason printed).
 inline int parse_gpt_flags(int argc, char** argv, GptConfig& cfg) {
   using I = Range<int64_t>;
+  using R = Range<double>;
   CLI::App app{
       "Train a GPT-2 style byte-level language model with lockstep (vocabulary 256: any UTF-8 "
       "text trains without a tokenizer). First prepare the data: train_gpt --prepare [FILES...] "
@@ -58,7 +92,51 @@ inline int parse_gpt_flags(int argc, char** argv, GptConfig& cfg) {
       ->capture_default_str();
   add_number(app, "--block-size", cfg.block_size, I{1, kMaxBlockSize}, "Tokens per example (T)");
   add_number(app, "--batch-size", cfg.batch_size, I{1, kMaxCount}, "Examples per rank and step");
-  add_number(app, "--seed", cfg.seed, Range<uint64_t>{0}, "Seed of the data order");
+  add_number(app, "--seed", cfg.seed, Range<uint64_t>{0},
+             "Seed of the model's init and the data order");
+  add_number(app, "--n-layer", cfg.n_layer, I{1, 1024}, "Transformer blocks");
+  add_number(app, "--n-head", cfg.n_head, I{1, 1024}, "Attention heads (divide --n-embd)");
+  add_number(app, "--n-embd", cfg.n_embd, I{1, 1 << 16}, "Width of the residual stream (C)");
+  add_number(app, "--max-steps", cfg.max_steps, I{1, kMaxCount},
+             "Optimizer steps of the whole run (the cosine decay ends there)");
+  add_number(app, "--warmup-steps", cfg.warmup_steps, I{0, kMaxCount},
+             "Steps of linear warmup before the cosine decay");
+  add_number(app, "--lr", cfg.lr, R{0}, "Peak learning rate");
+  add_number(app, "--min-lr-factor", cfg.min_lr_factor, R{0, 1},
+             "The cosine ends at this times --lr");
+  add_number(app, "--weight-decay", cfg.weight_decay, R{0},
+             "AdamW's decoupled weight decay (matrices only, not biases or LayerNorm)");
+  add_number(app, "--beta1", cfg.beta1, R{0, 1, true}, "AdamW's beta1");
+  add_number(app, "--beta2", cfg.beta2, R{0, 1, true}, "AdamW's beta2");
+  add_number(app, "--grad-clip", cfg.grad_clip, R{0}, "Clip the gradients' global norm (0: off)");
+  add_number(app, "--accum-steps", cfg.accum_steps, I{1, kMaxCount},
+             "Micro-batches whose gradients one optimizer step sums");
+  app.add_option("--amp", cfg.amp, "Mixed precision: autocast to bf16")
+      ->check(CLI::IsMember({"none", "bf16"}))
+      ->capture_default_str();
+  add_number(app, "--zero", cfg.zero, I{0, 1},
+             "1: ZeRO-1, each rank keeps the AdamW moments of its shard only");
+  add_number(app, "--eval-every", cfg.eval_every, I{1, kMaxCount},
+             "A log line with the validation loss every N steps (and at the last)");
+  add_number(app, "--eval-batches", cfg.eval_batches, I{1, kMaxCount},
+             "Validation batches per rank in an evaluation");
+  app.add_option("--metrics", cfg.metrics, "Write JSON Lines metrics here (rank 0)");
+  add_number(app, "--sample", cfg.sample, I{0, kMaxCount},
+             "At the end, print N bytes the model generates (rank 0)");
+  add_number(app, "--temperature", cfg.temperature, R{0, 1e6, true}, "Sampling temperature");
+  add_number(app, "--top-k", cfg.top_k, I{1, 1 << 16}, "Sample among the k likeliest bytes");
+  app.add_option("--save", cfg.save, "Checkpoint at the end (and with --save-every beside it)");
+  add_number(app, "--save-every", cfg.save_every, I{0}, "A checkpoint every N steps (0: none)");
+  add_number(app, "--keep", cfg.keep, I{0}, "Keep the newest N periodic checkpoints (0 = all)");
+  app.add_option("--resume", cfg.resume,
+                 "Continue from a checkpoint file, or 'auto': the newest beside --save");
+  add_number(app, "--threads", cfg.threads, I{0, kMaxThreads},
+             "Intra-op threads (0 = OMP_NUM_THREADS or all cores)");
+  add_number(app, "--workers", cfg.workers, I{0, kMaxThreads}, "DataLoader worker threads");
+  app.add_option("--backend", cfg.backend, "DDP's process group backend")
+      ->check(CLI::IsMember(dist::backend_names()));
+  add_number(app, "--timeout", cfg.timeout, R{0, dist::kMaxTimeoutS, true},
+             "Seconds a collective waits for the other ranks");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -70,6 +148,14 @@ inline int parse_gpt_flags(int argc, char** argv, GptConfig& cfg) {
   std::erase(cfg.prepare_files, std::string());
   if (!cfg.prepare && app.get_option("--out")->count() > 0)
     return usage_error("--out is where --prepare writes; without --prepare it does nothing");
+  if ((cfg.save_every > 0 || cfg.resume == "auto") && cfg.save.empty())
+    return usage_error(std::string(cfg.save_every > 0 ? "--save-every" : "--resume auto") +
+                       " needs --save: where the checkpoints go");
+  if (cfg.n_embd % cfg.n_head != 0)
+    return usage_error("--n-embd " + std::to_string(cfg.n_embd) +
+                       " must be divisible by --n-head " + std::to_string(cfg.n_head));
+  if (cfg.warmup_steps >= cfg.max_steps)
+    return usage_error("--warmup-steps must be below --max-steps");
   return -1;
 }
 
