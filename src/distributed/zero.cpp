@@ -31,24 +31,30 @@ namespace lockstep::dist {
 // elements, and the all-gather only moves them. An optimizer that mixes elements (a norm per
 // parameter, as LAMB) would not be equal, and is not supported.
 //
-// Why the gradients are still all-reduced. ZeRO-1 proper reduce-scatters the gradient buckets,
-// so each rank receives only its shard's sums. Bitwise equality with DDP then needs the
-// reduce-scatter to add the ranks' terms of every element in the order the all-reduce adds them.
-// shm does (both reduce each element in rank order; tests/distributed/shm_test.cpp checks that
-// reduce_scatter's chunk is bit-identical to all_reduce's), and so does any backend at 2 ranks
-// (a + b == b + a). Gloo at 3 or more does not promise it: its all_reduce is gloo::allreduce,
-// whose order of addition for an element depends on the segment the element falls in, and its
-// reduce_scatter is our own ring (src/distributed/gloo/ring.cpp) with its own chunks. Measured
-// (2026-12-03, random f32, avg, ranks as threads): rank r's reduce_scatter output against chunk r
-// of the all_reduce of the same inputs differs in 0 elements at 2 ranks, 1 of 300,009 at 3, and
-// 94,182 of 400,012 at 4. So over Gloo a reduce-scatter would not be bitwise DDP. And the
-// shards would have to be per bucket (each bucket padded to a multiple of the world size), with
-// DDP's bucket layout rebuilt after the first step. So for now this optimizer takes the
-// gradients DDP already averaged (any comm hook; the unused-parameter status and the slow-rank
-// slots of Note [Slow rank] untouched) and saves the optimizer-state memory, ZeRO-1's point, for
-// one all-gather of the parameters per step (not yet overlapped with the next forward).
-// Reduce-scattering the buckets is the next step (issue 19), behind the same class: shm and two
-// ranks first, Gloo once its two rings agree.
+// Reduce-scatter. ZeRO-1 proper reduce-scatters the gradients, so each rank receives only its
+// shard's average (with the parameters' all-gather, the bytes of one all-reduce). Bitwise
+// equality with DDP then needs the reduce-scatter to add the ranks' terms of every element in
+// the order the all-reduce adds them. shm does (both reduce each element in rank order;
+// tests/distributed/shm_test.cpp checks that reduce_scatter's chunk is bit-identical to
+// all_reduce's), and so does any backend at 2 ranks (a + b == b + a). Gloo at 3 or more does not:
+// its all_reduce is gloo::allreduce, whose order of addition for an element depends on the
+// segment the element falls in, and its reduce_scatter is our own ring
+// (src/distributed/gloo/ring.cpp) with its own chunks. Measured (2026-12-03, random f32, avg,
+// ranks as threads): rank r's reduce_scatter output against chunk r of the all_reduce of the same
+// inputs differs in 0 elements at 2 ranks, 1 of 300,009 at 3, and 94,182 of 400,012 at 4.
+//
+// So there are two modes. By default ZeRO takes the gradients DDP already averaged (any comm
+// hook, any backend, bitwise always) and saves the optimizer-state memory, ZeRO-1's point, for
+// one extra all-gather of the parameters per step. With ZeroOptions::reduce_scatter_gradients,
+// DDP runs zero_hook(), which averages only the reducer's own elements of each bucket (the
+// unused-parameter status and the slow-rank slots of Note [Slow rank] keep working, in one small
+// all-reduce per bucket), and step() reduce-scatters the flat, padded local gradients in one call:
+// bitwise DDP over shm and at 2 ranks. Its costs: the reduce-scatter runs in step(), not
+// overlapped with backward as DDP's buckets are (per-bucket shards would overlap it, with DDP's
+// bucket layout, rebuilt after the first step, deciding the shards), and .grad() holds local
+// gradients until step(), so gradient clipping and a GradScaler's inf check would see them
+// (they are not supported in that mode). In both modes the all-gather is waited for in step(),
+// not overlapped with the next forward.
 //
 // Checkpoints. state_dict() rebuilds the full state in the plain optimizer's own format: for each
 // per-element field, every rank writes its pieces' state into a shard-sized buffer and one
@@ -80,8 +86,9 @@ bool split_key(const std::string& name, size_t& index, std::string& field) {
 }  // namespace
 
 ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> groups,
-                                                 ProcessGroupPtr pg, const OptimizerFactory& make)
-    : Optimizer(groups, 0.0, 0.0, "ZeroRedundancyOptimizer"), pg_(std::move(pg)) {
+                                                 ProcessGroupPtr pg, const OptimizerFactory& make,
+                                                 ZeroOptions opts)
+    : Optimizer(groups, 0.0, 0.0, "ZeroRedundancyOptimizer"), pg_(std::move(pg)), opts_(opts) {
   LS_CHECK(pg_ != nullptr, "ZeroRedundancyOptimizer: expected a process group, got null");
   LS_CHECK(make != nullptr, "ZeroRedundancyOptimizer: expected an optimizer factory, got null");
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -108,6 +115,10 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> 
   const auto options = TensorOptions(params_[0].dtype()).with_device(params_[0].device());
   shard_ = zeros({chunk_}, options);
   flat_ = empty({chunk_ * world}, options);
+  if (opts_.reduce_scatter_gradients) {
+    grad_flat_ = zeros({chunk_ * world}, options);  // the padding stays 0
+    grad_shard_ = empty({chunk_}, options);
+  }
 
   autograd::NoGradGuard no_grad;
   const int64_t begin = rank * chunk_, end = std::min(total_, begin + chunk_);
@@ -151,14 +162,20 @@ ZeroRedundancyOptimizer::~ZeroRedundancyOptimizer() = default;
 void ZeroRedundancyOptimizer::step() {
   autograd::NoGradGuard no_grad;
   ++steps_;
+  if (opts_.reduce_scatter_gradients) reduce_scatter_gradients();
   // The pieces start from the parameters' current values (a checkpoint or the user may have set
   // them) and see their slices of the averaged gradients.
   for (Piece& piece : pieces_) {
     const Tensor& p = params_[piece.param];
     piece.tensor.copy_(p.reshape({-1}).narrow(0, piece.param_offset, piece.numel));
     const Tensor g = p.grad();
-    piece.tensor.set_grad(g.defined() ? g.reshape({-1}).narrow(0, piece.param_offset, piece.numel)
-                                      : Tensor());
+    if (!g.defined()) {
+      piece.tensor.set_grad(Tensor());
+    } else if (opts_.reduce_scatter_gradients) {
+      piece.tensor.set_grad(grad_shard_.narrow(0, piece.shard_offset, piece.numel));
+    } else {
+      piece.tensor.set_grad(g.reshape({-1}).narrow(0, piece.param_offset, piece.numel));
+    }
   }
   if (local_) {
     // set_lr and schedules write the user's groups; the wrapped optimizer follows them.
@@ -172,6 +189,34 @@ void ZeroRedundancyOptimizer::step() {
   for (size_t i = 0; i < params_.size(); ++i) {
     params_[i].reshape({-1}).copy_(flat_.narrow(0, offset_[i], params_[i].numel()));
   }
+}
+
+// Note [ZeRO-1], Reduce-scatter: every rank's local gradients, flat in the order of the shards,
+// reduced so that rank r receives the average of shard r only. A parameter without a gradient
+// contributes zeros (DDP gives every parameter one on every rank, or none on all).
+void ZeroRedundancyOptimizer::reduce_scatter_gradients() {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Tensor region = grad_flat_.narrow(0, offset_[i], params_[i].numel());
+    const Tensor g = params_[i].grad();
+    if (g.defined()) {
+      region.copy_(g.reshape({-1}));
+    } else {
+      region.zero_();
+    }
+  }
+  pg_->reduce_scatter(grad_shard_, grad_flat_, {.op = ReduceOp::avg})->wait();
+}
+
+CommHook zero_hook() {
+  return {"zero",
+          [](ProcessGroup& pg, GradBucket& b) {
+            // The reducer's elements follow the gradients: one status element, and in bucket 0
+            // one time slot per rank (GradBucket, Note [Slow rank]).
+            const int64_t extra = b.index == 0 ? 1 + pg.size() : 1;
+            Tensor own = b.buffer.narrow(0, b.buffer.numel() - extra, extra);
+            return pg.all_reduce(own, {.op = ReduceOp::avg});
+          },
+          nullptr};
 }
 
 ZeroStats ZeroRedundancyOptimizer::stats() const {

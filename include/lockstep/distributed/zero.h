@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "lockstep/distributed/ddp.h"
 #include "lockstep/distributed/process_group.h"
 #include "lockstep/optim/optimizer.h"
 
@@ -18,6 +19,22 @@ namespace lockstep::dist {
 // std::make_unique<optim::AdamW>(std::move(g), opts); }).
 using OptimizerFactory =
     std::function<std::unique_ptr<optim::Optimizer>(std::vector<optim::ParamGroup>)>;
+
+struct ZeroOptions {
+  // Note [ZeRO-1], Reduce-scatter: step() reduce-scatters the gradients itself, so each rank
+  // receives only its shard's average, and DDP must not average them first: build DDP with
+  // DDPOptions::comm_hook = zero_hook(). Then .grad() holds this rank's own gradient after
+  // backward (clip_grad_norm, a GradScaler's unscale_ and anything else that reads gradients
+  // before step() see local values). Bitwise equal to plain DDP where the backend's
+  // reduce_scatter adds like its all_reduce: shm (any number of ranks) and any backend with 2
+  // ranks, not Gloo with 3 or more.
+  bool reduce_scatter_gradients = false;
+};
+
+// DDP's comm hook for ZeroOptions::reduce_scatter_gradients: averages only the reducer's own
+// elements of each bucket (the unused-parameter status, the slow-rank times of Note [Slow rank])
+// and leaves the gradients as they are, for step()'s reduce-scatter.
+CommHook zero_hook();
 
 // What ZeRO saves, on this rank.
 struct ZeroStats {
@@ -47,10 +64,10 @@ struct ZeroStats {
 class ZeroRedundancyOptimizer : public optim::Optimizer {
  public:
   ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> groups, ProcessGroupPtr pg,
-                          const OptimizerFactory& make);
+                          const OptimizerFactory& make, ZeroOptions opts = {});
   ZeroRedundancyOptimizer(const std::vector<Tensor>& params, ProcessGroupPtr pg,
-                          const OptimizerFactory& make)
-      : ZeroRedundancyOptimizer({optim::ParamGroup{params}}, std::move(pg), make) {}
+                          const OptimizerFactory& make, ZeroOptions opts = {})
+      : ZeroRedundancyOptimizer({optim::ParamGroup{params}}, std::move(pg), make, opts) {}
   ~ZeroRedundancyOptimizer() override;
 
   // Collective: steps this rank's shard, then all-gathers every shard into the parameters.
@@ -81,6 +98,9 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
   };
 
   ProcessGroupPtr pg_;
+  ZeroOptions opts_;
+  void reduce_scatter_gradients();
+
   std::vector<Tensor> params_;   // all groups', in order (as in groups_)
   std::vector<int64_t> offset_;  // each parameter's first element in the flat order
   std::vector<size_t> group_of_;
@@ -88,6 +108,9 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
   int64_t chunk_ = 0;
   Tensor shard_;  // (chunk_): this rank's shard of the flat parameters
   Tensor flat_;   // (chunk_ * world): the all-gathered parameters
+  // reduce_scatter_gradients: the local gradients, flat and padded (chunk_ * world), and this
+  // rank's shard of their average (chunk_).
+  Tensor grad_flat_, grad_shard_;
   std::vector<Piece> pieces_;
   std::unique_ptr<optim::Optimizer> local_;
 };
