@@ -52,6 +52,7 @@ struct Result {
   std::vector<std::vector<double>> params;
   Snapshot snapshot;
   ZeroStats zero;
+  DDPStats ddp;
 };
 
 // Steps [start, start + steps) of a run on rank r: the MLP (from `from` when given) under DDP,
@@ -87,6 +88,7 @@ Result train(int r, const ProcessGroupPtr& pg, Opt o, bool zero, int start, int 
   res.snapshot.model = model->state_dict();
   res.snapshot.optimizer = opt->state_dict();
   if (zero) res.zero = static_cast<ZeroRedundancyOptimizer&>(*opt).stats();
+  res.ddp = ddp.stats();
   return res;
 }
 
@@ -208,8 +210,13 @@ TEST_P(ZeroReduceScatter, EqualsPlainDDPBitwiseWhereTheBackendAddsAsItsAllReduce
   const auto plain = run(world, o, false, 0, kSteps, nullptr, backend);
   const auto zero = run(world, o, true, 0, kSteps, nullptr, backend, /*reduce_scatter=*/true);
   EXPECT_EQ(zero[0].params, plain[0].params) << backend;
-  for (int r = 0; r < world; ++r)
+  for (int r = 0; r < world; ++r) {
     expect_same_state(zero[r].snapshot.optimizer, plain[0].snapshot.optimizer);
+    // zero_hook() still averages the slow-rank slots: every rank knows every rank's time.
+    ASSERT_EQ(zero[r].ddp.rank_compute_ms.size(), static_cast<size_t>(world));
+    for (double ms : zero[r].ddp.rank_compute_ms) EXPECT_GT(ms, 0.0) << "rank " << r;
+    EXPECT_EQ(zero[r].ddp.rank_compute_ms, zero[0].ddp.rank_compute_ms);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, ZeroReduceScatter,
