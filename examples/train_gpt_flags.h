@@ -34,8 +34,8 @@ struct GptConfig {
   int64_t n_head = 4;
   int64_t n_embd = 128;
   // The optimization: AdamW, warmup then cosine decay to min_lr_factor * lr over max_steps.
-  int64_t max_steps = 1000;
-  int64_t warmup_steps = 50;
+  int64_t max_steps = 300;
+  int64_t warmup_steps = 30;
   double lr = 2e-3;
   double min_lr_factor = 0.1;
   double weight_decay = 0.1;
@@ -46,10 +46,10 @@ struct GptConfig {
   std::string amp = "none";  // or "bf16"
   int64_t zero = 0;          // 1: ZeRO-1 (dist::ZeroRedundancyOptimizer)
   // Reporting.
-  int64_t eval_every = 100;   // a log line with the validation loss every N steps
-  int64_t eval_batches = 20;  // batches per rank of the validation windows per evaluation
-  std::string metrics;        // JSON Lines per step and evaluation (rank 0)
-  int64_t sample = 0;         // bytes generated at the end (rank 0)
+  int64_t eval_every = 25;   // a log line with the validation loss every N steps
+  int64_t eval_batches = 8;  // batches per rank of the validation windows per evaluation
+  std::string metrics;       // JSON Lines per step and evaluation (rank 0)
+  int64_t sample = 0;        // bytes generated at the end (rank 0)
   double temperature = 0.8;
   int64_t top_k = 40;
   // Checkpoints, as train_fashion_mnist.
