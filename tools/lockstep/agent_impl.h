@@ -1,0 +1,225 @@
+// The node agent's insides, shared by agent.cpp (rendezvous, workers, generations) and
+// agent_watch.cpp (Note [Stall watch]: views, heartbeats, the verdict): its constants, the
+// worker record, and the Agent class. Only agent.h is the agent's interface.
+#pragma once
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <ctime>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "agent.h"
+#include "lockstep/base/syscall.h"
+#include "lockstep/distributed/store/tcp_store.h"
+#include "output.h"
+#include "verdict.h"
+#include "why_died.h"
+#include "worker_process.h"
+
+namespace lockstep::launch::agent_detail {
+
+using Clock = std::chrono::steady_clock;
+using json = nlohmann::json;
+
+// SIGTERM first; what is still alive after this gets SIGKILL.
+constexpr auto kStopGrace = std::chrono::seconds(3);
+// How long node 0 keeps the store up for the other agents to read the outcome (at least; also
+// three monitor intervals, since that is how long an agent may take to look).
+constexpr auto kExitSyncTimeout = std::chrono::seconds(10);
+// After a signal the wait is short: the user asked the job to stop.
+constexpr auto kExitSyncAfterSignal = std::chrono::seconds(3);
+// Connection attempts to node 0's store are made in slices this long, so that a signal is seen.
+constexpr auto kConnectSlice = std::chrono::seconds(1);
+// SIGKILLed workers that have still not exited after this (stuck in the kernel) are given up.
+constexpr auto kKillWait = std::chrono::seconds(10);
+// A worker's error message (LOCKSTEP_ERROR_FILE) in the failure summary is cut to this.
+constexpr size_t kMaxError = 2048;
+// How long the output of exited workers is still read (a grandchild that escaped the process
+// group could hold a pipe open forever).
+constexpr auto kDrainTimeout = std::chrono::seconds(1);
+// After a failure, how long an agent waits for the other nodes' views of their ranks before it
+// prints the verdict without them.
+constexpr auto kFinalViewWait = std::chrono::seconds(5);
+// The stall watch looks at most this often, and at least four times per --stall-timeout and six
+// times per --node-timeout.
+constexpr double kMaxWatchInterval = 5.0;
+constexpr double kMinWatchInterval = 0.2;
+
+// The agent's own failures, for the user: no source location.
+struct AgentError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// A signal stopped the agent before its workers ran.
+struct Interrupted : std::runtime_error {
+  explicit Interrupted(int sig)
+      : std::runtime_error("interrupted by " + signal_name(sig)), signal(sig) {}
+  int signal;
+};
+
+inline std::string utc_now() {
+  const std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  ::gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+inline std::string hostname() {
+  char buf[256] = {};
+  ::gethostname(buf, sizeof buf - 1);
+  return buf;
+}
+
+// JSON text of a failure record; invalid UTF-8 in a worker's lines becomes U+FFFD rather than an
+// exception.
+inline std::string dump(const nlohmann::json& j) {
+  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+inline std::string random_hex(size_t bytes) {
+  std::random_device rd;
+  std::string s;
+  const char* digits = "0123456789abcdef";
+  for (size_t i = 0; i < bytes; ++i) {
+    const unsigned v = rd() & 0xff;
+    s += digits[v >> 4];
+    s += digits[v & 15];
+  }
+  return s;
+}
+
+inline int online_cpus() {
+  const long n = ::sysconf(_SC_NPROCESSORS_ONLN);
+  return n > 0 ? static_cast<int>(n) : 1;
+}
+
+struct Worker {
+  int local_rank = 0;
+  int rank = 0;
+  std::string error_file;
+  std::string trace_file;                // Note [Collective trace]: the world group's ring
+  int64_t stopped_since_ns = 0;          // first seen in state T (0: running)
+  int64_t exited_ns = 0;                 // first seen exited
+  std::string log_dir;                   // its stdout.log and stderr.log, with --log-dir
+  std::unique_ptr<WorkerOutput> output;  // where its lines go (output.h)
+  std::unique_ptr<WorkerProcess> proc;
+};
+
+enum class Outcome { kSucceeded, kFailed, kInterrupted, kStoreLost };
+
+// A process's state letter from /proc/<pid>/stat ('R', 'S', 'T', ...); 0 if unreadable.
+inline char process_state(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(in, line)) return 0;
+  const size_t paren = line.rfind(')');  // the command name may hold spaces and parentheses
+  return paren != std::string::npos && paren + 2 < line.size() ? line[paren + 2] : 0;
+}
+
+struct GenResult {
+  Outcome outcome = Outcome::kFailed;
+  json failure;     // kFailed: the first failure of the generation
+  int signal = 0;   // kInterrupted
+  std::string why;  // kStoreLost
+};
+
+class Agent {
+ public:
+  Agent(const RunOptions& o, Terminal& terminal) : o_(o), terminal_(terminal) {}
+  ~Agent() {
+    workers_.clear();
+    if (!tmp_dir_.empty()) {
+      std::error_code ec;
+      std::filesystem::remove_all(tmp_dir_, ec);
+    }
+  }
+
+  int run();
+
+ private:
+  std::string key(const std::string& k) const { return "lockstep/" + o_.run_id + "/agent/" + k; }
+  std::string gen_key(int g, const std::string& k) const {
+    return key("gen" + std::to_string(g) + "/" + k);
+  }
+  int world_size() const { return o_.nnodes * o_.nproc_per_node; }
+  void say(const std::string& msg) const { terminal_.say(msg); }
+
+  void setup_signals();
+  // A SIGINT/SIGTERM/SIGHUP received so far (the first one), or 0. Reads everything queued on
+  // the signalfd; a signal is remembered until the agent acts on it.
+  int take_signal();
+  // Reads a failed worker's remaining output (its last lines belong in the summary).
+  void drain_worker(Worker& w);
+  void connect_store();
+  void rendezvous();
+  void start_workers(int g);
+  GenResult run_generation(int g);
+  // Drains every readable stream for up to `timeout` (0: what is there now).
+  void pump_output(std::chrono::milliseconds timeout);
+  bool all_exited();
+  void reap();
+  // SIGTERM (or `sig`) to every live worker's process group, SIGKILL after the grace period;
+  // returns when all have exited and their output has been read.
+  void stop_workers(int sig);
+  void drain_after_exit();
+  json describe_failure(const Worker& w) const;
+  void publish_interrupted(int g, int sig);
+  void print_summary(const json& f, int generation) const;
+  // One line: every local worker's peak resident memory (after they all exited).
+  void print_peak_memory() const;
+  bool wait_for_count(const std::string& k, int64_t want, std::chrono::milliseconds timeout,
+                      int* interrupted);
+  void exit_sync(std::chrono::milliseconds timeout);
+
+  // Note [Stall watch]
+  std::optional<std::string> try_get(const std::string& k);
+  void observe_processes();
+  RankView view_of(const Worker& w) const;
+  json local_views() const;
+  // Every rank's view: this node's as of now, the others' as last published under `kind`.
+  std::vector<RankView> all_views(int g, const std::string& kind, const json& mine);
+  // Publishes this node's views (the heartbeat), judges a stall (node 0 warns), and returns a
+  // failure record when another node has gone unheard for --node-timeout.
+  std::optional<json> watch(int g);
+  // SIGUSR1: the verdict and every rank's details, now, without stopping anything.
+  void report_now(int g);
+  // After a failure, before the workers are stopped: this node's views for the verdict; then,
+  // once they are stopped, every node's, judged into verdict_lines_.
+  void publish_final_views(int g);
+  void judge_failure(int g);
+
+  RunOptions o_;
+  Terminal& terminal_;
+  Fd sigfd_;
+  int pending_signal_ = 0;
+  std::string tmp_dir_;
+  std::string token_;
+  uint16_t store_port_ = 0;
+  std::unique_ptr<dist::TCPStore> store_;
+  std::vector<std::unique_ptr<Worker>> workers_;
+  // Note [Out-of-memory evidence] in why_died.h: the cgroup's count when the workers started.
+  std::optional<OomCounter> oom_counter_;
+  std::optional<int64_t> oom_kills_at_start_;
+  bool report_requested_ = false;  // SIGUSR1 arrived
+  // Note [Stall watch]
+  int64_t beat_ = 0;
+  std::map<int, std::pair<std::string, Clock::time_point>> heard_;  // node: last view, when
+  std::string warned_;                      // the last stall warning printed
+  json final_views_;                        // this node's, captured at the failure
+  std::vector<std::string> verdict_lines_;  // printed first in the failure summary
+};
+
+}  // namespace lockstep::launch::agent_detail
