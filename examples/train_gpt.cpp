@@ -380,6 +380,12 @@ void Trainer::log_step(double loss, double grad_norm, double tokens_per_s) {
   if (!main_rank_) return;
   const double run_tokens_per_s = seconds_ > 0 ? tokens_ / seconds_ : tokens_per_s;
   const double mfu = gpt_->flops_per_token(cfg_.block_size) * run_tokens_per_s / peak_flops_;
+  // Under a progress bar on a terminal the line replaces the bar's, which is redrawn below it
+  // (Note [Open progress line]).
+  if (progress_.enabled()) {
+    std::printf("\r\033[K");
+    detail::set_progress_line_open(false);
+  }
   std::printf(
       "step %lld/%lld loss %.4f val_loss %.4f (unigram %.4f) lr %.3g grad_norm %.3f tokens/s "
       "%.0f mfu %.1f%%\n",
