@@ -13,8 +13,9 @@
 // warmup + cosine schedule, a resumed position), then optimizer step after optimizer step, each
 // of --accum-steps micro-batches; every --eval-every steps rank 0 prints the training and
 // validation loss, tokens/s and the model FLOPs utilisation (Note [MFU]). At the end, --sample N
-// prints N bytes the model generates on rank 0. The last line is machine-readable: "final
-// val_loss=... train_loss=... steps=... tokens_per_s=... entropy_nats=...". The flags are in
+// prints N bytes the model generates on rank 0, then rank 0 prints every rank's peak resident
+// memory (Note [Peak RSS per rank]). The last line is machine-readable: "final val_loss=...
+// train_loss=... steps=... tokens_per_s=... entropy_nats=...". The flags are in
 // train_gpt_flags.h.
 #include <unistd.h>
 
@@ -215,6 +216,7 @@ class Trainer {
   double evaluate();
   void sample();
   void save_final();
+  void report_peak_rss();
   void finish();
 
  private:
@@ -487,7 +489,27 @@ void Trainer::save_final() {
   if (!cfg_.save.empty()) save(cfg_.save);
 }
 
+// Note [Peak RSS per rank]
+// Every rank's peak resident memory (getrusage's ru_maxrss, io::peak_rss_mib(), the value the
+// metrics file's train records carry for rank 0) is summed into its own slot of a world-long
+// vector, so rank 0 prints all of them on one line: "peak RSS per rank: 61.2 60.8 MiB". A
+// collective: every rank calls it. Under ZeRO-1 the ranks differ by their optimizer shards.
+void Trainer::report_peak_rss() {
+  Tensor rss = zeros({world_}, kFloat64);
+  rss.set_at({pg_->rank()}, io::peak_rss_mib());
+  pg_->all_reduce(rss)->wait();
+  if (!main_rank_) return;
+  std::string line = "peak RSS per rank:";
+  char buf[32];
+  for (int r = 0; r < world_; ++r) {
+    std::snprintf(buf, sizeof buf, " %.1f", rss.at({r}));
+    line += buf;
+  }
+  std::printf("%s MiB\n", line.c_str());
+}
+
 void Trainer::finish() {
+  report_peak_rss();
   if (!main_rank_) return;
   if (std::isnan(last_val_loss_))
     log_info("nothing left to train: step ", pos_.step, " reached --max-steps");
