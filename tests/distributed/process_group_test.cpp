@@ -45,9 +45,9 @@ int64_t bytes_written() {
   return -1;
 }
 
-// A reduce_scatter is a real one (Note [Gloo ring reduce-scatter]): of a 2 x 4 MiB input, each
-// of 2 ranks sends one 4 MiB chunk, half of what an all_reduce of the same 8 MiB sends (the ring
-// sends 2 x (n - 1) / n of the tensor); an all_reduce of a copy, as before, sent all of it.
+// A reduce_scatter is a real one (Note [Gloo rank-order reduction]): of a 2 x 4 MiB input, each
+// of 2 ranks sends one 4 MiB chunk, half of what an all_reduce of the same 8 MiB sends (2 x
+// (n - 1) / n of the tensor); an all_reduce of a copy, as before, sent all of it.
 TEST(GlooThreads, ReduceScatterSendsHalfTheBytesOfAnAllReduce) {
   ASSERT_GE(bytes_written(), 0) << "no wchar in /proc/self/io";
   constexpr int64_t kChunk = 1 << 20;  // elements (4 MiB of f32)

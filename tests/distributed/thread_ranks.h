@@ -41,4 +41,31 @@ inline std::vector<std::string> run_ranks(
   return errors;
 }
 
+// As run_ranks, with groups of `backend` ("gloo", "shm", ...) from the registry
+// (create_process_group).
+inline std::vector<std::string> run_ranks_on(
+    const std::string& backend, int world,
+    const std::function<void(int, dist::ProcessGroupPtr)>& body,
+    std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+  auto store = std::make_shared<dist::HashStore>(std::chrono::seconds(30));
+  std::vector<std::string> errors(static_cast<size_t>(world));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        dist::BackendConfig c;
+        c.store = store;
+        c.rank = r;
+        c.size = world;
+        c.timeout = timeout;
+        body(r, dist::create_process_group(backend, c));
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return errors;
+}
+
 }  // namespace lockstep::testing

@@ -15,15 +15,13 @@
 #include <thread>
 
 #include <gloo/allgather.h>
-#include <gloo/allreduce.h>
 #include <gloo/broadcast.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/transport/tcp/device.h>
 
 #include "distributed/deadline.h"
-#include "distributed/gloo/reduce.h"
+#include "distributed/gloo/p2p.h"
 #include "distributed/gloo/register.h"
-#include "distributed/gloo/ring.h"
 #include "distributed/gloo/store_adapter.h"
 #include "lockstep/base/error.h"
 
@@ -94,27 +92,6 @@ class SigpipeBlocked {
   sigset_t pipe_;
   sigset_t old_;
 };
-
-// Gloo sizes segments in elements; hand it words of the element's width.
-template <typename F>
-void with_word_type(int64_t element_size, F&& f) {
-  switch (element_size) {
-    case 1:
-      f(uint8_t{});
-      return;
-    case 2:
-      f(uint16_t{});
-      return;
-    case 4:
-      f(uint32_t{});
-      return;
-    case 8:
-      f(uint64_t{});
-      return;
-    default:
-      LS_THROW("no Gloo word type of ", element_size, " bytes");
-  }
-}
 
 using Clock = std::chrono::steady_clock;
 
@@ -381,18 +358,10 @@ void ProcessGroupGloo::do_all_reduce(Tensor tensor, ReduceOp op, std::chrono::mi
     const auto deadline = Clock::now() + timeout;
     detail::check_signatures(ctx, detail::signature(detail::CallKind::all_reduce, &tensor, op), tag,
                              timeout);
-    const auto n = static_cast<size_t>(tensor.numel());
-    if (n == 0) return;
-    gloo::AllreduceOptions o(ctx);
-    with_word_type(tensor.element_size(), [&](auto word) {
-      o.setOutput(static_cast<decltype(word)*>(tensor.data_ptr()), n);
-    });
-    o.setReduceFunction(detail::reduce_fn(tensor.dtype(), op));
-    o.setTag(tag);
-    o.setTimeout(detail::time_left(deadline));
-    gloo::allreduce(o);
-    if (op == ReduceOp::avg)
-      detail::divide_in_place(tensor.data_ptr(), tensor.dtype(), n, ctx->size);
+    // Rank order, as the shm backend and this backend's reduce_scatter add (Note [Gloo
+    // rank-order reduction]); avg divides inside.
+    detail::rank_order_all_reduce(ctx, tensor.data_ptr(), static_cast<size_t>(tensor.numel()),
+                                  tensor.dtype(), op, tag, detail::time_left(deadline));
   });
 }
 
@@ -433,8 +402,8 @@ void ProcessGroupGloo::do_all_gather(Tensor output, Tensor input, std::chrono::m
       });
 }
 
-// A ring over Gloo's point-to-point transport (Note [Gloo ring reduce-scatter] in ring.cpp):
-// each rank sends and receives size - 1 chunks, half the bytes of an all_reduce.
+// Direct, in rank order, over Gloo's point-to-point transport (Note [Gloo rank-order reduction]
+// in p2p.cpp): each rank sends and receives size - 1 chunks, half the bytes of an all_reduce.
 void ProcessGroupGloo::do_reduce_scatter(Tensor output, Tensor input, ReduceOp op,
                                          std::chrono::milliseconds timeout, const WorkPtr& work) {
   const auto tag = static_cast<uint32_t>(work->seq());
@@ -443,15 +412,9 @@ void ProcessGroupGloo::do_reduce_scatter(Tensor output, Tensor input, ReduceOp o
         const auto deadline = Clock::now() + timeout;
         detail::check_signatures(
             ctx, detail::signature(detail::CallKind::reduce_scatter, &output, op), tag, timeout);
-        if (output.numel() == 0) return;
-        detail::ring_reduce_scatter(
-            ctx, output.data_ptr(), input.data_ptr(), static_cast<size_t>(output.nbytes()),
-            static_cast<size_t>(output.element_size()), detail::reduce_fn(output.dtype(), op), tag,
-            detail::time_left(deadline));
-        if (op == ReduceOp::avg) {
-          detail::divide_in_place(output.data_ptr(), output.dtype(),
-                                  static_cast<size_t>(output.numel()), ctx->size);
-        }
+        detail::rank_order_reduce_scatter(ctx, output.data_ptr(), input.data_ptr(),
+                                          static_cast<size_t>(output.numel()), output.dtype(), op,
+                                          tag, detail::time_left(deadline));
       });
 }
 

@@ -226,8 +226,8 @@ void ProcessGroupHier::Impl::all_gather(const Tensor& output, const Tensor& inpu
 
 // Chunk m * L + i ends on rank (m, i). The input is reordered so that local rank i's part of the
 // shm reduce_scatter holds the chunks of every machine's rank i ([L][M] blocks); the machine's
-// reduction of them is then reduce-scattered across machines by the Gloo backend's ring (Note
-// [Gloo ring reduce-scatter]): a real reduce-scatter on both levels.
+// reduction of them is then reduce-scattered across machines by the Gloo backend's direct
+// reduce-scatter (Note [Gloo rank-order reduction]): a real reduce-scatter on both levels.
 void ProcessGroupHier::Impl::reduce_scatter(const Tensor& output, const Tensor& input, ReduceOp op,
                                             std::chrono::milliseconds timeout) {
   const int64_t n = output.numel();
