@@ -34,14 +34,15 @@ namespace lockstep::dist {
 // Reduce-scatter. ZeRO-1 proper reduce-scatters the gradients, so each rank receives only its
 // shard's average (with the parameters' all-gather, the bytes of one all-reduce). Bitwise
 // equality with DDP then needs the reduce-scatter to add the ranks' terms of every element in
-// the order the all-reduce adds them. shm does (both reduce each element in rank order;
-// tests/distributed/shm_test.cpp checks that reduce_scatter's chunk is bit-identical to
-// all_reduce's), and so does any backend at 2 ranks (a + b == b + a). Gloo at 3 or more does not:
-// its all_reduce is gloo::allreduce, whose order of addition for an element depends on the
-// segment the element falls in, and its reduce_scatter is our own ring
-// (src/distributed/gloo/ring.cpp) with its own chunks. Measured (2026-12-03, random f32, avg,
-// ranks as threads): rank r's reduce_scatter output against chunk r of the all_reduce of the same
-// inputs differs in 0 elements at 2 ranks, 1 of 300,009 at 3, and 94,182 of 400,012 at 4.
+// the order the all-reduce adds them. shm and Gloo do: both reduce each element in rank order
+// in both collectives (tests/distributed/shm_test.cpp checks that shm's reduce_scatter chunk is
+// bit-identical to its all_reduce's; Note [Gloo rank-order reduction] and
+// tests/distributed/gloo_rank_order_test.cpp, that Gloo's all_reduce is reduce_scatter +
+// all_gather bit for bit, and shm's bits), and so does any backend at 2 ranks (a + b == b + a).
+// Before Gloo reduced in rank order (2026-12-03: gloo::allreduce, whose order of addition for an
+// element depended on the segment it fell in, against a ring reduce-scatter) rank r's
+// reduce_scatter output differed from chunk r of the all_reduce of the same random f32 inputs in
+// 1 of 300,009 elements at 3 ranks and 94,182 of 400,012 at 4.
 //
 // So there are two modes. By default ZeRO takes the gradients DDP already averaged (any comm
 // hook, any backend, bitwise always) and saves the optimizer-state memory, ZeRO-1's point, for
@@ -49,7 +50,7 @@ namespace lockstep::dist {
 // DDP runs zero_hook(), which averages only the reducer's own elements of each bucket (the
 // unused-parameter status and the slow-rank slots of Note [Slow rank] keep working, in one small
 // all-reduce per bucket), and step() reduce-scatters the flat, padded local gradients in one call:
-// bitwise DDP over shm and at 2 ranks. Its costs: the reduce-scatter runs in step(), not
+// bitwise DDP over shm and Gloo at any number of ranks. Its costs: the reduce-scatter runs in step(), not
 // overlapped with backward as DDP's buckets are (per-bucket shards would overlap it, with DDP's
 // bucket layout, rebuilt after the first step, deciding the shards), and .grad() holds local
 // gradients until step(), so gradient clipping and a GradScaler's inf check would see them

@@ -92,38 +92,15 @@ Result train(int r, const ProcessGroupPtr& pg, Opt o, bool zero, int start, int 
   return res;
 }
 
-// Ranks as threads over one HashStore, with groups of `backend` from the registry.
-std::vector<std::string> run_ranks_on(const std::string& backend, int world,
-                                      const std::function<void(int, ProcessGroupPtr)>& body) {
-  auto store = std::make_shared<HashStore>(std::chrono::seconds(30));
-  std::vector<std::string> errors(static_cast<size_t>(world));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        BackendConfig c;
-        c.store = store;
-        c.rank = r;
-        c.size = world;
-        c.timeout = 60s;
-        body(r, create_process_group(backend, c));
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  return errors;
-}
-
 // Runs `world` ranks; every rank's result must be the same parameters (lockstep).
 std::vector<Result> run(int world, Opt o, bool zero, int start, int steps,
                         const Snapshot* from = nullptr, const std::string& backend = "gloo",
                         bool reduce_scatter = false) {
   std::vector<Result> results(static_cast<size_t>(world));
-  const auto errors = run_ranks_on(backend, world, [&](int r, ProcessGroupPtr pg) {
-    results[r] = train(r, pg, o, zero, start, steps, from, reduce_scatter);
-  });
+  const auto errors =
+      lockstep::testing::run_ranks_on(backend, world, [&](int r, ProcessGroupPtr pg) {
+        results[r] = train(r, pg, o, zero, start, steps, from, reduce_scatter);
+      });
   for (int r = 0; r < world; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
   for (int r = 1; r < world; ++r) EXPECT_EQ(results[r].params, results[0].params) << "rank " << r;
   return results;
@@ -199,14 +176,23 @@ INSTANTIATE_TEST_SUITE_P(Worlds, ZeroEqualsDDP,
                                   std::to_string(info.param.world) + "ranks";
                          });
 
-// Note [ZeRO-1], Reduce-scatter: where the backend's reduce_scatter adds as its all_reduce does
-// (2 ranks of Gloo; shm at 3 and 4), the gradients reduce-scattered by ZeRO step the parameters
-// to bitwise those of plain DDP on the same backend.
-class ZeroReduceScatter : public ::testing::TestWithParam<Case> {};
+// Note [ZeRO-1], Reduce-scatter: both backends reduce-scatter in the rank order their all_reduce
+// adds in (Note [Gloo rank-order reduction]), so the gradients reduce-scattered by ZeRO step the
+// parameters to bitwise those of plain DDP on the same backend, at any world size.
+struct BackendCase {
+  int world;
+  Opt opt;
+  const char* backend;
+};
 
-TEST_P(ZeroReduceScatter, EqualsPlainDDPBitwiseWhereTheBackendAddsAsItsAllReduce) {
-  const auto [world, o] = GetParam();
-  const std::string backend = world == 2 ? "gloo" : "shm";
+void PrintTo(const BackendCase& c, std::ostream* os) {
+  *os << (c.opt == Opt::sgd ? "SGD" : "AdamW") << " over " << c.world << " ranks of " << c.backend;
+}
+
+class ZeroReduceScatter : public ::testing::TestWithParam<BackendCase> {};
+
+TEST_P(ZeroReduceScatter, EqualsPlainDDPBitwiseOnTheSameBackend) {
+  const auto [world, o, backend] = GetParam();
   const auto plain = run(world, o, false, 0, kSteps, nullptr, backend);
   const auto zero = run(world, o, true, 0, kSteps, nullptr, backend, /*reduce_scatter=*/true);
   EXPECT_EQ(zero[0].params, plain[0].params) << backend;
@@ -219,13 +205,20 @@ TEST_P(ZeroReduceScatter, EqualsPlainDDPBitwiseWhereTheBackendAddsAsItsAllReduce
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Worlds, ZeroReduceScatter,
-                         ::testing::Values(Case{2, Opt::sgd}, Case{3, Opt::sgd}, Case{4, Opt::sgd},
-                                           Case{2, Opt::adamw}, Case{3, Opt::adamw},
-                                           Case{4, Opt::adamw}),
+std::vector<BackendCase> reduce_scatter_cases() {
+  std::vector<BackendCase> cases;
+  for (const char* backend : {"gloo", "shm"}) {
+    for (Opt o : {Opt::sgd, Opt::adamw}) {
+      for (int world : {2, 3, 4}) cases.push_back({world, o, backend});
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, ZeroReduceScatter, ::testing::ValuesIn(reduce_scatter_cases()),
                          [](const auto& info) {
                            return std::string(info.param.opt == Opt::sgd ? "SGD" : "AdamW") + "_" +
-                                  std::to_string(info.param.world) + "ranks";
+                                  std::to_string(info.param.world) + "ranks_" + info.param.backend;
                          });
 
 TEST(ZeroCheckpoint, SavedByTwoRanksResumesInThreeZeroRanksAndInPlainDDPAndBack) {

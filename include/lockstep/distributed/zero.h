@@ -26,8 +26,8 @@ struct ZeroOptions {
   // DDPOptions::comm_hook = zero_hook(). Then .grad() holds this rank's own gradient after
   // backward (clip_grad_norm, a GradScaler's unscale_ and anything else that reads gradients
   // before step() see local values). Bitwise equal to plain DDP where the backend's
-  // reduce_scatter adds like its all_reduce: shm (any number of ranks) and any backend with 2
-  // ranks, not Gloo with 3 or more.
+  // reduce_scatter adds like its all_reduce: shm and Gloo (both in rank order, any number of
+  // ranks) and any backend with 2 ranks.
   bool reduce_scatter_gradients = false;
 };
 
