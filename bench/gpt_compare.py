@@ -103,7 +103,9 @@ def run_lockstep(row, a, env, warmup):
     peak = float(search(r"GEMM peak ([0-9.]+) GFLOP/s", out, "GEMM peak").group(1)) * 1e9
     rss = search(r"peak RSS per rank:((?: [0-9.]+)+) MiB", out, "peak RSS line").group(1)
     flops_per_token = 6.0 * params + 12.0 * N_LAYER * BLOCK * N_EMBD  # Gpt::flops_per_token
+    backend = search(r"backend=(\S+)", out, "backend").group(1)
     return {"tokens_per_s": tokens_per_s, "mfu": flops_per_token * tokens_per_s / peak,
+            "backend": backend,
             "peak_rss_mib": [float(x) for x in rss.split()], "last_loss": steps[-1]["loss"]}
 
 
@@ -190,10 +192,15 @@ def main():
                 verdict.append(f"{'bf16' if row[3] == 'bf16' else 'f32'} {r:.2f}x "
                                f"({'met' if r >= 1.5 else 'not met'})")
         print(f"| {label(row)} | {med[key]:.0f} | {mfu} | {rss} | {loss:.3f} | {ratio} |")
-    elapsed = datetime.datetime.now(datetime.timezone.utc) - started
-    print(f"\n(the whole comparison took {elapsed.total_seconds() / 60:.1f} minutes)")
+    backends = sorted({r["backend"] for row in rows if row[1] == "lockstep" and row[2] > 1
+                       for r in results[row[0]]})
+    if backends:
+        print(f"\nlockstep's 2-process rows ran over its {'/'.join(backends)} backend, PyTorch's "
+              f"over gloo; {a.threads} intra-op thread(s) per process (OMP_NUM_THREADS={a.threads})")
     if verdict:
-        print(f"\nlockstep >= 1.5x PyTorch's tokens/s at 2 processes: {', '.join(verdict)}")
+        print(f"lockstep >= 1.5x PyTorch's tokens/s at 2 processes: {', '.join(verdict)}")
+    elapsed = datetime.datetime.now(datetime.timezone.utc) - started
+    print(f"(the whole comparison took {elapsed.total_seconds() / 60:.1f} minutes)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"started": started.isoformat(), "steps": a.steps, "skip": a.skip,
