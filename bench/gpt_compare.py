@@ -10,7 +10,9 @@ on 2 (f32, bf16). Every row is a fresh job of --steps optimizer steps of train_g
 model and data settings (4 layers, 4 heads, 128 dims, block 128, batch 16 per rank, AdamW,
 gradient clipping), each process on --threads intra-op threads (OMP_NUM_THREADS too). --rounds
 rounds each run every row once, the order rotated by one row per round, so that every row sees
-the machine's load at every position; the table shows medians over the rounds.
+the machine's load at every position; the table shows medians over the rounds. First, a model
+check: pytorch_gpt.py --check must find train_gpt's validation loss for a checkpoint train_gpt
+saved after 30 steps (within 2e-6 nats, Note [Model check]), else the run stops.
 
 Not part of the build or the tests; needs Debian's python3-torch and a built train_gpt and
 `lockstep` (e.g. `make build gpt-data`). On the project's 2-core VM the defaults take about 15
@@ -122,6 +124,37 @@ def run_pytorch(row, a, env, warmup):
             "last_loss": r["last_loss"]}
 
 
+# Note [Model check]
+# The check trains 30 steps first: near GPT-2's init every attention row is nearly uniform and
+# every activation small, so a model with another attention scale or GELU computes the same loss
+# to 1e-6. After 30 steps (validation loss 3.12 on fortunes) the same function agrees to 1e-7
+# (f32, one thread, another summation order), D^-1 in place of D^-1/2 moves the loss by 3e-4 and
+# erf GELU in place of tanh GELU by 3e-6; the tolerance, 2e-6, catches both.
+CHECK_STEPS, CHECK_TOLERANCE = 30, 2e-6
+
+
+def check_same_model(a, env):
+    """train_gpt trains CHECK_STEPS steps and saves; pytorch_gpt.py loads that checkpoint and must
+    compute train_gpt's validation loss for it: the two models are the same function (f32)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt, metrics = os.path.join(tmp, "ck.safetensors"), os.path.join(tmp, "m.jsonl")
+        run([os.path.join(a.build, "examples", "train_gpt"), "--data", a.data, "--max-steps",
+             str(CHECK_STEPS), "--warmup-steps", "5", "--eval-every", str(CHECK_STEPS),
+             "--threads", str(a.threads), "--save", ckpt, "--metrics", metrics], env,
+            "train_gpt's run for the model check")
+        ours = [json.loads(l) for l in open(metrics)]
+        ours = [r["test_loss"] for r in ours if r["kind"] == "eval"][-1]
+        out = run([a.python, os.path.join(HERE, "pytorch_gpt.py"), "--data", a.data, "--threads",
+                   str(a.threads), "--check", ckpt], env, "pytorch_gpt.py --check")
+    theirs = json.loads(out.strip().splitlines()[-1])["val_loss"]
+    if abs(ours - theirs) > CHECK_TOLERANCE:
+        sys.exit(f"gpt_compare: the models differ: train_gpt's checkpoint has validation loss "
+                 f"{ours:.8f} in train_gpt, {theirs:.8f} in pytorch_gpt.py (Note [Model check])")
+    print(f"model check: train_gpt's checkpoint after {CHECK_STEPS} steps, validation loss "
+          f"{ours:.8f} in train_gpt, {theirs:.8f} in pytorch_gpt.py (difference "
+          f"{abs(ours - theirs):.1e}, at most {CHECK_TOLERANCE:.0e}: the same function)", flush=True)
+
+
 def median_rss(runs):
     return [statistics.median(r["peak_rss_mib"][i] for r in runs)
             for i in range(len(runs[0]["peak_rss_mib"]))]
@@ -139,6 +172,8 @@ def main():
     ap.add_argument("--lockstep-backend", default="", help="train_gpt --backend (default: its own)")
     ap.add_argument("--python", default="/usr/bin/python3", help="the Python with torch 1.13")
     ap.add_argument("--json", help="write every run's figures here")
+    ap.add_argument("--no-model-check", action="store_true",
+                    help="skip the check that both compute the same function (Note [Model check])")
     a = ap.parse_args()
     if not 0 <= a.skip < a.steps:
         ap.error(f"--skip must be in [0, --steps), got {a.skip}")
@@ -161,6 +196,9 @@ def main():
     print(f"gpt_compare {started:%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores ({cpu}), PyTorch "
           f"{torch_version}; {a.steps} steps per job, tokens/s over steps {a.skip + 1}-{a.steps}, "
           f"{a.threads} thread(s) per process, median of {a.rounds} rounds", flush=True)
+
+    if not a.no_model_check:
+        check_same_model(a, env)
 
     results = {r[0]: [] for r in rows}
     for rnd in range(a.rounds):

@@ -2,7 +2,8 @@
 """examples/train_gpt's GPT in PyTorch DDP (Gloo), on the same token files, for comparison.
 
     /usr/bin/python3 bench/pytorch_gpt.py --data build/gpt-data [--nproc 2] [--amp bf16]
-        [--steps 30] [--skip 5] [--threads 1] [--json OUT]
+        [--steps 300] [--skip 5] [--threads 1] [--json OUT]
+    /usr/bin/python3 bench/pytorch_gpt.py --data build/gpt-data --check CKPT
 
 Needs Debian's python3-torch (1.13) and numpy; not part of the build or the tests. One job: the
 script re-runs itself once per rank with torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR,
@@ -10,6 +11,10 @@ script re-runs itself once per rank with torchrun's variables (RANK, WORLD_SIZE,
 --json): tokens/s over the steps after the first --skip, the loss, and every rank's peak
 resident memory (getrusage's ru_maxrss, as train_gpt reports it). bench/gpt_compare.py runs it
 beside train_gpt.
+--check CKPT trains nothing: it loads a checkpoint train_gpt wrote (--save) into this model and
+prints its validation loss over the windows train_gpt's one-process evaluation reads, which
+must be train_gpt's val_loss for the same parameters if the two models compute the same
+function (gpt_compare.py checks this before it measures).
 
 The same model as examples/gpt_model.h: token + learned position embeddings, pre-LayerNorm
 blocks of causal self-attention (one Linear for q, k, v; torch 1.13 has no
@@ -27,6 +32,7 @@ import argparse
 import json
 import math
 import os
+import re
 import resource
 import socket
 import struct
@@ -94,16 +100,23 @@ def build_model(torch, vocab, a):
             y = (att @ v).transpose(1, 2).contiguous().view(B, t, C)
             return self.c_proj(y)
 
+    class Mlp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c_fc, self.c_proj = linear(C, 4 * C, 0.02), linear(4 * C, C, resid_std)
+
+        def forward(self, x):
+            return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
             self.ln_1, self.attn = nn.LayerNorm(C), Attention()
-            self.ln_2 = nn.LayerNorm(C)
-            self.c_fc, self.c_proj = linear(C, 4 * C, 0.02), linear(4 * C, C, resid_std)
+            self.ln_2, self.mlp = nn.LayerNorm(C), Mlp()
 
         def forward(self, x):
             x = x + self.attn(self.ln_1(x))
-            return x + self.c_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+            return x + self.mlp(self.ln_2(x))
 
     class Gpt(nn.Module):
         def __init__(self):
@@ -202,6 +215,44 @@ def worker(a, out_dir):
         dist.destroy_process_group()
 
 
+def check(a):
+    """--check CKPT: train_gpt's checkpoint (safetensors, f32) loaded into this model, the mean
+    loss over the first --eval-batches x --batch-size windows of val.tokens in order: train_gpt's
+    val_loss on one process for the same parameters, if the two models compute the same."""
+    import torch
+    torch.set_num_threads(a.threads)
+    with open(a.check, "rb") as f:
+        raw = f.read()
+    (n,) = struct.unpack_from("<Q", raw, 0)
+    header, data = json.loads(raw[8:8 + n]), raw[8 + n:]
+    state = {}
+    for key, v in header.items():
+        if not key.startswith("model."):
+            continue
+        if v["dtype"] != "F32":
+            sys.exit(f"pytorch_gpt: {a.check}: {key} is {v['dtype']}, expected F32")
+        b, e = v["data_offsets"]
+        # model.h0.attn.c_attn.weight -> h.0.attn.c_attn.weight
+        name = re.sub(r"^h(\d+)\.", r"h.\1.", key[len("model."):])
+        state[name] = torch.from_numpy(np.frombuffer(data[b:e], dtype=np.float32).copy()
+                                       .reshape(v["shape"]))
+    tokens, vocab = read_tokens(os.path.join(a.data, "val.tokens"))
+    gpt = build_model(torch, vocab, a)
+    gpt.load_state_dict(state)  # strict: every parameter, no other
+    T = a.block_size
+    count = min((len(tokens) - 1) // T, a.eval_batches * a.batch_size)
+    total = 0.0
+    with torch.no_grad():
+        for start in range(0, count, a.batch_size):
+            idx = range(start, min(count, start + a.batch_size))
+            rows = torch.from_numpy(np.stack([tokens[i * T:i * T + T + 1] for i in idx])
+                                    .astype(np.int64))
+            logits = gpt(rows[:, :-1])
+            total += torch.nn.functional.cross_entropy(
+                logits.view(-1, logits.shape[-1]), rows[:, 1:].reshape(-1)).item() * len(idx)
+    return {"val_loss": total / count, "windows": count}
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -241,9 +292,13 @@ def parse(argv):
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
     ap.add_argument("--amp", choices=["none", "bf16"], default="none")
-    ap.add_argument("--steps", type=int, default=30, help="optimizer steps (the schedule's length)")
+    ap.add_argument("--steps", type=int, default=300,
+                    help="optimizer steps (the schedule's length, train_gpt's --max-steps)")
     ap.add_argument("--skip", type=int, default=5, help="first steps left out of tokens/s")
     ap.add_argument("--json", help="also write the result line here")
+    ap.add_argument("--check", metavar="CKPT",
+                    help="instead of training: train_gpt's checkpoint CKPT's validation loss here")
+    ap.add_argument("--eval-batches", type=int, default=8, help="--check's batches")
     # train_gpt's defaults (examples/train_gpt_flags.h).
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=16)
@@ -259,6 +314,8 @@ def parse(argv):
     ap.add_argument("--grad-clip", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
+    if a.check:
+        return a
     if not 0 <= a.skip < a.steps:
         ap.error(f"--skip must be in [0, --steps), got {a.skip}")
     if a.warmup_steps >= a.steps:
@@ -271,7 +328,7 @@ def main():
         worker(parse(sys.argv[3:]), sys.argv[2])
         return
     a = parse(sys.argv[1:])
-    out = run_job(a)
+    out = check(a) if a.check else run_job(a)
     line = json.dumps(out)
     print(line)
     if a.json:
