@@ -92,10 +92,12 @@ void check_signatures(const std::shared_ptr<gloo::Context>& ctx, const CallSigna
 //   all_reduce with two ranks, or of at most kWholeBytes over all ranks: every rank sends the
 //     whole tensor to every other rank and reduces all of it itself, in the same rank order: one
 //     latency instead of two, and with two ranks the same bytes on the wire (as the shm backend
-//     does, Note [Two ranks reduce whole pieces]).
-// The price against Gloo's ring: scratch of (size - 1) chunks ((size - 1) / size of the tensor,
-// the whole tensor with two ranks) instead of a few segments, and size - 1 open messages per rank
-// at a time; measured in docs/PERFORMANCE.md (2026-12-04).
+//     does, Note [Two ranks reduce whole pieces]). The tensor is both sent and reduced in place,
+//     so piece p is overwritten only once it has been sent to every rank (a pair also completes
+//     its sends in order).
+// The price against Gloo's ring: scratch of size - 1 chunks ((size - 1) / size of the tensor, the
+// whole tensor with two ranks) instead of a few segments, and every message of a collective
+// posted at once; its speed is measured in docs/PERFORMANCE.md (2026-12-04).
 
 namespace {
 
@@ -129,7 +131,8 @@ struct Exchange {
   ReduceOp op;
   uint64_t slot;
   Clock::time_point deadline;
-  const char* what;  // names the collective in errors
+  const char* what;               // names the collective in errors
+  std::vector<uint8_t>& scratch;  // grown as needed, kept between calls
 };
 
 // The direct reduce-scatter of Note [Gloo rank-order reduction]: sends chunk c of `in` to rank c,
@@ -147,14 +150,16 @@ void reduce_scatter_pieces(const Exchange& x, OnPiece&& on_piece) {
   const auto row = [&](int r) { return static_cast<size_t>(r < me ? r : r - 1); };
 
   // Every other rank's copy of chunk `me`, a row of scratch each; all receives posted now.
-  auto scratch =
-      std::make_unique_for_overwrite<uint8_t[]>(static_cast<size_t>(size - 1) * mine * es);
+  // Scratch is kept between calls: fresh pages (a page fault each) cost more than the copy.
+  const size_t scratch_bytes = static_cast<size_t>(size - 1) * mine * es;
+  if (x.scratch.size() < scratch_bytes) x.scratch.resize(scratch_bytes);
+  uint8_t* const scratch = x.scratch.data();
   std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> rows(static_cast<size_t>(size));
   if (mine > 0) {
     for (int r = 0; r < size; ++r) {
       if (r == me) continue;
       auto& b = rows[static_cast<size_t>(r)];
-      b = ctx.createUnboundBuffer(scratch.get() + row(r) * mine * es, mine * es);
+      b = ctx.createUnboundBuffer(scratch + row(r) * mine * es, mine * es);
       for (size_t off = 0; off < mine; off += piece) {
         b->recv(r, x.slot, off * es, std::min(piece, mine - off) * es);
       }
@@ -190,7 +195,7 @@ void reduce_scatter_pieces(const Exchange& x, OnPiece&& on_piece) {
         srcs[static_cast<size_t>(r)] = x.in + (x.chunks.begin(me) + off) * es;
       } else {
         wait_recv(*rows[static_cast<size_t>(r)], x.deadline, x.what);
-        srcs[static_cast<size_t>(r)] = scratch.get() + (row(r) * mine + off) * es;
+        srcs[static_cast<size_t>(r)] = scratch + (row(r) * mine + off) * es;
       }
     }
     // Every chunk is the whole buffer and reduced in place: piece p of it is overwritten only
@@ -212,7 +217,8 @@ void reduce_scatter_pieces(const Exchange& x, OnPiece&& on_piece) {
 
 void rank_order_reduce_scatter(const std::shared_ptr<gloo::Context>& ctx, void* output,
                                const void* input, size_t count, DType dtype, ReduceOp op,
-                               uint32_t tag, std::chrono::milliseconds timeout) {
+                               uint32_t tag, std::chrono::milliseconds timeout,
+                               std::vector<uint8_t>& scratch) {
   const int size = ctx->size;
   const auto es = static_cast<size_t>(dtype_size(dtype));
   if (count == 0) return;
@@ -229,13 +235,14 @@ void rank_order_reduce_scatter(const std::shared_ptr<gloo::Context>& ctx, void* 
                    .op = op,
                    .slot = gloo::Slot::build(kReduceScatterSlotPrefix, tag),
                    .deadline = Clock::now() + timeout,
-                   .what = "reduce_scatter"};
+                   .what = "reduce_scatter",
+                   .scratch = scratch};
   reduce_scatter_pieces(x, [](size_t, size_t) {});
 }
 
 void rank_order_all_reduce(const std::shared_ptr<gloo::Context>& ctx, void* data, size_t count,
                            DType dtype, ReduceOp op, uint32_t tag,
-                           std::chrono::milliseconds timeout) {
+                           std::chrono::milliseconds timeout, std::vector<uint8_t>& scratch) {
   const int size = ctx->size;
   const int me = ctx->rank;
   if (size == 1 || count == 0) return;  // every op of one value is that value
@@ -253,7 +260,8 @@ void rank_order_all_reduce(const std::shared_ptr<gloo::Context>& ctx, void* data
                      .op = op,
                      .slot = rs_slot,
                      .deadline = deadline,
-                     .what = "all_reduce"};
+                     .what = "all_reduce",
+                     .scratch = scratch};
     reduce_scatter_pieces(x, [](size_t, size_t) {});
     return;
   }
@@ -271,7 +279,8 @@ void rank_order_all_reduce(const std::shared_ptr<gloo::Context>& ctx, void* data
                    .op = op,
                    .slot = rs_slot,
                    .deadline = deadline,
-                   .what = "all_reduce"};
+                   .what = "all_reduce",
+                   .scratch = scratch};
   const uint64_t ag_slot = gloo::Slot::build(kAllGatherSlotPrefix, tag);
   auto gather_buf = ctx->createUnboundBuffer(bytes, count * es);
   size_t sends = 0;

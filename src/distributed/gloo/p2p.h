@@ -33,15 +33,18 @@ void check_signatures(const std::shared_ptr<gloo::Context>& ctx, const CallSigna
 // Rank-order reduce-scatter (Note [Gloo rank-order reduction]): `input` holds size x `count`
 // elements of `dtype`; `output` (`count` elements) receives x0 op x1 op ... op x(size-1) of every
 // rank's chunk `rank`, as the shm backend computes it (avg: that sum divided by size).
+// `scratch` holds what arrives; it grows to the largest collective's need and is kept, so that
+// no call pays for fresh pages.
 void rank_order_reduce_scatter(const std::shared_ptr<gloo::Context>& ctx, void* output,
                                const void* input, size_t count, DType dtype, ReduceOp op,
-                               uint32_t tag, std::chrono::milliseconds timeout);
+                               uint32_t tag, std::chrono::milliseconds timeout,
+                               std::vector<uint8_t>& scratch);
 
 // Rank-order all_reduce of `count` elements in place (Note [Gloo rank-order reduction]): a
 // rank-order reduce-scatter of `size` contiguous chunks, then an all-gather of the reduced chunks;
 // every element ends as the shm backend's all_reduce leaves it.
 void rank_order_all_reduce(const std::shared_ptr<gloo::Context>& ctx, void* data, size_t count,
                            DType dtype, ReduceOp op, uint32_t tag,
-                           std::chrono::milliseconds timeout);
+                           std::chrono::milliseconds timeout, std::vector<uint8_t>& scratch);
 
 }  // namespace lockstep::dist::detail

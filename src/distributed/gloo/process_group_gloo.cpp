@@ -223,6 +223,10 @@ class ProcessGroupGloo::Impl : public std::enable_shared_from_this<ProcessGroupG
 
   const std::string& address() const { return address_; }
 
+  // What a rank-order collective receives into (Note [Gloo rank-order reduction]); used by
+  // whichever thread holds exec_mu_, as the context is.
+  std::vector<uint8_t>& scratch() { return scratch_; }
+
  private:
   void post(std::function<void()> task) {
     {
@@ -318,6 +322,7 @@ class ProcessGroupGloo::Impl : public std::enable_shared_from_this<ProcessGroupG
   std::shared_ptr<gloo::Context> context_;
   std::string broken_;
   std::string address_;
+  std::vector<uint8_t> scratch_;
 
   std::mutex exec_mu_;  // held while a task runs (Note [Caller runs])
   std::mutex mu_;       // guards the queue
@@ -354,15 +359,18 @@ const std::string& ProcessGroupGloo::address() const { return impl_->address(); 
 void ProcessGroupGloo::do_all_reduce(Tensor tensor, ReduceOp op, std::chrono::milliseconds timeout,
                                      const WorkPtr& work) {
   const auto tag = static_cast<uint32_t>(work->seq());
-  impl_->run(work, timeout, [tensor, op, timeout, tag](const std::shared_ptr<gloo::Context>& ctx) {
-    const auto deadline = Clock::now() + timeout;
-    detail::check_signatures(ctx, detail::signature(detail::CallKind::all_reduce, &tensor, op), tag,
-                             timeout);
-    // Rank order, as the shm backend and this backend's reduce_scatter add (Note [Gloo
-    // rank-order reduction]); avg divides inside.
-    detail::rank_order_all_reduce(ctx, tensor.data_ptr(), static_cast<size_t>(tensor.numel()),
-                                  tensor.dtype(), op, tag, detail::time_left(deadline));
-  });
+  auto* scratch = &impl_->scratch();
+  impl_->run(work, timeout,
+             [tensor, op, timeout, tag, scratch](const std::shared_ptr<gloo::Context>& ctx) {
+               const auto deadline = Clock::now() + timeout;
+               detail::check_signatures(
+                   ctx, detail::signature(detail::CallKind::all_reduce, &tensor, op), tag, timeout);
+               // Rank order, as the shm backend and this backend's reduce_scatter add (Note [Gloo
+               // rank-order reduction]); avg divides inside.
+               detail::rank_order_all_reduce(ctx, tensor.data_ptr(),
+                                             static_cast<size_t>(tensor.numel()), tensor.dtype(),
+                                             op, tag, detail::time_left(deadline), *scratch);
+             });
 }
 
 void ProcessGroupGloo::do_broadcast(Tensor tensor, int root, std::chrono::milliseconds timeout,
@@ -407,14 +415,16 @@ void ProcessGroupGloo::do_all_gather(Tensor output, Tensor input, std::chrono::m
 void ProcessGroupGloo::do_reduce_scatter(Tensor output, Tensor input, ReduceOp op,
                                          std::chrono::milliseconds timeout, const WorkPtr& work) {
   const auto tag = static_cast<uint32_t>(work->seq());
+  auto* scratch = &impl_->scratch();
   impl_->run(
-      work, timeout, [output, input, op, timeout, tag](const std::shared_ptr<gloo::Context>& ctx) {
+      work, timeout,
+      [output, input, op, timeout, tag, scratch](const std::shared_ptr<gloo::Context>& ctx) {
         const auto deadline = Clock::now() + timeout;
         detail::check_signatures(
             ctx, detail::signature(detail::CallKind::reduce_scatter, &output, op), tag, timeout);
         detail::rank_order_reduce_scatter(ctx, output.data_ptr(), input.data_ptr(),
                                           static_cast<size_t>(output.numel()), output.dtype(), op,
-                                          tag, detail::time_left(deadline));
+                                          tag, detail::time_left(deadline), *scratch);
       });
 }
 
