@@ -60,7 +60,9 @@ BLOCK, BATCH, N_LAYER, N_EMBD = 128, 16, 4, 128
 def label(row):
     _, lib, procs, amp, zero, _ = row
     name = "lockstep" if lib == "lockstep" else "PyTorch 1.13"
-    where = "1 process" if procs == 1 else ("2 processes" if lib == "lockstep" else "DDP gloo, 2 processes")
+    where = "1 process" if procs == 1 else "2 processes"
+    if procs > 1 and lib == "pytorch":
+        where = "DDP gloo, " + where
     return f"{name}, {where}, {'bf16' if amp == 'bf16' else 'f32'}" + (", --zero 1" if zero else "")
 
 
@@ -152,7 +154,8 @@ def check_same_model(a, env):
                  f"{ours:.8f} in train_gpt, {theirs:.8f} in pytorch_gpt.py (Note [Model check])")
     print(f"model check: train_gpt's checkpoint after {CHECK_STEPS} steps, validation loss "
           f"{ours:.8f} in train_gpt, {theirs:.8f} in pytorch_gpt.py (difference "
-          f"{abs(ours - theirs):.1e}, at most {CHECK_TOLERANCE:.0e}: the same function)", flush=True)
+          f"{abs(ours - theirs):.1e}, at most {CHECK_TOLERANCE:.0e}: the same function)",
+          flush=True)
 
 
 def median_rss(runs):
@@ -162,7 +165,8 @@ def median_rss(runs):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--build", default="build/release", help="build tree with train_gpt and lockstep")
+    ap.add_argument("--build", default="build/release",
+                    help="build tree with examples/train_gpt and tools/lockstep")
     ap.add_argument("--data", default="build/gpt-data", help="train_gpt --prepare's directory")
     ap.add_argument("--steps", type=int, default=25, help="optimizer steps per job")
     ap.add_argument("--skip", type=int, default=5, help="first steps left out of tokens/s")
@@ -211,7 +215,8 @@ def main():
                   flush=True)
 
     med = {k: statistics.median(r["tokens_per_s"] for r in v) for k, v in results.items()}
-    print(f"\n| job | tokens/s | MFU | peak RSS per rank (MiB) | rank 0 last-step loss | lockstep/PyTorch |")
+    print("\n| job | tokens/s | MFU | peak RSS per rank (MiB) | rank 0 last-step loss "
+          "| lockstep/PyTorch |")
     print("|---|---:|---:|---|---:|---:|")
     verdict = []
     for row in rows:
@@ -234,7 +239,8 @@ def main():
                        for r in results[row[0]]})
     if backends:
         print(f"\nlockstep's 2-process rows ran over its {'/'.join(backends)} backend, PyTorch's "
-              f"over gloo; {a.threads} intra-op thread(s) per process (OMP_NUM_THREADS={a.threads})")
+              f"over gloo; {a.threads} intra-op thread(s) per process "
+              f"(OMP_NUM_THREADS={a.threads})")
     if verdict:
         print(f"lockstep >= 1.5x PyTorch's tokens/s at 2 processes: {', '.join(verdict)}")
     elapsed = datetime.datetime.now(datetime.timezone.utc) - started

@@ -268,8 +268,8 @@ def run_job(a):
             env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(a.nproc), LOCAL_RANK=str(r),
                        LOCAL_WORLD_SIZE=str(a.nproc), MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(port), OMP_NUM_THREADS=str(a.threads))
-            ranks.append(subprocess.Popen([sys.executable, __file__, "--worker", tmp] + sys.argv[1:],
-                                          env=env))
+            cmd = [sys.executable, __file__, "--worker", tmp] + sys.argv[1:]
+            ranks.append(subprocess.Popen(cmd, env=env))
         codes = [p.wait() for p in ranks]
         if any(codes):
             sys.exit(f"pytorch_gpt: a rank failed (exit codes {codes})")
@@ -288,7 +288,8 @@ def run_job(a):
 
 def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", required=True, help="directory with train.tokens (train_gpt --prepare)")
+    ap.add_argument("--data", required=True,
+                    help="directory with train.tokens and val.tokens (train_gpt --prepare)")
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
     ap.add_argument("--amp", choices=["none", "bf16"], default="none")
