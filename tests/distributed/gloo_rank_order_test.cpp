@@ -106,7 +106,7 @@ TEST_P(GlooRankOrder, ReduceScatterThenAllGatherIsBitwiseAllReduce) {
 }
 
 // Sizes: empty, smaller than the world, not a multiple of it, one 64-byte chunk plus a bit, more
-// than one 256 KiB piece per chunk (pieces arrive and are reduced in order), and small enough to
+// than one 1 MiB piece per chunk (pieces arrive and are reduced in order), and small enough to
 // be reduced whole by every rank.
 std::vector<Sizes> sizes() {
   std::vector<Sizes> s;

@@ -96,14 +96,18 @@ void check_signatures(const std::shared_ptr<gloo::Context>& ctx, const CallSigna
 //     so piece p is overwritten only once it has been sent to every rank (a pair also completes
 //     its sends in order).
 // The price against Gloo's ring: scratch of size - 1 chunks ((size - 1) / size of the tensor, the
-// whole tensor with two ranks) instead of a few segments, and every message of a collective
-// posted at once; its speed is measured in docs/PERFORMANCE.md (2026-12-04).
+// whole tensor with two ranks) instead of a few segments, kept by the group at the largest size
+// seen (fresh pages on every call, a page fault each, made a 64 MiB all_reduce twice as slow),
+// and every message of a collective posted at once. Two ranks split into halves instead of
+// reducing whole tensors measured the same (bench/allreduce, within this VM's noise); speeds
+// against Gloo's own allreduce are in docs/PERFORMANCE.md (2026-12-04).
 
 namespace {
 
 // One message's payload: small enough that reducing a piece overlaps the next one's arrival,
-// large enough that per-message costs (a preamble, a wake-up) stay small.
-constexpr size_t kPieceBytes = 256 * 1024;
+// large enough that per-message costs (a preamble, a wake-up) stay small. 1 MiB pieces made the
+// 2-rank 4-64 MiB all_reduce 5-20% faster than 256 KiB ones (bench/allreduce, 2026-12-04).
+constexpr size_t kPieceBytes = 1024 * 1024;
 // An all_reduce of at most this many bytes over all ranks is reduced whole by every rank.
 constexpr size_t kWholeBytes = 32 * 1024;
 // All-reduce chunks start on cache-line boundaries.
