@@ -1,12 +1,14 @@
 // scaled_dot_product_attention against the naive composition matmul, mask, softmax, matmul:
 // values and gradients for several sequence lengths (one not a multiple of the 64-row tile),
 // heads and head dims, causal or not; finite-difference gradients; strided and 16-bit inputs;
-// errors.
+// errors. The f32 kernels are checked twice against the f64 composition: the AVX2 micro-kernel
+// (where the CPU has it) and the portable BLAS-tile kernels, switched with set_attention_avx2.
 #include <cmath>
 #include <limits>
 #include <string>
 #include <vector>
 
+#include "ops/cpu/attention_avx2.h"
 #include "testing.h"
 
 using namespace lockstep;
@@ -43,6 +45,21 @@ struct Case {
 // T = 1, 7 (less than a tile), 64 (exactly one), 130 (two and a remainder of 2).
 const std::vector<Case> kCases = {{2, 3, 1, 8},    {2, 3, 7, 8},    {1, 2, 64, 32},
                                   {2, 1, 130, 16}, {1, 4, 130, 32}, {3, 2, 65, 5}};
+
+// The f32 kernels to check on this machine: the AVX2 one where the CPU runs it, the portable one
+// always.
+std::vector<bool> f32_kernels() {
+  std::vector<bool> avx2{false};
+  cpu::set_attention_avx2(true);
+  if (cpu::attention_avx2_enabled()) avx2.push_back(true);
+  return avx2;
+}
+
+// Turns the AVX2 kernels on or off for one scope and back on after it.
+struct Avx2Kernels {
+  explicit Avx2Kernels(bool on) { cpu::set_attention_avx2(on); }
+  ~Avx2Kernels() { cpu::set_attention_avx2(true); }
+};
 
 }  // namespace
 
@@ -88,6 +105,85 @@ TEST(Attention, GradientsMatchTheNaiveComposition) {
       expect_close(got[0], want[0], 1e-10, "dq " + what);
       expect_close(got[1], want[1], 1e-10, "dk " + what);
       expect_close(got[2], want[2], 1e-10, "dv " + what);
+    }
+  }
+}
+
+// Both f32 kernels, values and gradients, against the f64 composition: self-attention for kCases
+// and T = 300 (past the forward's 256-key tile), cross-attention with tq != tk and dv != d.
+TEST(Attention, Float32KernelsMatchTheFloat64Composition) {
+  struct Shape {
+    Dims q, k, v;
+    bool causal;
+  };
+  std::vector<Shape> shapes;
+  for (const Case& c : kCases)
+    for (bool causal : {false, true})
+      shapes.push_back({{c.b, c.h, c.t, c.d}, {c.b, c.h, c.t, c.d}, {c.b, c.h, c.t, c.d}, causal});
+  shapes.push_back({{1, 2, 300, 16}, {1, 2, 300, 16}, {1, 2, 300, 16}, true});
+  shapes.push_back({{1, 1, 300, 8}, {1, 1, 300, 8}, {1, 1, 300, 8}, false});
+  shapes.push_back({{2, 3, 9, 4}, {2, 3, 70, 4}, {2, 3, 70, 6}, false});
+  shapes.push_back({{1, 2, 130, 12}, {1, 2, 67, 12}, {1, 2, 67, 20}, false});
+  for (bool avx2 : f32_kernels()) {
+    Avx2Kernels kernels(avx2);
+    Generator gen(40);
+    for (const Shape& s : shapes) {
+      const std::string what = std::string(avx2 ? "avx2" : "portable") + " q" + s.q.str() + " k" +
+                               s.k.str() + " v" + s.v.str() + (s.causal ? " causal" : "");
+      Tensor q0 = randn(s.q, gen, kFloat64), k0 = randn(s.k, gen, kFloat64),
+             v0 = randn(s.v, gen, kFloat64);
+      Dims oshape = s.q;
+      oshape[oshape.size() - 1] = s.v.back();
+      Tensor w = randn(oshape, gen, kFloat64);
+      std::vector<double> want[4], got[4];
+      for (bool f32 : {false, true}) {
+        const DType dt = f32 ? kFloat32 : kFloat64;
+        // clone: to() of an f64 tensor to f64 is the tensor itself, which must stay a constant.
+        Tensor q = q0.to(dt).clone().requires_grad_(), k = k0.to(dt).clone().requires_grad_(),
+               v = v0.to(dt).clone().requires_grad_();
+        Tensor y = f32 ? scaled_dot_product_attention(q, k, v, {.is_causal = s.causal})
+                       : naive_attention(q, k, v, s.causal);
+        sum(mul(y, w.to(dt))).backward();
+        auto& out = f32 ? got : want;
+        out[0] = values(y);
+        out[1] = values(q.grad());
+        out[2] = values(k.grad());
+        out[3] = values(v.grad());
+      }
+      expect_close(got[0], want[0], 2e-5, "values " + what);
+      expect_close(got[1], want[1], 1e-4, "dq " + what);
+      expect_close(got[2], want[2], 1e-4, "dk " + what);
+      expect_close(got[3], want[3], 1e-4, "dv " + what);
+    }
+  }
+}
+
+// A NaN in q, k or v is not hidden by the softmax's max, clamps or masks, in both f32 kernels:
+// a NaN in query 10 makes output row 10 NaN; one in key 10 makes the rows that see it (10 and
+// later, causal) NaN and no other; one in value 10's channel 3 makes channel 3 of those rows NaN
+// and no other channel. (Channel 3 of an earlier row in the same tile may be NaN too: its masked
+// probability 0 times NaN, as in the naive composition.)
+TEST(Attention, NaNPropagates) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (bool avx2 : f32_kernels()) {
+    Avx2Kernels kernels(avx2);
+    for (int which = 0; which < 3; ++which) {
+      Generator gen(41);
+      Tensor in[3] = {randn({1, 1, 20, 8}, gen), randn({1, 1, 20, 8}, gen),
+                      randn({1, 1, 20, 8}, gen)};
+      in[which].set_at({0, 0, 10, 3}, nan);
+      const std::string what = std::string(avx2 ? "avx2" : "portable") + " NaN in " + "qkv"[which];
+      Tensor y = scaled_dot_product_attention(in[0], in[1], in[2], {.is_causal = true});
+      const int64_t c = which == 2 ? 3 : 0;
+      for (int64_t row = 0; row < 20; ++row) {
+        const bool sees = which == 0 ? row == 10 : row >= 10;
+        if (which == 2) {
+          if (sees) EXPECT_TRUE(std::isnan(y.at({0, 0, row, c}))) << what << " row " << row;
+          EXPECT_TRUE(std::isfinite(y.at({0, 0, row, 0}))) << what << " row " << row;
+        } else {
+          EXPECT_EQ(std::isnan(y.at({0, 0, row, c})), sees) << what << " row " << row;
+        }
+      }
     }
   }
 }

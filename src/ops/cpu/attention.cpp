@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "lockstep/tensor/parallel.h"
+#include "ops/cpu/attention_avx2.h"
 #include "ops/cpu/gemm.h"
 #include "ops/cpu/kernels.h"
 #include "tensor/dispatch.h"
@@ -241,6 +242,18 @@ void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, co
   const T* pv = v.data<T>();
   T* po = out.data<T>();
   T* pl = lse.data<T>();
+  if constexpr (std::is_same_v<T, float>) {
+    if (attention_avx2_enabled()) {  // Note [Attention micro-kernel] in attention_avx2.cpp
+      const AttentionHead a{n.tq, n.tk, n.d, n.dv};
+      parallel_for(0, heads, 1, [&](int64_t b, int64_t e) {
+        for (int64_t h = b; h < e; ++h)
+          attention_forward_head_avx2(pq + h * n.tq * n.d, pk + h * n.tk * n.d,
+                                      pv + h * n.tk * n.dv, po + h * n.tq * n.dv, pl + h * n.tq, a,
+                                      static_cast<float>(scale), causal);
+      });
+      return;
+    }
+  }
   for_each_head(heads, [&](int64_t h) {
     thread_local std::vector<T> scratch;
     scratch.resize(kRows * kCols + 2 * kRows);
@@ -260,6 +273,19 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
   const T *pq = q.data<T>(), *pk = k.data<T>(), *pv = v.data<T>();
   const T *pg = g.data<T>(), *po = out.data<T>(), *pl = lse.data<T>();
   T *pdq = dq.data<T>(), *pdk = dk.data<T>(), *pdv = dv.data<T>();
+  if constexpr (std::is_same_v<T, float>) {
+    if (attention_avx2_enabled()) {
+      const AttentionHead a{n.tq, n.tk, n.d, n.dv};
+      parallel_for(0, heads, 1, [&](int64_t b, int64_t e) {
+        for (int64_t h = b; h < e; ++h)
+          attention_backward_head_avx2(
+              pdq + h * n.tq * n.d, pdk + h * n.tk * n.d, pdv + h * n.tk * n.dv,
+              pg + h * n.tq * n.dv, pq + h * n.tq * n.d, pk + h * n.tk * n.d, pv + h * n.tk * n.dv,
+              po + h * n.tq * n.dv, pl + h * n.tq, a, static_cast<float>(scale), causal);
+      });
+      return;
+    }
+  }
   for_each_head(heads, [&](int64_t h) {
     thread_local std::vector<T> scratch;
     scratch.resize(2 * kRows * kCols + n.tq);

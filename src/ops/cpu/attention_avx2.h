@@ -1,0 +1,30 @@
+// The f32 attention kernels for x86-64 CPUs with AVX2 and FMA (Note [Attention micro-kernel] in
+// attention_avx2.cpp); attention.cpp calls them per head when attention_avx2_enabled().
+#pragma once
+
+#include <cstdint>
+
+namespace lockstep::cpu {
+
+// Sizes of one head: tq queries and tk keys, key dim d, value dim dv.
+struct AttentionHead {
+  int64_t tq, tk, d, dv;
+};
+
+// True when this CPU runs AVX2 + FMA and set_attention_avx2(false) was not called.
+bool attention_avx2_enabled();
+// Tests turn the AVX2 kernels off to check the portable ones (BLAS tiles) on the same machine.
+void set_attention_avx2(bool enabled);
+
+// One head's forward: o (tq, dv) and lse (tq) from q (tq, d), k (tk, d), v (tk, dv), all
+// contiguous. Only call when attention_avx2_enabled().
+void attention_forward_head_avx2(const float* q, const float* k, const float* v, float* o,
+                                 float* lse, const AttentionHead& n, float scale, bool causal);
+
+// One head's backward: dq, dk, dv (overwritten) from the output gradient g, the inputs, the
+// forward's output o and lse.
+void attention_backward_head_avx2(float* dq, float* dk, float* dv, const float* g, const float* q,
+                                  const float* k, const float* v, const float* o, const float* lse,
+                                  const AttentionHead& n, float scale, bool causal);
+
+}  // namespace lockstep::cpu
