@@ -74,8 +74,8 @@ Tensor rnd(const Dims& shape, uint64_t seed, DType dt = kFloat32) {
 
 TEST(Elementwise, BinaryOpsMatchReferenceWithBroadcasting) {
   const std::vector<std::pair<Dims, Dims>> shapes = {
-      {{1}, {1}},          {{7}, {7}},       {{1023}, {1023}}, {{3, 1, 5}, {4, 1}},
-      {{2, 7}, {}},        {{}, {2, 3}},     {{1, 7}, {7, 1}}, {{4, 1023}, {1023}},
+      {{1}, {1}},   {{7}, {7}},   {{1023}, {1023}}, {{3, 1, 5}, {4, 1}},
+      {{2, 7}, {}}, {{}, {2, 3}}, {{1, 7}, {7, 1}}, {{4, 1023}, {1023}},
   };
   uint64_t seed = 0;
   for (const auto& c : binary_cases()) {
@@ -101,6 +101,41 @@ TEST(Elementwise, LargeParallelInputsMatchReference) {
       ASSERT_FLOAT_EQ(static_cast<float>(e.at({i, j})), std::exp(static_cast<float>(a.at({j, i}))));
 }
 
+// GELU's tanh form in f32 (the AVX2 kernels where the CPU has them, Note [GELU on AVX2]) against
+// the f64 formula, values and gradients, over x from -12 to 12 (the clamped exp past either
+// end), 1003 elements (not a multiple of 8), and more than one thread's chunk (70,001); a NaN
+// gives NaN forward and backward.
+TEST(Elementwise, GeluTanhFloat32MatchesFloat64) {
+  const double c = std::sqrt(2 / M_PI), k = 0.044715;
+  auto ref = [&](double x) { return 0.5 * x * (1 + std::tanh(c * (x + k * x * x * x))); };
+  auto dref = [&](double x) {
+    const double t = std::tanh(c * (x + k * x * x * x));
+    return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * k * x * x);
+  };
+  for (int64_t n : {1003, 70001}) {
+    Tensor x = arange(0.0, static_cast<double>(n), 1.0, kFloat32);
+    x = add(mul(x, 24.0 / static_cast<double>(n - 1)), -12.0).detach().requires_grad_();
+    Generator gen(7);
+    Tensor w = randn({n}, gen);
+    Tensor y = gelu(x, GeluApprox::tanh);
+    sum(mul(y, w)).backward();
+    const auto vx = values(x), vy = values(y), vg = values(x.grad()), vw = values(w);
+    for (int64_t i = 0; i < n; ++i) {
+      ASSERT_NEAR(vy[i], ref(vx[i]), 2e-6 * (1 + std::abs(ref(vx[i])))) << "x=" << vx[i];
+      ASSERT_NEAR(vg[i], vw[i] * dref(vx[i]), 2e-6 * (1 + std::abs(vw[i] * dref(vx[i]))))
+          << "x=" << vx[i];
+    }
+  }
+  Tensor x = full({9}, 1.0, kFloat32);
+  x.set_at({8}, std::nan(""));
+  x.requires_grad_();
+  Tensor y = gelu(x, GeluApprox::tanh);
+  sum(y).backward();
+  EXPECT_TRUE(std::isnan(y.at({8})));
+  EXPECT_TRUE(std::isnan(x.grad().at({8})));
+  EXPECT_NEAR(y.at({0}), ref(1.0), 1e-6);
+}
+
 TEST(Elementwise, UnaryOpsMatchReference) {
   struct Case {
     const char* name;
@@ -111,13 +146,15 @@ TEST(Elementwise, UnaryOpsMatchReference) {
       {"neg", [](auto& a) { return neg(a); }, [](double x) { return -x; }},
       {"exp", [](auto& a) { return exp(a); }, [](double x) { return std::exp(x); }},
       {"log", [](auto& a) { return log(abs(a)); }, [](double x) { return std::log(std::abs(x)); }},
-      {"sqrt", [](auto& a) { return sqrt(abs(a)); }, [](double x) { return std::sqrt(std::abs(x)); }},
+      {"sqrt", [](auto& a) { return sqrt(abs(a)); },
+       [](double x) { return std::sqrt(std::abs(x)); }},
       {"rsqrt", [](auto& a) { return rsqrt(abs(a)); },
        [](double x) { return 1 / std::sqrt(std::abs(x)); }},
       {"abs", [](auto& a) { return abs(a); }, [](double x) { return std::abs(x); }},
       {"relu", [](auto& a) { return relu(a); }, [](double x) { return x > 0 ? x : 0; }},
       {"tanh", [](auto& a) { return tanh(a); }, [](double x) { return std::tanh(x); }},
-      {"sigmoid", [](auto& a) { return sigmoid(a); }, [](double x) { return 1 / (1 + std::exp(-x)); }},
+      {"sigmoid", [](auto& a) { return sigmoid(a); },
+       [](double x) { return 1 / (1 + std::exp(-x)); }},
       {"gelu", [](auto& a) { return gelu(a); },
        [](double x) { return 0.5 * x * (1 + std::erf(x / std::sqrt(2.0))); }},
       {"gelu_tanh", [](auto& a) { return gelu(a, GeluApprox::tanh); },
@@ -160,7 +197,8 @@ TEST(Elementwise, DtypesAndPromotion) {
   EXPECT_EQ(add(i, f).dtype(), kFloat32);
   EXPECT_EQ(values(add(i, f)), (std::vector<double>{1.5, 2.5, 3.5}));
   EXPECT_EQ(div(i, i).dtype(), kFloat32);  // true division
-  EXPECT_EQ(values(div(i, from_vector<int32_t>({2, 2, 2}, {3}))), (std::vector<double>{0.5, 1, 1.5}));
+  EXPECT_EQ(values(div(i, from_vector<int32_t>({2, 2, 2}, {3}))),
+            (std::vector<double>{0.5, 1, 1.5}));
   EXPECT_EQ(mul(i, 2.0).dtype(), kInt32);
   EXPECT_EQ(mul(i, 0.5).dtype(), kFloat32);
   EXPECT_EQ(exp(i).dtype(), kFloat32);
@@ -193,7 +231,8 @@ TEST(Elementwise, ComparisonsWhereMaskedFill) {
   Tensor cond = from_vector<uint8_t>({1, 0}, {2, 1}).to(kBool);
   Tensor w = where(cond, ones({2, 3}), zeros({3}));
   EXPECT_EQ(values(w), (std::vector<double>{1, 1, 1, 0, 0, 0}));
-  Tensor m = masked_fill(arange(0.0, 4.0, 1.0).reshape({2, 2}), from_vector<uint8_t>({1, 0}, {2}).to(kBool), -1.0);
+  Tensor m = masked_fill(arange(0.0, 4.0, 1.0).reshape({2, 2}),
+                         from_vector<uint8_t>({1, 0}, {2}).to(kBool), -1.0);
   EXPECT_EQ(values(m), (std::vector<double>{-1, 1, -1, 3}));
   EXPECT_TRUE(allclose(a.narrow(0, 0, 3), from_vector<float>({1, 2, 3}, {3})));
   EXPECT_FALSE(allclose(a, a));  // NaN is not close to anything
@@ -201,8 +240,11 @@ TEST(Elementwise, ComparisonsWhereMaskedFill) {
 }
 
 TEST(Elementwise, BroadcastErrorNamesBothShapes) {
-  expect_error([] { (void)add(zeros({3, 4}), zeros({5})); },
-               {"add: shapes [3, 4] and [5] cannot be broadcast", "4 vs 5"});
+  expect_error(
+      [] {
+        (void)add(zeros({3, 4}), zeros({5}));
+      },
+      {"add: shapes [3, 4] and [5] cannot be broadcast", "4 vs 5"});
   expect_error([] { (void)mul(zeros({2, 3}), zeros({3, 2})); }, {"mul: shapes [2, 3] and [3, 2]"});
 }
 

@@ -9,10 +9,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define LS_ATTENTION_AVX2 1
-#include <immintrin.h>
-#endif
+#include "ops/cpu/avx2_math.h"
 
 namespace lockstep::cpu {
 
@@ -43,9 +40,7 @@ std::atomic<bool> g_enabled{true};
 
 void set_attention_avx2(bool enabled) { g_enabled.store(enabled, std::memory_order_relaxed); }
 
-#if LS_ATTENTION_AVX2
-
-#define LS_AVX2 __attribute__((target("avx2,fma")))
+#if LS_HAVE_AVX2
 
 namespace {
 
@@ -134,26 +129,6 @@ LS_AVX2 void gemm(int64_t m, int64_t n, int64_t kn, const float* a, int64_t ars,
       f(kn, a + i * ars, ars, aks, b + j, ldb, c + i * ldc + j, ldc, acc);
     }
   }
-}
-
-LS_AVX2 inline __m256 exp8(__m256 x) {
-  const __m256 kLog2e = _mm256_set1_ps(1.44269504088896341f);
-  const __m256 kLn2Hi = _mm256_set1_ps(0.693359375f), kLn2Lo = _mm256_set1_ps(-2.12194440e-4f);
-  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);  // NaN stays NaN (the second operand)
-  const __m256 n =
-      _mm256_round_ps(_mm256_mul_ps(x, kLog2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, kLn2Hi, x);
-  r = _mm256_fnmadd_ps(n, kLn2Lo, r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  const __m256 er = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e =
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(er, _mm256_castsi256_ps(e));
 }
 
 // Lanes c + 0 .. c + 7 that are below vis.
@@ -264,8 +239,7 @@ float* scratch(size_t floats) {
 }  // namespace
 
 bool attention_avx2_enabled() {
-  static const bool cpu = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return cpu && g_enabled.load(std::memory_order_relaxed);
+  return cpu_has_avx2() && g_enabled.load(std::memory_order_relaxed);
 }
 
 LS_AVX2 void attention_forward_head_avx2(const float* q, const float* k, const float* v, float* o,

@@ -2,6 +2,7 @@
 // one strided loop (src/ops/cpu/loops.h) over it; never a call per element.
 #include <cmath>
 
+#include "ops/cpu/gelu_avx2.h"
 #include "ops/cpu/kernels.h"
 #include "ops/cpu/loops.h"
 #include "tensor/dispatch.h"
@@ -45,8 +46,7 @@ void run_scalar_float(const char* name, const Tensor& out, const Tensor& a, doub
 template <typename Op>
 void run_compare(const char* name, const Tensor& out, const Tensor& a, const Tensor& b,
                  const Op& op) {
-  dispatch_numeric(a.dtype(), name,
-                   [&]<typename T>() { binary_loop<bool, T, T>(out, a, b, op); });
+  dispatch_numeric(a.dtype(), name, [&]<typename T>() { binary_loop<bool, T, T>(out, a, b, op); });
 }
 
 // Compares in double, so that a scalar is never rounded to the tensor's type first.
@@ -75,8 +75,7 @@ constexpr double kGeluCoeff = 0.044715;
 
 }  // namespace
 
-void binary_kernel(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b,
-                   double alpha) {
+void binary_kernel(BinaryOp op, const Tensor& out, const Tensor& a, const Tensor& b, double alpha) {
   switch (op) {
     case BinaryOp::add:
       if (alpha == 1.0) return run_binary("add", out, a, b, [](auto x, auto y) { return x + y; });
@@ -163,8 +162,7 @@ void compare_scalar_kernel(CompareOp op, const Tensor& out, const Tensor& a, dou
     case CompareOp::ge:
       return run_compare_scalar("ge", out, a, s, [](double x, double y) { return x >= y; });
     case CompareOp::isnan:
-      return run_compare_scalar("isnan", out, a, s,
-                                [](double x, double) { return std::isnan(x); });
+      return run_compare_scalar("isnan", out, a, s, [](double x, double) { return std::isnan(x); });
     case CompareOp::isfinite:
       return run_compare_scalar("isfinite", out, a, s,
                                 [](double x, double) { return std::isfinite(x); });
@@ -205,9 +203,8 @@ void unary_kernel(UnaryOp op, const Tensor& out, const Tensor& a, double lo, dou
     case UnaryOp::sqrt:
       return run_unary_float("sqrt", out, a, [](auto x) { return std::sqrt(x); });
     case UnaryOp::rsqrt:
-      return run_unary_float("rsqrt", out, a, [](auto x) {
-        return static_cast<decltype(x)>(1) / std::sqrt(x);
-      });
+      return run_unary_float("rsqrt", out, a,
+                             [](auto x) { return static_cast<decltype(x)>(1) / std::sqrt(x); });
     case UnaryOp::tanh:
       return run_unary_float("tanh", out, a, [](auto x) { return std::tanh(x); });
     case UnaryOp::sigmoid:
@@ -221,6 +218,10 @@ void unary_kernel(UnaryOp op, const Tensor& out, const Tensor& a, double lo, dou
         return T(0.5) * x * (T(1) + std::erf(x * T(kInvSqrt2)));
       });
     case UnaryOp::gelu_tanh:
+      if (a.dtype() == kFloat32 && out.dtype() == kFloat32 && a.is_contiguous() &&
+          out.is_contiguous() && a.shape() == out.shape() &&
+          gelu_tanh_f32_avx2(out.data<float>(), a.data<float>(), a.numel()))
+        return;  // Note [GELU on AVX2]
       return run_unary_float("gelu", out, a, [](auto x) {
         using T = decltype(x);
         const T inner = T(kSqrt2OverPi) * (x + T(kGeluCoeff) * x * x * x);
@@ -243,9 +244,8 @@ void unary_backward_kernel(UnaryOp op, const Tensor& out, const Tensor& g, const
       return run("sqrt_backward",
                  [](auto gv, auto y) { return static_cast<decltype(gv)>(gv * 0.5 / y); });
     case UnaryOp::rsqrt:
-      return run("rsqrt_backward", [](auto gv, auto y) {
-        return static_cast<decltype(gv)>(-0.5 * gv * y * y * y);
-      });
+      return run("rsqrt_backward",
+                 [](auto gv, auto y) { return static_cast<decltype(gv)>(-0.5 * gv * y * y * y); });
     case UnaryOp::abs:
       return run("abs_backward", [](auto gv, auto x) {
         return x > 0 ? gv : (x < 0 ? -gv : static_cast<decltype(gv)>(0));
@@ -265,6 +265,12 @@ void unary_backward_kernel(UnaryOp op, const Tensor& out, const Tensor& g, const
         return gv * (cdf + x * pdf);
       });
     case UnaryOp::gelu_tanh:
+      if (out.dtype() == kFloat32 && g.dtype() == kFloat32 && saved.dtype() == kFloat32 &&
+          out.is_contiguous() && g.is_contiguous() && saved.is_contiguous() &&
+          g.shape() == out.shape() && saved.shape() == out.shape() &&
+          gelu_tanh_backward_f32_avx2(out.data<float>(), g.data<float>(), saved.data<float>(),
+                                      out.numel()))
+        return;  // Note [GELU on AVX2]
       return run("gelu_backward", [](auto gv, auto x) {
         using T = decltype(x);
         const T inner = T(kSqrt2OverPi) * (x + T(kGeluCoeff) * x * x * x);
@@ -311,9 +317,8 @@ void binary_inplace_kernel(BinaryOp op, const Tensor& self, const Tensor& o, dou
   LS_CHECK(op == BinaryOp::mul, "binary_inplace: only add_ and mul_ have a kernel");
   dispatch_all(self.dtype(), "mul_", [&]<typename T>() {
     if constexpr (is_half_type_v<T>) {
-      binary_loop<T, T, T>(self, self, o, [](T x, T y) {
-        return T(static_cast<float>(x) * static_cast<float>(y));
-      });
+      binary_loop<T, T, T>(
+          self, self, o, [](T x, T y) { return T(static_cast<float>(x) * static_cast<float>(y)); });
     } else {
       binary_loop<T, T, T>(self, self, o, [](T x, T y) { return static_cast<T>(x * y); });
     }

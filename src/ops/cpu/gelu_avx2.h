@@ -1,0 +1,15 @@
+// GELU's tanh approximation on f32 with AVX2 + FMA (Note [GELU on AVX2] in gelu_avx2.cpp), for
+// contiguous tensors; elementwise.cpp calls them and falls back to its portable loops when they
+// return false (a CPU without AVX2, or not x86-64).
+#pragma once
+
+#include <cstdint>
+
+namespace lockstep::cpu {
+
+// y[i] = 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) for i < n.
+bool gelu_tanh_f32_avx2(float* y, const float* x, int64_t n);
+// dx[i] = g[i] * d gelu_tanh / dx at x[i] for i < n.
+bool gelu_tanh_backward_f32_avx2(float* dx, const float* g, const float* x, int64_t n);
+
+}  // namespace lockstep::cpu
