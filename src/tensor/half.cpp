@@ -88,6 +88,45 @@ __attribute__((target("avx,f16c"))) void to_f16_f16c(const float* src, uint16_t*
   for (; i < n; ++i) dst[i] = float_to_f16_bits(src[i]);
 }
 
+// f32 -> bf16 on 8 lanes, bit for bit float_to_bf16_bits: round to nearest even by adding
+// 0x7fff plus the kept lowest bit, a NaN kept NaN and made quiet instead.
+__attribute__((target("avx2"))) void to_bf16_avx2(const float* src, uint16_t* dst, int64_t n) {
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff);
+  const __m256i quiet = _mm256_set1_epi32(0x0040);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    const __m256i hi = _mm256_srli_epi32(u, 16);
+    const __m256i rounded = _mm256_srli_epi32(
+        _mm256_add_epi32(u, _mm256_add_epi32(bias, _mm256_and_si256(hi, one))), 16);
+    // |u| > inf as signed 32-bit integers (|u| < 2^31) is the NaN test.
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs_mask), inf);
+    const __m256i r = _mm256_blendv_epi8(rounded, _mm256_or_si256(hi, quiet), nan);
+    // Pack the low 16 bits of the 8 lanes: packus works per 128-bit half, then fix the order.
+    const __m256i packed = _mm256_packus_epi32(r, r);
+    const __m256i ordered = _mm256_permute4x64_epi64(packed, 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_castsi256_si128(ordered));
+  }
+  for (; i < n; ++i) dst[i] = float_to_bf16_bits(src[i]);
+}
+
+__attribute__((target("avx2"))) void to_f32_from_bf16_avx2(const uint16_t* src, float* dst,
+                                                           int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    const __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), u);
+  }
+  for (; i < n; ++i) dst[i] = bf16_bits_to_float(src[i]);
+}
+
+bool has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2");
+  return yes;
+}
+
 bool has_f16c() {
   static const bool yes = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
   return yes;
@@ -108,6 +147,20 @@ void float_to_f16_bits_n(const float* src, uint16_t* dst, int64_t n) {
   if (has_f16c()) return to_f16_f16c(src, dst, n);
 #endif
   for (int64_t i = 0; i < n; ++i) dst[i] = float_to_f16_bits(src[i]);
+}
+
+void bf16_bits_to_float_n(const uint16_t* src, float* dst, int64_t n) {
+#if defined(__x86_64__)
+  if (has_avx2()) return to_f32_from_bf16_avx2(src, dst, n);
+#endif
+  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_bits_to_float(src[i]);
+}
+
+void float_to_bf16_bits_n(const float* src, uint16_t* dst, int64_t n) {
+#if defined(__x86_64__)
+  if (has_avx2()) return to_bf16_avx2(src, dst, n);
+#endif
+  for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16_bits(src[i]);
 }
 
 }  // namespace lockstep

@@ -181,6 +181,41 @@ TEST(HalfBulk, MatchesTheScalarConversionsBitForBit) {
   }
 }
 
+// The bf16 bulk conversions (AVX2 where the CPU has it) likewise: every bf16 pattern to f32, and
+// f32 patterns over all exponents plus the rounding edges (ties to even both ways, the carry into
+// the exponent, the largest finite, NaN payloads that rounding would turn into inf) to bf16.
+TEST(HalfBulk, BFloat16MatchesTheScalarConversionsBitForBit) {
+  std::vector<uint16_t> all(65536 + 5);
+  for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<uint16_t>(i);
+  std::vector<float> wide(all.size());
+  lockstep::bf16_bits_to_float_n(all.data(), wide.data(), static_cast<int64_t>(all.size()));
+  for (size_t i = 0; i < all.size(); ++i) {
+    const float want = lockstep::bf16_bits_to_float(all[i]);
+    ASSERT_EQ(std::memcmp(&wide[i], &want, 4), 0) << "bf16 bits " << all[i];
+  }
+  std::vector<uint32_t> bits;
+  for (uint64_t u = 0; u <= 0xffffffffull; u += 0x1003) bits.push_back(static_cast<uint32_t>(u));
+  for (uint32_t v : {0x3f808000u, 0x3f818000u, 0x3f807fffu, 0x3f7fffffu, 0x7f7fffffu, 0x7f7f8000u,
+                     0x7f800001u, 0x7fffffffu, 0xff800001u, 0xffffffffu, 0x7f800000u, 0x80000000u,
+                     0x00008000u, 0x00018000u}) {
+    bits.push_back(v);
+  }
+  std::vector<float> src(bits.size());
+  std::memcpy(src.data(), bits.data(), bits.size() * 4);
+  std::vector<uint16_t> narrow(src.size());
+  lockstep::float_to_bf16_bits_n(src.data(), narrow.data(), static_cast<int64_t>(src.size()));
+  for (size_t i = 0; i < src.size(); ++i)
+    ASSERT_EQ(narrow[i], lockstep::float_to_bf16_bits(src[i]))
+        << "f32 bits " << std::hex << bits[i];
+  // Through a tensor copy (the path autocast takes), both ways.
+  lockstep::Generator gen(4);
+  const lockstep::Tensor x = lockstep::randn({1000, 37}, gen);
+  const auto xs = x.to_vector<float>();
+  const auto bs = x.to(lockstep::kBFloat16).to(lockstep::kFloat32).to_vector<float>();
+  for (size_t i = 0; i < xs.size(); ++i)
+    ASSERT_EQ(bs[i], lockstep::bf16_bits_to_float(lockstep::float_to_bf16_bits(xs[i]))) << i;
+}
+
 TEST(HalfBulk, CopyBetweenF32AndF16UsesThemAndKeepsValues) {
   lockstep::Generator gen(3);
   const lockstep::Tensor x = lockstep::randn({1000, 37}, gen);

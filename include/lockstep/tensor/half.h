@@ -34,6 +34,9 @@ uint16_t float_to_f16_bits(float f);
 // CPU's F16C instructions when it has them (any x86-64 since 2012) and the scalar code otherwise.
 void f16_bits_to_float_n(const uint16_t* src, float* dst, int64_t n);
 void float_to_f16_bits_n(const float* src, uint16_t* dst, int64_t n);
+// The same for bf16, bit for bit the scalar conversions (AVX2 where the CPU has it).
+void bf16_bits_to_float_n(const uint16_t* src, float* dst, int64_t n);
+void float_to_bf16_bits_n(const float* src, uint16_t* dst, int64_t n);
 
 struct BFloat16 {
   uint16_t bits = 0;

@@ -11,20 +11,23 @@ namespace lockstep::cpu {
 void copy_kernel(const Tensor& dst, const Tensor& src) {
   LS_CHECK(dst.device().is_cpu() && src.device().is_cpu(), "copy: the CPU kernel got tensors on ",
            dst.device().str(), " and ", src.device().str());
-  // f32 <-> f16 between contiguous tensors: the bulk (F16C) conversions, in parallel chunks.
-  const bool f32_f16 = (dst.dtype() == kFloat16 && src.dtype() == kFloat32) ||
-                       (dst.dtype() == kFloat32 && src.dtype() == kFloat16);
-  if (f32_f16 && dst.is_contiguous() && src.is_contiguous() && src.numel() == dst.numel()) {
-    const bool to_half = dst.dtype() == kFloat16;
+  // f32 <-> f16 or bf16 between contiguous tensors: the bulk conversions (F16C, AVX2; autocast
+  // converts every weight and activation a Linear takes), in parallel chunks.
+  const DType half = dst.dtype() == kFloat32 ? src.dtype() : dst.dtype();
+  const bool f32_half = (dst.dtype() == kFloat32 || src.dtype() == kFloat32) &&
+                        (half == kFloat16 || half == kBFloat16) && dst.dtype() != src.dtype();
+  if (f32_half && dst.is_contiguous() && src.is_contiguous() && src.numel() == dst.numel()) {
+    const bool to_half = dst.dtype() == half, bf16 = half == kBFloat16;
     void* d = dst.data_ptr();
     const void* from = src.data_ptr();
     parallel_for(0, dst.numel(), kElementwiseGrain, [&](int64_t b, int64_t e) {
+      const auto* f = static_cast<const float*>(from) + b;
+      const auto* h = static_cast<const uint16_t*>(from) + b;
       if (to_half) {
-        float_to_f16_bits_n(static_cast<const float*>(from) + b, static_cast<uint16_t*>(d) + b,
-                            e - b);
+        (bf16 ? float_to_bf16_bits_n : float_to_f16_bits_n)(f, static_cast<uint16_t*>(d) + b,
+                                                            e - b);
       } else {
-        f16_bits_to_float_n(static_cast<const uint16_t*>(from) + b, static_cast<float*>(d) + b,
-                            e - b);
+        (bf16 ? bf16_bits_to_float_n : f16_bits_to_float_n)(h, static_cast<float*>(d) + b, e - b);
       }
     });
     return;
