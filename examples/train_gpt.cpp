@@ -14,7 +14,7 @@
 // of --accum-steps micro-batches; every --eval-every steps rank 0 prints the training and
 // validation loss, tokens/s and the model FLOPs utilisation (Note [MFU]). At the end, --sample N
 // prints N bytes the model generates on rank 0, then rank 0 prints every rank's peak resident
-// memory (Note [Peak RSS per rank]). The last line is machine-readable: "final val_loss=...
+// memory and optimizer-state bytes (Note [Peak RSS per rank]). The last line is machine-readable: "final val_loss=...
 // train_loss=... steps=... tokens_per_s=... entropy_nats=...". The flags are in
 // train_gpt_flags.h.
 #include <unistd.h>
@@ -216,7 +216,7 @@ class Trainer {
   double evaluate();
   void sample();
   void save_final();
-  void report_peak_rss();
+  void report_memory();
   void finish();
 
  private:
@@ -493,23 +493,39 @@ void Trainer::save_final() {
 // Every rank's peak resident memory (getrusage's ru_maxrss, io::peak_rss_mib(), the value the
 // metrics file's train records carry for rank 0) is summed into its own slot of a world-long
 // vector, so rank 0 prints all of them on one line: "peak RSS per rank: 61.2 60.8 MiB". A
-// collective: every rank calls it. Under ZeRO-1 the ranks differ by their optimizer shards.
-void Trainer::report_peak_rss() {
-  Tensor rss = zeros({world_}, kFloat64);
-  rss.set_at({pg_->rank()}, io::peak_rss_mib());
-  pg_->all_reduce(rss)->wait();
-  if (!main_rank_) return;
-  std::string line = "peak RSS per rank:";
-  char buf[32];
-  for (int r = 0; r < world_; ++r) {
-    std::snprintf(buf, sizeof buf, " %.1f", rss.at({r}));
-    line += buf;
+// collective: every rank calls it. Under ZeRO-1 the ranks differ by their optimizer shards, so
+// the optimizer state each rank keeps is gathered the same way and printed on the next line,
+// "optimizer state per rank: 3374816 3374968 bytes": without --zero each rank keeps all of
+// AdamW's state (two f32 moments per parameter element, an 8-byte step count per parameter);
+// under --zero 1 each keeps its 1/world_size shard of the moments and a step count per piece.
+void Trainer::report_memory() {
+  const auto* zero = dynamic_cast<const dist::ZeroRedundancyOptimizer*>(opt_.get());
+  int64_t state = 0;
+  if (zero) {
+    state = zero->stats().state_bytes;
+  } else {
+    for (const auto& [name, t] : opt_->state_dict())  // per-parameter fields are "<index>.<name>"
+      if (name.find('.') != std::string::npos && std::isdigit(static_cast<unsigned char>(name[0])))
+        state += t.nbytes();
   }
-  std::printf("%s MiB\n", line.c_str());
+  Tensor mem = zeros({2, world_}, kFloat64);
+  mem.set_at({0, pg_->rank()}, io::peak_rss_mib());
+  mem.set_at({1, pg_->rank()}, static_cast<double>(state));
+  pg_->all_reduce(mem)->wait();
+  if (!main_rank_) return;
+  std::string rss = "peak RSS per rank:", opt = "optimizer state per rank:";
+  char buf[48];
+  for (int r = 0; r < world_; ++r) {
+    std::snprintf(buf, sizeof buf, " %.1f", mem.at({0, r}));
+    rss += buf;
+    std::snprintf(buf, sizeof buf, " %lld", static_cast<long long>(mem.at({1, r})));
+    opt += buf;
+  }
+  std::printf("%s MiB\n%s bytes\n", rss.c_str(), opt.c_str());
 }
 
 void Trainer::finish() {
-  report_peak_rss();
+  report_memory();
   if (!main_rank_) return;
   if (std::isnan(last_val_loss_))
     log_info("nothing left to train: step ", pos_.step, " reached --max-steps");

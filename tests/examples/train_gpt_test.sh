@@ -166,7 +166,9 @@ case "$case_name" in
       --save "$work/fresh/ck.safetensors"
     ;;
   zero)
-    # --zero 1 with 2 ranks writes the checkpoint of plain DDP, byte for byte (Note [ZeRO-1]).
+    # --zero 1 with 2 ranks writes the checkpoint of plain DDP, byte for byte (Note [ZeRO-1]),
+    # and each rank keeps half the optimizer state that each plain rank keeps (the line
+    # "optimizer state per rank: A B bytes", Note [Peak RSS per rank]).
     prepare_tiny
     for z in 0 1; do
       port=$((20000 + RANDOM % 20000))
@@ -182,6 +184,21 @@ case "$case_name" in
       done
     done
     cmp "$work/z0.safetensors" "$work/z1.safetensors" || fail "--zero 1 ends elsewhere than --zero 0"
+    for z in 0 1; do
+      line=$(grep "^optimizer state per rank: " "$work/z$z.rank0") || fail "--zero $z: no state line"
+      [[ "$line" =~ ^optimizer\ state\ per\ rank:\ ([0-9]+)\ ([0-9]+)\ bytes$ ]] \
+        || fail "--zero $z: state line: $line"
+      echo "--zero $z: $line"
+      read -r "a$z" "b$z" <<< "${BASH_REMATCH[1]} ${BASH_REMATCH[2]}"
+    done
+    # Plain: both ranks keep the same, at least AdamW's two f32 moments of the 34,688 parameter
+    # elements of this model. ZeRO: each rank a half of that, give or take the 8-byte step counts
+    # of its pieces (at most 64 pieces here).
+    [ "$a0" = "$b0" ] && [ "$a0" -ge $((8 * 34688)) ] \
+      || fail "--zero 0: ranks keep $a0 and $b0 bytes, not the same full state"
+    awk -v a="$a1" -v b="$b1" -v u="$a0" \
+      'BEGIN { h = u / 2; exit !(a >= h - 512 && a <= h + 512 && b >= h - 512 && b <= h + 512) }' \
+      || fail "--zero 1: ranks keep $a1 and $b1 bytes, not about half of $a0 each"
     ;;
   amp)
     # --amp bf16 (Linear and attention in bf16 under autocast, the loss and the optimizer in
