@@ -254,18 +254,19 @@ void rank_order_all_reduce(const std::shared_ptr<gloo::Context>& ctx, void* data
   auto* bytes = static_cast<uint8_t*>(data);
   const auto deadline = Clock::now() + timeout;
   const uint64_t rs_slot = gloo::Slot::build(kReduceScatterSlotPrefix, tag);
+  // Whole tensors: every rank receives all of every peer's and reduces it in place.
+  Exchange x{.ctx = *ctx,
+             .in = bytes,
+             .out = bytes,
+             .chunks = {.stride = 0, .per = count, .total = count},
+             .element_size = es,
+             .dtype = dtype,
+             .op = op,
+             .slot = rs_slot,
+             .deadline = deadline,
+             .what = "all_reduce",
+             .scratch = scratch};
   if (size == 2 || count * es * static_cast<size_t>(size) <= kWholeBytes) {
-    const Exchange x{.ctx = *ctx,
-                     .in = bytes,
-                     .out = bytes,
-                     .chunks = {.stride = 0, .per = count, .total = count},
-                     .element_size = es,
-                     .dtype = dtype,
-                     .op = op,
-                     .slot = rs_slot,
-                     .deadline = deadline,
-                     .what = "all_reduce",
-                     .scratch = scratch};
     reduce_scatter_pieces(x, [](size_t, size_t) {});
     return;
   }
@@ -274,17 +275,8 @@ void rank_order_all_reduce(const std::shared_ptr<gloo::Context>& ctx, void* data
   per = (per + align - 1) / align * align;
   const Chunks chunks{.stride = per, .per = per, .total = count};
   const size_t my_begin = chunks.begin(me);
-  const Exchange x{.ctx = *ctx,
-                   .in = bytes,
-                   .out = bytes + my_begin * es,
-                   .chunks = chunks,
-                   .element_size = es,
-                   .dtype = dtype,
-                   .op = op,
-                   .slot = rs_slot,
-                   .deadline = deadline,
-                   .what = "all_reduce",
-                   .scratch = scratch};
+  x.chunks = chunks;
+  x.out = bytes + my_begin * es;
   const uint64_t ag_slot = gloo::Slot::build(kAllGatherSlotPrefix, tag);
   auto gather_buf = ctx->createUnboundBuffer(bytes, count * es);
   size_t sends = 0;
