@@ -241,6 +241,40 @@ TEST(Attention, LargeScoresStayFinite) {
   }
 }
 
+// A later key tile that raises a row's max by far more than exp's range (here by 200, past the
+// f32 forward's 256-key tile and the portable one's 64) must discard what the earlier keys added:
+// the output is the last value, in both f32 kernels, and the gradients match the f64 composition.
+TEST(Attention, ALateLargeScoreWins) {
+  for (bool avx2 : f32_kernels()) {
+    Avx2Kernels kernels(avx2);
+    const int64_t tk = 257;
+    Tensor q = full({1, 1, 1, 1}, 1.0, kFloat32);
+    Tensor k = zeros({1, 1, tk, 1});
+    k.set_at({0, 0, tk - 1, 0}, 200.0);
+    Tensor v = add(arange(0.0, static_cast<double>(tk), 1.0, kFloat32).view({1, 1, tk, 1}), 1.0);
+    Tensor y = scaled_dot_product_attention(q, k, v, {.scale = 1.0});
+    EXPECT_NEAR(y.at({0, 0, 0, 0}), static_cast<double>(tk), 1e-3) << (avx2 ? "avx2" : "portable");
+    Generator gen(42);
+    Tensor w = randn({1, 1, 1, 1}, gen, kFloat64);
+    std::vector<double> got[3], want[3];
+    for (bool f32 : {false, true}) {
+      const DType dt = f32 ? kFloat32 : kFloat64;
+      Tensor qq = q.to(dt).clone().requires_grad_(), kk = k.to(dt).clone().requires_grad_(),
+             vv = v.to(dt).clone().requires_grad_();
+      Tensor out = f32 ? scaled_dot_product_attention(qq, kk, vv, {.scale = 1.0})
+                       : naive_attention(qq, kk, vv, false, 1.0);
+      sum(mul(out, w.to(dt))).backward();
+      auto& r = f32 ? got : want;
+      r[0] = values(qq.grad());
+      r[1] = values(kk.grad());
+      r[2] = values(vv.grad());
+    }
+    expect_close(got[0], want[0], 1e-4, "dq");
+    expect_close(got[1], want[1], 1e-4, "dk");
+    expect_close(got[2], want[2], 1e-4, "dv");
+  }
+}
+
 TEST(Attention, CausalFirstRowIsItsValue) {
   // Query 0 sees key 0 only, whatever the scores.
   Generator gen(37);

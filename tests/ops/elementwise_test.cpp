@@ -103,8 +103,8 @@ TEST(Elementwise, LargeParallelInputsMatchReference) {
 
 // GELU's tanh form in f32 (the AVX2 kernels where the CPU has them, Note [GELU on AVX2]) against
 // the f64 formula, values and gradients, over x from -12 to 12 (the clamped exp past either
-// end), 1003 elements (not a multiple of 8), and more than one thread's chunk (70,001); a NaN
-// gives NaN forward and backward.
+// end), 1003 elements (not a multiple of 8), and more than one thread's chunk (70,001); huge
+// negative x gives 0 and a zero gradient; a NaN gives NaN forward and backward.
 TEST(Elementwise, GeluTanhFloat32MatchesFloat64) {
   const double c = std::sqrt(2 / M_PI), k = 0.044715;
   auto ref = [&](double x) { return 0.5 * x * (1 + std::tanh(c * (x + k * x * x * x))); };
@@ -125,6 +125,16 @@ TEST(Elementwise, GeluTanhFloat32MatchesFloat64) {
       ASSERT_NEAR(vg[i], vw[i] * dref(vx[i]), 2e-6 * (1 + std::abs(vw[i] * dref(vx[i]))))
           << "x=" << vx[i];
     }
+  }
+  // Far below -10 the tanh form is 0 in f32 (tanh(u) rounds to -1), and so is its derivative;
+  // a clamped exp must not leave them growing like x and x^3.
+  for (double big : {-50.0, -1e5, -1e13, -3e38}) {
+    Tensor xb = full({9}, big, kFloat32).requires_grad_();
+    Tensor yb = gelu(xb, GeluApprox::tanh);
+    sum(yb).backward();
+    EXPECT_EQ(yb.at({8}), 0.0) << big;
+    // At -3e38 x^2 overflows and the derivative is NaN, in the portable formula as well.
+    if (big > -1e19) EXPECT_EQ(xb.grad().at({8}), 0.0) << big;
   }
   Tensor x = full({9}, 1.0, kFloat32);
   x.set_at({8}, std::nan(""));

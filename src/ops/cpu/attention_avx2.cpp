@@ -283,7 +283,9 @@ LS_AVX2 void attention_forward_head_avx2(const float* q, const float* k, const f
         const float alpha = std::exp(m[r] - m_new);  // 0 for the first tile (m = -inf)
         l[r] = l[r] * alpha + row_exp(row, vis, width, m_new);
         m[r] = m_new;
-        if (alpha != 1.0f && alpha != 0.0f)  // 0: the first tile, acc is still zero
+        // alpha is 0 on the first tile (acc is still zero) and also when a later tile raises
+        // the max by more than ~103 (exp underflows): then the old acc must go, so multiply.
+        if (alpha != 1.0f)
           for (int64_t c = 0; c < dvp; ++c) acc[r * dvp + c] *= alpha;
       }
       gemm(rows, dvp, most, s, kKeyTile, 1, vp + j0 * dvp, dvp, acc, dvp, true);

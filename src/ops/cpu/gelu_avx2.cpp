@@ -19,10 +19,11 @@ namespace lockstep::cpu {
 // and the backward, from 1 - tanh(u)^2 = 4 s (1 - s):
 //   dx = g (s + 2 x s (1 - s) du/dx),  du/dx = sqrt(2 / pi) (1 + 3 0.044715 x^2).
 // Relative error a few f32 ulps (exp8's 1-2 ulps and the rounding of u); the tests compare with
-// the f64 formula. exp8 clamps its argument to [-87, 88]: for x below about -10, e^(-2u) stops
-// at e^88 and y = x / (1 + e^88), about 1e-37 instead of 0 or a denormal; for x above about 9,
-// s is 1 and y = x, as tanh gives. A NaN x gives NaN (exp8 keeps it). The last n % 8 elements go
-// through an 8-float buffer, so they are computed by the same lanes as the rest.
+// the f64 formula. exp8 clamps its argument to [-87, 88]; where -2u > 88 (x below about -10)
+// s is set to 0, as 1 + tanh(u) is in f32, so y = -0 and dx = 0 there (and NaN for x = -inf or
+// where x^2 overflows, as the portable formula gives); for x above about 9, s is 1 and y = x. A NaN
+// x gives NaN (exp8 keeps it). The last n % 8 elements go through an 8-float buffer, so they are
+// computed by the same lanes as the rest.
 
 #if LS_HAVE_AVX2
 
@@ -39,9 +40,12 @@ LS_AVX2 inline GeluLanes gelu_lanes(__m256 x) {
   const __m256 x2 = _mm256_mul_ps(x, x);
   const __m256 u = _mm256_mul_ps(c, _mm256_fmadd_ps(_mm256_mul_ps(k, x2), x, x));
   const __m256 one = _mm256_set1_ps(1.0f);
-  const __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(-2.0f), u));
+  const __m256 z = _mm256_mul_ps(_mm256_set1_ps(-2.0f), u);
   GeluLanes r;
-  r.s = _mm256_div_ps(one, _mm256_add_ps(one, e));
+  r.s = _mm256_div_ps(one, _mm256_add_ps(one, exp8(z)));
+  // exp8 stops at e^88, so s would stay ~6e-39 where it is 0 in f32 (tanh(u) = -1 exactly):
+  // past that, s = 0, or y and dx would grow like x and x^3 for huge negative x.
+  r.s = _mm256_andnot_ps(_mm256_cmp_ps(z, _mm256_set1_ps(88.0f), _CMP_GT_OQ), r.s);
   if constexpr (kBackward)
     r.du = _mm256_mul_ps(c, _mm256_fmadd_ps(_mm256_set1_ps(3 * 0.044715f), x2, one));
   return r;
