@@ -67,6 +67,7 @@ void MetricsWriter::write(const TrainRecord& r) {
   j["kind"] = "train";
   j["step"] = r.step;
   j["epoch"] = r.epoch;
+  if (r.world_size) j["world_size"] = *r.world_size;
   j["loss"] = number(r.loss);
   j["lr"] = number(r.lr);
   j["samples_per_s"] = number(r.samples_per_s);
@@ -138,6 +139,15 @@ int64_t integer_step(const nlohmann::json& j, const std::string& where) {
   throw MetricsFileError(where + "\"step\" must be an integer, got " + excerpt(it->dump()));
 }
 
+// "world_size": a positive integer, or 0 where the record has none (null counts as none).
+int64_t world_size_of(const nlohmann::json& j, const std::string& where) {
+  const auto it = j.find("world_size");
+  if (it == j.end() || it->is_null()) return 0;
+  if (it->is_number_integer() && it->get<int64_t>() >= 1) return it->get<int64_t>();
+  throw MetricsFileError(where + "\"world_size\" must be a positive integer, got " +
+                         excerpt(it->dump()));
+}
+
 }  // namespace
 
 // Note [Restarts]
@@ -146,7 +156,9 @@ int64_t integer_step(const nlohmann::json& j, const std::string& where) {
 // after the previous train record's starts a new trajectory at that step: the train and eval
 // records from that step on are dropped (replaced by what follows, or gone where the resumed run
 // has not got as far yet). An eval record replaces an earlier one for the same step. Only train
-// records mark restarts: an eval logged a little late must not erase training history.
+// records mark restarts: an eval logged a little late must not erase training history. A run
+// resumed with another number of ranks shows as a change of the train records' world_size, also
+// where it resumed right after the last recorded step (and so replaced nothing).
 MetricsFile parse_metrics(std::istream& in, const std::string& name) {
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   if (in.bad()) throw MetricsFileError(name + ": read error");
@@ -194,7 +206,8 @@ MetricsFile parse_metrics(std::istream& in, const std::string& name) {
                    number_or_nan(j, "lr", where),
                    number_or_nan(j, "samples_per_s", where),
                    number_or_nan(j, "loss_scale", where),
-                   number_or_nan(j, "grad_norm", where)};
+                   number_or_nan(j, "grad_norm", where),
+                   world_size_of(j, where)};
       if (!m.train.empty() && step <= m.train.back().step) {  // Note [Restarts]
         m.restarts.push_back(step);
         while (!m.train.empty() && m.train.back().step >= step) m.train.pop_back();

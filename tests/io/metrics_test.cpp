@@ -119,6 +119,21 @@ TEST_F(Metrics, TheSlowRankIsWrittenWhenSetAfterThePeakMemory) {
   EXPECT_EQ(r[0]["median_rank_ms"].get<double>(), 12.5);
 }
 
+TEST_F(Metrics, TheWorldSizeIsWrittenWhenSetAfterTheEpoch) {
+  {
+    MetricsWriter w(path_, false);
+    w.write(TrainRecord{.step = 3, .epoch = 1, .world_size = 3, .loss = 0.5, .lr = 0.1});
+    w.write(TrainRecord{.step = 4, .loss = 0.5, .lr = 0.1});  // a program that does not report it
+  }
+  const auto r = records();
+  ASSERT_EQ(r.size(), 2u);
+  EXPECT_EQ(keys(r[0]), (std::vector<std::string>{"kind", "step", "epoch", "world_size", "loss",
+                                                  "lr", "samples_per_s", "time", "elapsed"}));
+  EXPECT_TRUE(r[0]["world_size"].is_number_integer());
+  EXPECT_EQ(r[0]["world_size"].get<int64_t>(), 3);
+  EXPECT_FALSE(r[1].contains("world_size"));
+}
+
 TEST_F(Metrics, TrainAndEvalRecordsHaveTheAgreedKeysAndTypes) {
   const double before = unix_now();
   {
@@ -335,6 +350,39 @@ TEST_F(Metrics, ARestartKeepsWhatTheFinalModelWentThrough) {
   EXPECT_EQ(m.eval[0].step, 3);
   EXPECT_EQ(m.eval[0].test_accuracy, 0.33);
   EXPECT_EQ(m.restarts, (std::vector<int64_t>{4}));
+}
+
+TEST_F(Metrics, TheReaderShowsAWorldSizeChangeAndReadsFilesWithoutIt) {
+  {
+    MetricsWriter w(path_);
+    for (int64_t s = 1; s <= 3; ++s)
+      w.write(TrainRecord{.step = s, .world_size = 2, .loss = 1.0, .lr = 0.05});
+  }
+  {
+    // Resumed at step 2 with 3 ranks: step 3 of the 2-rank run is replaced.
+    MetricsWriter resumed(path_);
+    for (int64_t s = 3; s <= 4; ++s)
+      resumed.write(TrainRecord{.step = s, .world_size = 3, .loss = 1.0, .lr = 0.075});
+  }
+  const MetricsFile m = read_metrics(path_);
+  std::vector<int64_t> worlds;
+  for (const TrainPoint& p : m.train) worlds.push_back(p.world_size);
+  EXPECT_EQ(worlds, (std::vector<int64_t>{2, 2, 3, 3}));
+  EXPECT_EQ(m.restarts, (std::vector<int64_t>{3}));
+
+  // A file from before world_size was written (or null) reads as 0: not recorded.
+  const MetricsFile old =
+      parse(train_line(1, 1.0, 0.1, 10) + R"({"kind":"train","step":2,"world_size":null})");
+  ASSERT_EQ(old.train.size(), 2u);
+  EXPECT_EQ(old.train[0].world_size, 0);
+  EXPECT_EQ(old.train[1].world_size, 0);
+  // Anything but a positive integer is an error naming the line and the value.
+  EXPECT_THAT(parse_error(R"({"kind":"train","step":1,"world_size":0})"),
+              HasSubstr("m.jsonl:1: \"world_size\" must be a positive integer, got 0"));
+  EXPECT_THAT(parse_error(R"({"kind":"train","step":1,"world_size":2.5})"),
+              HasSubstr("\"world_size\" must be a positive integer, got 2.5"));
+  EXPECT_THAT(parse_error(R"({"kind":"train","step":1,"world_size":"2"})"),
+              HasSubstr("\"world_size\" must be a positive integer, got \"2\""));
 }
 
 TEST_F(Metrics, ReaderIsLenientAboutUnknownAndMissingOptionalKeys) {

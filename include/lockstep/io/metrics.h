@@ -2,7 +2,8 @@
 // read_metrics reads them back (for `lockstep plot`).
 //
 // Records (keys in this order; optional ones left out when unset):
-//   {"kind":"train","step":int,"epoch":int,"loss":float,"lr":float,"samples_per_s":float,
+//   {"kind":"train","step":int,"epoch":int,"world_size":int,"loss":float,"lr":float,
+//    "samples_per_s":float,
 //    "loss_scale":float,"grad_norm":float,"peak_rss_mib":float,"slowest_rank":int,
 //    "slowest_rank_ms":float,"median_rank_ms":float,"time":float,"elapsed":float}
 //   {"kind":"eval","step":int,"epoch":int,"test_accuracy":float,"test_loss":float,
@@ -27,6 +28,9 @@ namespace lockstep::io {
 struct TrainRecord {
   int64_t step = 0;
   int64_t epoch = 0;
+  // The number of ranks that trained this step, when the program reports it: a run resumed at
+  // another world size shows in the file as a change of it from one record to the next.
+  std::optional<int64_t> world_size{};
   double loss = 0;
   double lr = 0;
   double samples_per_s = 0;
@@ -95,6 +99,7 @@ struct MetricsFileError : std::runtime_error {
 struct TrainPoint {
   int64_t step = 0;
   double loss, lr, samples_per_s, loss_scale, grad_norm;
+  int64_t world_size = 0;  // 0: not recorded (a program that does not report it, an older file)
 };
 
 // One "kind":"eval" record as read back; NaN as above.
