@@ -220,7 +220,7 @@ void Agent::start_workers(int g) {
   for (int l = 0; l < o_.nproc_per_node; ++l) {
     auto w = std::make_unique<Worker>();
     w->local_rank = l;
-    w->rank = o_.node_rank * o_.nproc_per_node + l;
+    w->rank = node_rank_ * o_.nproc_per_node + l;
     const auto dir = std::filesystem::path(tmp_dir_) / attempt / std::to_string(w->rank);
     std::filesystem::create_directories(dir);
     w->error_file = (dir / "error.json").string();
@@ -235,7 +235,7 @@ void Agent::start_workers(int g) {
     set(env::kLocalRank, std::to_string(l));
     set(env::kWorldSize, std::to_string(world_size()));
     set(env::kLocalWorldSize, std::to_string(o_.nproc_per_node));
-    set(env::kGroupRank, std::to_string(o_.node_rank));
+    set(env::kGroupRank, std::to_string(node_rank_));
     set(env::kMasterAddr, o_.master_addr);
     set(env::kMasterPort, std::to_string(store_port_));
     set(env::kRestartCount, std::to_string(g));
@@ -352,7 +352,7 @@ void Agent::stop_workers(int sig) {
 
 json Agent::describe_failure(const Worker& w) const {
   const ExitStatus& s = *w.proc->exit_status();
-  json f = {{"rank", w.rank},          {"local_rank", w.local_rank}, {"node", o_.node_rank},
+  json f = {{"rank", w.rank},          {"local_rank", w.local_rank}, {"node", node_rank_},
             {"host", hostname()},      {"status", s.str()},          {"time", utc_now()},
             {"tail", w.output->tail()}};
   if (s.max_rss_kib >= 0) f["peak_rss_kib"] = s.max_rss_kib;
@@ -397,6 +397,10 @@ void Agent::print_summary(const json& f, int generation) const {
     return;
   }
   for (const auto& line : verdict_lines_) say(line);
+  if (f.value("left", false) || f.value("membership", false)) {  // elastic: the last change
+    say("the job failed after this change: " + event_text(f));
+    return;
+  }
   if (f.value("lost", false)) {
     say("the job failed: node " + std::to_string(f.value("node", -1)) + " (host " +
         f.value("host", std::string("?")) + ") is " + f.value("status", std::string("?")) +
@@ -467,7 +471,7 @@ void Agent::print_peak_memory() const {
             ("rank " + std::to_string(w->rank) + " " + format_kib(st->max_rss_kib));
   }
   if (!line.empty()) {
-    say("peak resident memory of the workers on node " + std::to_string(o_.node_rank) + ": " +
+    say("peak resident memory of the workers on node " + std::to_string(node_rank_) + ": " +
         line);
   }
 }
@@ -475,7 +479,7 @@ void Agent::print_peak_memory() const {
 void Agent::publish_interrupted(int g, int sig) {
   try {
     const json f = {{"interrupted", true},
-                    {"node", o_.node_rank},
+                    {"node", node_rank_},
                     {"signal", signal_name(sig)},
                     {"time", utc_now()}};
     store_->compare_set(gen_key(g, "failure"), "", dump(f));
@@ -494,7 +498,7 @@ GenResult Agent::run_generation(int g) {
     const std::string why = le ? le->message() : std::string(e.what());
     say("cannot start the workers: " + why);
     result.outcome = Outcome::kFailed;
-    result.failure = {{"node", o_.node_rank},
+    result.failure = {{"node", node_rank_},
                       {"host", hostname()},
                       {"rank", -1},
                       {"local_rank", -1},
@@ -525,8 +529,13 @@ GenResult Agent::run_generation(int g) {
           std::chrono::duration_cast<std::chrono::milliseconds>(next_check - Clock::now());
       pump_output(std::max(std::chrono::milliseconds(0), wait));
       if (const int sig = take_signal()) {
-        // Tell the other nodes first, so that they stop too (and do not restart).
-        publish_interrupted(g, sig);
+        // Tell the other nodes first, so that they stop too (and do not restart); in an elastic
+        // job a node other than node 0 leaves, and the others go on without it.
+        if (o_.elastic && o_.node_rank != 0) {
+          publish_leaving(g, sig);
+        } else {
+          publish_interrupted(g, sig);
+        }
         say("received " + signal_name(sig) + "; stopping the workers");
         stop_workers(sig);
         result.outcome = Outcome::kInterrupted;
@@ -564,15 +573,20 @@ GenResult Agent::run_generation(int g) {
       if (Clock::now() < next_check) continue;
       next_check = Clock::now() +
                    std::chrono::milliseconds(static_cast<int64_t>(o_.monitor_interval_s * 1000));
+      if (o_.elastic && o_.node_rank == 0 && !published) admit_while_running(g);
       if (store_->check({gen_key(g, "failure")})) {
         result.outcome = Outcome::kFailed;
         result.failure = json::parse(store_->get_string(gen_key(g, "failure")));
+        if (result.failure.value("membership", false)) {  // a node joins: nothing to judge
+          stop_workers(SIGTERM);
+          return result;
+        }
         publish_final_views(g);  // before stopping: a stopped rank must still read as stopped
         stop_workers(SIGTERM);
         judge_failure(g);
         return result;
       }
-      if (success_counted && store_->add(gen_key(g, "succeeded"), 0) >= o_.nnodes) {
+      if (success_counted && store_->add(gen_key(g, "succeeded"), 0) >= nnodes_) {
         result.outcome = Outcome::kSucceeded;
         return result;
       }
@@ -591,7 +605,7 @@ void Agent::exit_sync(std::chrono::milliseconds timeout) {
     store_->add(key("exit"), 1);
     if (o_.node_rank == 0) {
       int sig = 0;
-      wait_for_count(key("exit"), o_.nnodes, timeout, &sig);
+      wait_for_count(key("exit"), nnodes_, timeout, &sig);
     }
   } catch (const Error&) {
     // Node 0 is gone after the outcome was known; nothing is lost.
@@ -611,6 +625,7 @@ int Agent::run() {
   LS_CHECK(made != nullptr, "cannot create a temporary directory: ", errno_text(errno));
   tmp_dir_ = made;
 
+  if (o_.elastic) return run_elastic();
   try {
     connect_store();
     rendezvous();
@@ -626,6 +641,21 @@ int Agent::run() {
     say("rendezvous failed: " + e.message());
     return kExitJobFailed;
   }
+  return run_static();
+}
+
+std::string Agent::host_of(int n) {
+  if (o_.elastic) {
+    return n >= 0 && n < static_cast<int>(members_.size()) ? members_[n].host : "?";
+  }
+  try {
+    return try_get(key("node" + std::to_string(n) + "/host")).value_or("?");
+  } catch (const Error&) {
+    return "?";
+  }
+}
+
+int Agent::run_static() {
   // Everyone joined: from now on a store request that gets no reply for --node-timeout means
   // node 0 (or the network) is gone, the bound within which node 0 notices a lost node too
   // (Note [Stall watch]); the workers are stopped rather than left waiting.
@@ -671,7 +701,7 @@ int Agent::run() {
         int sig = 0;
         const auto timeout =
             std::chrono::milliseconds(static_cast<int64_t>(o_.rdzv_timeout_s * 1000));
-        if (!wait_for_count(gen_key(g, "stopped"), o_.nnodes, timeout, &sig)) {
+        if (!wait_for_count(gen_key(g, "stopped"), nnodes_, timeout, &sig)) {
           if (sig != 0) {
             // The others go on to generation g+1: meet them there with the stop.
             publish_interrupted(g + 1, sig);

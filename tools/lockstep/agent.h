@@ -24,7 +24,12 @@ struct StoreBind {
 
 struct RunOptions {
   int nproc_per_node = 1;
+  // --nnodes N, or MIN:MAX (elastic: Note [Elastic membership] in agent.cpp). nnodes is N or MAX.
   int nnodes = 1;
+  int min_nodes = 1;
+  bool elastic = false;
+  // Elastic: once MIN nodes have joined, how long a rendezvous waits for more (up to MAX).
+  double rdzv_last_call_s = 30;
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;  // 0: any free port (one machine)

@@ -13,6 +13,7 @@
 #include <memory>
 #include <optional>
 #include <random>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -129,6 +130,18 @@ inline char process_state(pid_t pid) {
   return paren != std::string::npos && paren + 2 < line.size() ? line[paren + 2] : 0;
 }
 
+// A node of an elastic job (Note [Elastic membership] in agent_elastic.cpp).
+struct Member {
+  int id = 0;  // its --node-rank
+  std::string host;
+  int64_t ticket = 0;  // its join request; 0: node 0, which hosts the store and asks no one
+
+  json to_json() const { return {{"id", id}, {"host", host}, {"ticket", ticket}}; }
+  static Member from_json(const json& j) {
+    return {j.at("id").get<int>(), j.at("host").get<std::string>(), j.at("ticket").get<int64_t>()};
+  }
+};
+
 struct GenResult {
   Outcome outcome = Outcome::kFailed;
   json failure;     // kFailed: the first failure of the generation
@@ -138,7 +151,8 @@ struct GenResult {
 
 class Agent {
  public:
-  Agent(const RunOptions& o, Terminal& terminal) : o_(o), terminal_(terminal) {}
+  Agent(const RunOptions& o, Terminal& terminal)
+      : o_(o), terminal_(terminal), nnodes_(o.nnodes), node_rank_(o.node_rank) {}
   ~Agent() {
     workers_.clear();
     if (!tmp_dir_.empty()) {
@@ -154,7 +168,10 @@ class Agent {
   std::string gen_key(int g, const std::string& k) const {
     return key("gen" + std::to_string(g) + "/" + k);
   }
-  int world_size() const { return o_.nnodes * o_.nproc_per_node; }
+  // Of the current generation: with --nnodes MIN:MAX they change when nodes leave or join.
+  int world_size() const { return nnodes_ * o_.nproc_per_node; }
+  // The host of the generation's node n, for messages ("?" when unknown).
+  std::string host_of(int n);
   void say(const std::string& msg) const { terminal_.say(msg); }
 
   void setup_signals();
@@ -183,6 +200,28 @@ class Agent {
   bool wait_for_count(const std::string& k, int64_t want, std::chrono::milliseconds timeout,
                       int* interrupted);
   void exit_sync(std::chrono::milliseconds timeout);
+  int run_static();
+
+  // Note [Elastic membership] (agent_elastic.cpp)
+  int run_elastic();
+  // A node other than node 0: asks node 0 to join; returns the generation it joins.
+  int join_job();
+  // Node 0: join requests not yet answered, those that may join (others refused at once).
+  std::vector<Member> take_join_requests();
+  void answer_join(const Member& m, const json& reply);
+  void refuse_waiting_joins(const std::string& why);
+  // Node 0, while generation g runs: a node that asks to join (and fits) stops the generation.
+  void admit_while_running(int g);
+  // Node 0: waits for MIN nodes and the last call (joins answered meanwhile), then publishes
+  // gen<g>/members; false when it published an abort instead (why in *why).
+  bool form_generation(int g, std::vector<Member> members, std::string* why);
+  // Node 0, after generation g failed: the nodes still here and whether the restart counts.
+  bool next_generation(int g, const json& failure, std::string* why);
+  // Every node: reads gen<g>/members (waiting for it), sets members_, nnodes_, node_rank_; an
+  // AgentError when the job was aborted or this node was left out.
+  void adopt_members(int g);
+  void publish_leaving(int g, int sig);
+  std::string event_text(const json& failure) const;
 
   // Note [Stall watch]
   std::optional<std::string> try_get(const std::string& k);
@@ -203,6 +242,16 @@ class Agent {
 
   RunOptions o_;
   Terminal& terminal_;
+  // The current generation's node count and this node's place in it (its ranks are
+  // node_rank_ * nproc_per_node + local rank): the options' unless elastic.
+  int nnodes_;
+  int node_rank_;
+  // Note [Elastic membership]
+  std::vector<Member> members_;  // the current generation's, by id
+  std::vector<Member> pending_;  // node 0: admitted to the next generation
+  int64_t next_ticket_ = 1;      // node 0: the first join request not yet read
+  std::set<int64_t> admitted_;   // node 0: join requests answered with a generation
+  int restarts_used_ = 0;        // node 0: failures restarted (membership changes do not count)
   Fd sigfd_;
   int pending_signal_ = 0;
   std::string tmp_dir_;

@@ -47,7 +47,7 @@ void Agent::observe_processes() {
 RankView Agent::view_of(const Worker& w) const {
   RankView v;
   v.rank = w.rank;
-  v.node = o_.node_rank;
+  v.node = node_rank_;
   v.host = hostname();
   if (const auto& st = w.proc->exit_status()) {
     v.process = "exited";
@@ -92,8 +92,8 @@ std::vector<RankView> Agent::all_views(int g, const std::string& kind, const jso
       if (v.rank >= 0 && v.rank < world_size()) out[v.rank] = std::move(v);
     }
   };
-  for (int n = 0; n < o_.nnodes; ++n) {
-    if (n == o_.node_rank) {
+  for (int n = 0; n < nnodes_; ++n) {
+    if (n == node_rank_) {
       take(mine);
       continue;
     }
@@ -109,12 +109,12 @@ std::vector<RankView> Agent::all_views(int g, const std::string& kind, const jso
 
 std::optional<json> Agent::watch(int g) {
   const json mine = local_views();
-  store_->set(gen_key(g, "view/node" + std::to_string(o_.node_rank)),
+  store_->set(gen_key(g, "view/node" + std::to_string(node_rank_)),
               dump({{"beat", ++beat_}, {"views", mine}}));
   const auto now = Clock::now();
   // Another node's view that has not changed for --node-timeout: its agent is gone.
-  for (int n = 0; n < o_.nnodes; ++n) {
-    if (n == o_.node_rank) continue;
+  for (int n = 0; n < nnodes_; ++n) {
+    if (n == node_rank_) continue;
     const std::string text =
         try_get(gen_key(g, "view/node" + std::to_string(n))).value_or(std::string());
     auto it = heard_.find(n);
@@ -124,21 +124,17 @@ std::optional<json> Agent::watch(int g) {
     }
     const double silent = std::chrono::duration<double>(now - it->second.second).count();
     if (silent < o_.node_timeout_s) continue;
-    std::string host = "?";
-    try {
-      host = try_get(key("node" + std::to_string(n) + "/host")).value_or("?");
-    } catch (const Error&) {
-    }
+    const std::string host = host_of(n);
     std::ostringstream why;
     why.precision(0);
     why << std::fixed << "lost: its launcher has not been heard from for " << silent
         << " s (--node-timeout " << o_.node_timeout_s << " s); its machine, its launcher or the "
-        << "network between it and node " << o_.node_rank << " failed";
+        << "network between it and node " << node_rank_ << " failed";
     return json{
         {"rank", -1},          {"node", n},         {"host", host},           {"lost", true},
-        {"status", why.str()}, {"time", utc_now()}, {"seen_by", o_.node_rank}};
+        {"status", why.str()}, {"time", utc_now()}, {"seen_by", node_rank_}};
   }
-  if (o_.node_rank != 0 || o_.stall_timeout_s <= 0) return std::nullopt;
+  if (node_rank_ != 0 || o_.stall_timeout_s <= 0) return std::nullopt;
   const auto views = all_views(g, "view", mine);
   const int64_t now_ns = dist::trace_now_ns();
   const Verdict v = judge(views, now_ns);
@@ -167,7 +163,7 @@ void Agent::report_now(int g) {
   report_requested_ = false;
   const json mine = local_views();
   try {
-    store_->set(gen_key(g, "view/node" + std::to_string(o_.node_rank)),
+    store_->set(gen_key(g, "view/node" + std::to_string(node_rank_)),
                 dump({{"beat", ++beat_}, {"views", mine}}));
   } catch (const Error&) {
   }
@@ -184,7 +180,7 @@ void Agent::publish_final_views(int g) {
   observe_processes();
   final_views_ = local_views();
   try {
-    store_->set(gen_key(g, "final/node" + std::to_string(o_.node_rank)),
+    store_->set(gen_key(g, "final/node" + std::to_string(node_rank_)),
                 dump({{"views", final_views_}}));
   } catch (const Error&) {
   }
@@ -194,7 +190,7 @@ void Agent::judge_failure(int g) {
   verdict_lines_.clear();
   try {
     std::vector<std::string> keys;
-    for (int n = 0; n < o_.nnodes; ++n)
+    for (int n = 0; n < nnodes_; ++n)
       keys.push_back(gen_key(g, "final/node" + std::to_string(n)));
     const auto deadline = Clock::now() + kFinalViewWait;
     while (!store_->check(keys) && Clock::now() < deadline) {

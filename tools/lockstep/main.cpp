@@ -87,8 +87,14 @@ int main(int argc, char** argv) {
          "workers on this machine: 1 to " + std::to_string(kMaxNprocPerNode) +
              ", gpu (one per GPU), cpu (one per CPU) or auto (one per GPU, else one per CPU)")
       ->capture_default_str();
-  option("--nnodes", raw.nnodes, "machines in the job")->capture_default_str();
-  option("--node-rank", raw.node_rank, "this machine's rank in [0, nnodes)")->capture_default_str();
+  option("--nnodes", raw.nnodes,
+         "machines in the job: N, or MIN:MAX (elastic: the job runs on whichever machines have "
+         "joined, from MIN to MAX, and restarts with a new world when one leaves or joins)")
+      ->capture_default_str();
+  option("--node-rank", raw.node_rank,
+         "this machine's rank in [0, nnodes) (elastic: its name, distinct per machine; 0 hosts the "
+         "store, the others get their place in each new world by this order)")
+      ->capture_default_str();
   option("--master-addr", raw.master_addr, "address of node 0 (hosts the store)")
       ->capture_default_str();
   option("--master-port", raw.master_port,
@@ -110,6 +116,9 @@ int main(int argc, char** argv) {
   option("--run-id", raw.run_id, "the job's id (the same on every machine)");
   option("--rdzv-timeout", raw.rdzv_timeout,
          "seconds to wait for every machine to join (and to restart)")
+      ->capture_default_str();
+  option("--rdzv-last-call", raw.rdzv_last_call,
+         "elastic: seconds a rendezvous waits for more machines once MIN have joined (up to MAX)")
       ->capture_default_str();
   option("--timeout", raw.timeout,
          "seconds a collective waits for the other ranks before it fails (the workers' "

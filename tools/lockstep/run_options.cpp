@@ -324,13 +324,33 @@ RunOptions check_run_options(const RawRunOptions& raw, const std::vector<std::st
     o.nproc_per_node = static_cast<int>(parse_int(raw.nproc, src("--nproc-per-node"), 1,
                                                   kMaxNprocPerNode, ", or gpu, cpu or auto"));
   }
-  o.nnodes = static_cast<int>(parse_int(raw.nnodes, src("--nnodes"), 1, kMaxNnodes));
-  o.node_rank = static_cast<int>(parse_int(raw.node_rank, src("--node-rank"), 0, o.nnodes - 1,
-                                           " (below --nnodes " + std::to_string(o.nnodes) + ")"));
+  // --nnodes N, or MIN:MAX for elastic membership (Note [Elastic membership] in agent.cpp).
+  if (const size_t colon = raw.nnodes.find(':'); colon != std::string::npos) {
+    const std::string what = src("--nnodes") + " " + raw.nnodes;
+    o.min_nodes = static_cast<int>(
+        parse_int(raw.nnodes.substr(0, colon), what + ": MIN", 1, kMaxNnodes, " (as in 1:4)"));
+    o.nnodes = static_cast<int>(parse_int(raw.nnodes.substr(colon + 1), what + ": MAX", o.min_nodes,
+                                          kMaxNnodes, " (at least MIN)"));
+    o.elastic = true;
+  } else {
+    o.nnodes = static_cast<int>(
+        parse_int(raw.nnodes, src("--nnodes"), 1, kMaxNnodes, ", or MIN:MAX (elastic)"));
+    o.min_nodes = o.nnodes;
+  }
+  const std::string nnodes_text = o.elastic ? raw.nnodes : std::to_string(o.nnodes);
+  // Elastic: a node's name, distinct per machine (node 0 hosts the store); its place in each
+  // generation is its order among the members.
+  o.node_rank = static_cast<int>(
+      o.elastic ? parse_int(raw.node_rank, src("--node-rank"), 0, kMaxNnodes - 1,
+                            " (elastic: a name per machine; 0 hosts the store)")
+                : parse_int(raw.node_rank, src("--node-rank"), 0, o.nnodes - 1,
+                            " (below --nnodes " + nnodes_text + ")"));
   if (raw.standalone && o.nnodes != 1) {
     throw UsageError("--standalone runs on one machine; it cannot be combined with --nnodes " +
-                     std::to_string(o.nnodes));
+                     nnodes_text);
   }
+  o.rdzv_last_call_s = parse_seconds(raw.rdzv_last_call, src("--rdzv-last-call"), 0,
+                                     kMaxRdzvTimeout);
   o.master_port = static_cast<int>(parse_int(raw.master_port, src("--master-port"), 0, 65535,
                                              " (0: any free port, on one machine)"));
   if (o.nnodes > 1 && o.master_port == 0) {

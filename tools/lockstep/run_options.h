@@ -46,6 +46,7 @@ struct RawRunOptions {
   std::string local_ranks_filter;
   std::string run_id;
   std::string rdzv_timeout = "900";
+  std::string rdzv_last_call = "30";
   std::string timeout;  // empty: the workers' own (InitOptions::timeout, else 30 minutes)
   std::string stall_timeout = "60";
   std::string node_timeout = "30";

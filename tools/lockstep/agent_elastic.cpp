@@ -1,0 +1,479 @@
+// The node agent with elastic membership (`lockstep run --nnodes MIN:MAX`): who is in each
+// generation, join requests, nodes that leave or are lost, and when a restart counts.
+#include <signal.h>
+
+#include <algorithm>
+#include <chrono>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "agent_impl.h"
+#include "lockstep/base/error.h"
+
+namespace lockstep::launch::agent_detail {
+
+// Note [Elastic membership]
+// With --nnodes MIN:MAX the job runs on whichever machines have joined, from MIN to MAX, and
+// each change of membership starts a new generation (new ranks and world size, the workers'
+// LOCKSTEP_RESTART_COUNT one higher), as torchrun's elastic agents do. Node 0 (--node-rank 0)
+// hosts the store and decides every generation's membership; it must stay for the whole job,
+// and when it goes the other nodes lose the store, stop their workers and exit 1. The other
+// nodes give distinct --node-rank values above 0: a node's name, and the order of nodes in each
+// generation (so rank 0 always runs on node 0, and ranks follow --node-rank order).
+//
+// Keys, under lockstep/<run-id>/agent/ (beside Note [Agent protocol]'s gen<g>/... keys):
+//   join/next              counter: a node that wants in takes ticket t = add(join/next, 1)
+//   join/<t>               its request: {id, host, nproc}
+//   join/<t>/reply         node 0's answer: {"admitted": g} or {"refused": why}
+//   gen<g>/members         {"nodes": [{id, host, ticket}, ...]} (by id), or {"abort": why}
+//   gen<g>/stopped/<id>    after generation g failed: this node has stopped its workers
+//
+// A rendezvous (node 0, form_generation): the members it already has, plus join requests as
+// they come (each checked: --nproc-per-node must match, the --node-rank must be free, and a
+// request past MAX is refused with the reason); once MIN are in, a last call of
+// --rdzv-last-call seconds for more, cut short at MAX; past --rdzv-timeout without MIN, the job
+// fails. While a generation runs, node 0 reads join requests at every monitor interval: one
+// that fits stops the generation (a `membership` failure record) and the next rendezvous
+// admits it; one past MAX is refused at once.
+//
+// When a generation fails, every node stops its workers and says so (gen<g>/stopped/<id>).
+// Node 0 keeps the nodes that said so within --node-timeout; a node found lost (Note [Stall
+// watch]) or that left (a SIGINT/SIGTERM to a node other than node 0: it stops its workers and
+// exits, the others go on) is not waited for. A generation that lost a node is a membership
+// change, as is one stopped for a joining node: neither counts against --max-restarts. A
+// failure after which every node is back counts (torchrun's rule: restarts bound failures).
+// Fewer than MIN nodes left: the rendezvous waits for joins up to --rdzv-timeout, then fails.
+// A signal to node 0 stops the whole job, as without elasticity.
+
+namespace {
+
+std::string nodes_text(const std::vector<Member>& ms) {
+  std::string s;
+  for (const auto& m : ms) {
+    s += (s.empty() ? "" : ", ") + std::to_string(m.id) + " (host " + m.host + ")";
+  }
+  return s;
+}
+
+std::string seconds_text(double s) {
+  std::ostringstream o;
+  o << s;
+  return o.str();
+}
+
+}  // namespace
+
+void Agent::answer_join(const Member& m, const json& reply) {
+  store_->set(key("join/" + std::to_string(m.ticket) + "/reply"), dump(reply));
+}
+
+std::vector<Member> Agent::take_join_requests() {
+  std::vector<Member> out;
+  const int64_t issued = store_->add(key("join/next"), 0);
+  while (next_ticket_ <= issued) {
+    const std::string k = key("join/" + std::to_string(next_ticket_));
+    if (!store_->check({k})) break;  // its ticket is taken, its request not yet written
+    Member m;
+    m.ticket = next_ticket_++;
+    int nproc = -1;
+    try {
+      const json j = json::parse(store_->get_string(k));
+      m.id = j.at("id").get<int>();
+      m.host = j.at("host").get<std::string>();
+      nproc = j.at("nproc").get<int>();
+    } catch (const json::exception& e) {
+      answer_join(m, {{"refused", std::string("malformed join request: ") + e.what()}});
+      continue;
+    }
+    if (nproc != o_.nproc_per_node) {
+      answer_join(m, {{"refused", "nodes disagree on --nproc-per-node: " +
+                                      std::to_string(o_.nproc_per_node) + " on node 0, " +
+                                      std::to_string(nproc) + " on the node that asks to join"}});
+      continue;
+    }
+    auto taken = [&](const std::vector<Member>& v) {
+      return std::find_if(v.begin(), v.end(), [&](const Member& o) { return o.id == m.id; });
+    };
+    const Member* holder = nullptr;
+    if (auto it = taken(members_); it != members_.end()) holder = &*it;
+    if (auto it = taken(pending_); it != pending_.end()) holder = &*it;
+    if (auto it = taken(out); it != out.end()) holder = &*it;
+    if (holder != nullptr) {
+      answer_join(m, {{"refused", "another agent already joined as --node-rank " +
+                                      std::to_string(m.id) + " (host " + holder->host +
+                                      "); every machine needs its own --node-rank (0 is "
+                                      "node 0's, which hosts the store)"}});
+      continue;
+    }
+    out.push_back(m);
+  }
+  return out;
+}
+
+void Agent::refuse_waiting_joins(const std::string& why) {
+  try {
+    for (const auto& m : take_join_requests()) answer_join(m, {{"refused", why}});
+    for (const auto& m : pending_) answer_join(m, {{"refused", why}});
+    pending_.clear();
+  } catch (const Error&) {
+  }
+}
+
+namespace {
+
+std::string full_text(const Member& m, int nnodes, int min_nodes) {
+  return "the job already has " + std::to_string(nnodes) + " nodes, the most --nnodes " +
+         std::to_string(min_nodes) + ":" + std::to_string(nnodes) +
+         " allows; node --node-rank " + std::to_string(m.id) + " (host " + m.host +
+         ") was not admitted";
+}
+
+}  // namespace
+
+void Agent::admit_while_running(int g) {
+  for (const auto& m : take_join_requests()) {
+    if (members_.size() + pending_.size() >= static_cast<size_t>(o_.nnodes)) {
+      say("refused node --node-rank " + std::to_string(m.id) + " (host " + m.host +
+          "): the job already has its most nodes (" + std::to_string(o_.nnodes) + ")");
+      answer_join(m, {{"refused", full_text(m, o_.nnodes, o_.min_nodes)}});
+      continue;
+    }
+    pending_.push_back(m);
+    const std::string why = "node --node-rank " + std::to_string(m.id) + " (host " + m.host +
+                            ") asks to join";
+    store_->compare_set(gen_key(g, "failure"), "",
+                        dump({{"membership", true},
+                              {"node", -1},
+                              {"rank", -1},
+                              {"joining", m.id},
+                              {"host", m.host},
+                              {"status", why},
+                              {"time", utc_now()}}));
+  }
+}
+
+bool Agent::form_generation(int g, std::vector<Member> members, std::string* why) {
+  const auto deadline =
+      Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o_.rdzv_timeout_s * 1000));
+  std::optional<Clock::time_point> last_call;
+  for (;;) {
+    for (const auto& m : take_join_requests()) {
+      if (members.size() >= static_cast<size_t>(o_.nnodes)) {
+        answer_join(m, {{"refused", full_text(m, o_.nnodes, o_.min_nodes)}});
+      } else {
+        members.push_back(m);
+      }
+    }
+    const auto now = Clock::now();
+    if (members.size() >= static_cast<size_t>(o_.nnodes)) break;
+    if (members.size() >= static_cast<size_t>(o_.min_nodes)) {
+      if (!last_call) {
+        last_call = now + std::chrono::milliseconds(static_cast<int64_t>(o_.rdzv_last_call_s * 1000));
+        if (o_.rdzv_last_call_s > 0) {
+          say(std::to_string(members.size()) + " of --nnodes " + std::to_string(o_.min_nodes) +
+              ":" + std::to_string(o_.nnodes) + " nodes are in; waiting " +
+              seconds_text(o_.rdzv_last_call_s) + " s for more (--rdzv-last-call)");
+        }
+      }
+      if (now >= *last_call) break;
+    }
+    if (now >= deadline) {
+      *why = "rendezvous timed out after " + seconds_text(o_.rdzv_timeout_s) + " s: " +
+             std::to_string(members.size()) + " node(s) in (" + nodes_text(members) +
+             "), --nnodes " + std::to_string(o_.min_nodes) + ":" + std::to_string(o_.nnodes) +
+             " needs at least " + std::to_string(o_.min_nodes);
+      store_->set(gen_key(g, "members"), dump({{"abort", *why}}));
+      for (const auto& m : members) {
+        if (m.ticket > 0) answer_join(m, {{"admitted", g}});  // they read the abort there
+      }
+      return false;
+    }
+    if (const int sig = take_signal()) {
+      store_->set(gen_key(g, "members"),
+                  dump({{"abort", "the launcher on node 0 received " + signal_name(sig)}}));
+      for (const auto& m : members) {
+        if (m.ticket > 0) answer_join(m, {{"admitted", g}});
+      }
+      throw Interrupted(sig);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  std::sort(members.begin(), members.end(),
+            [](const Member& a, const Member& b) { return a.id < b.id; });
+  json nodes = json::array();
+  for (const auto& m : members) nodes.push_back(m.to_json());
+  store_->set(gen_key(g, "members"), dump({{"nodes", nodes}, {"restarts_used", restarts_used_}}));
+  for (const auto& m : members) {
+    if (m.ticket > 0 && admitted_.insert(m.ticket).second) answer_join(m, {{"admitted", g}});
+  }
+  pending_.clear();
+  return true;
+}
+
+void Agent::adopt_members(int g) {
+  const std::string k = gen_key(g, "members");
+  const auto deadline =
+      Clock::now() +
+      std::chrono::milliseconds(static_cast<int64_t>((o_.rdzv_timeout_s + o_.node_timeout_s) * 1000));
+  while (!store_->check({k})) {
+    if (const int sig = take_signal()) throw Interrupted(sig);
+    if (Clock::now() >= deadline) {
+      throw AgentError("node 0 did not start generation " + std::to_string(g) + " within " +
+                       seconds_text(o_.rdzv_timeout_s + o_.node_timeout_s) +
+                       " s (--rdzv-timeout + --node-timeout)");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  const json j = json::parse(store_->get_string(k));
+  if (j.contains("abort")) throw AgentError("the job failed: " + j["abort"].get<std::string>());
+  std::vector<Member> ms;
+  for (const auto& n : j.at("nodes")) ms.push_back(Member::from_json(n));
+  const auto me = std::find_if(ms.begin(), ms.end(),
+                               [&](const Member& m) { return m.id == o_.node_rank; });
+  if (me == ms.end()) {
+    throw AgentError("node 0 left this node (--node-rank " + std::to_string(o_.node_rank) +
+                     ") out of generation " + std::to_string(g) + " (" + nodes_text(ms) +
+                     "): it did not hear from it within --node-timeout after the failure");
+  }
+  restarts_used_ = j.value("restarts_used", restarts_used_);
+  members_ = std::move(ms);
+  nnodes_ = static_cast<int>(members_.size());
+  node_rank_ = static_cast<int>(me - members_.begin());
+  if (o_.node_rank == 0) {
+    say("generation " + std::to_string(g) + ": " + std::to_string(nnodes_) + " node(s) by " +
+        "--node-rank: " + nodes_text(members_) + "; world size " + std::to_string(world_size()));
+  } else {
+    say("generation " + std::to_string(g) + ": this machine is node " + std::to_string(node_rank_) +
+        " of " + std::to_string(nnodes_) + " (ranks " +
+        std::to_string(node_rank_ * o_.nproc_per_node) + " to " +
+        std::to_string((node_rank_ + 1) * o_.nproc_per_node - 1) + "); world size " +
+        std::to_string(world_size()));
+  }
+}
+
+int Agent::join_job() {
+  const int64_t t = store_->add(key("join/next"), 1);
+  store_->set(key("join/" + std::to_string(t)),
+              dump({{"id", o_.node_rank}, {"host", hostname()}, {"nproc", o_.nproc_per_node}}));
+  const std::string k = key("join/" + std::to_string(t) + "/reply");
+  const auto deadline =
+      Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o_.rdzv_timeout_s * 1000));
+  while (!store_->check({k})) {
+    if (const int sig = take_signal()) throw Interrupted(sig);
+    if (Clock::now() >= deadline) {
+      throw AgentError("node 0 did not admit this node within --rdzv-timeout " +
+                       seconds_text(o_.rdzv_timeout_s) + " s");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  const json reply = json::parse(store_->get_string(k));
+  if (reply.contains("refused")) {
+    throw AgentError("node 0 refused this node: " + reply["refused"].get<std::string>());
+  }
+  return reply.at("admitted").get<int>();
+}
+
+void Agent::publish_leaving(int g, int sig) {
+  try {
+    store_->compare_set(
+        gen_key(g, "failure"), "",
+        dump({{"left", true},
+              {"node", node_rank_},
+              {"rank", -1},
+              {"id", o_.node_rank},
+              {"host", hostname()},
+              {"signal", signal_name(sig)},
+              {"status", "left the job (its launcher received " + signal_name(sig) + ")"},
+              {"time", utc_now()}}));
+  } catch (const Error&) {
+  }
+}
+
+bool Agent::next_generation(int g, const json& failure, std::string* why) {
+  // Who is gone already: a node found lost, or one that left.
+  std::set<int> gone;
+  const int failed_node = failure.value("node", -1);
+  if ((failure.value("lost", false) || failure.value("left", false)) && failed_node >= 0 &&
+      failed_node < nnodes_) {
+    gone.insert(members_[failed_node].id);
+  }
+  // The others say they stopped their workers; one that does not within --node-timeout is lost.
+  const auto deadline =
+      Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o_.node_timeout_s * 1000));
+  std::vector<Member> here;
+  for (;;) {
+    here.clear();
+    bool waiting = false;
+    for (const auto& m : members_) {
+      if (gone.count(m.id)) continue;
+      if (store_->check({gen_key(g, "stopped/" + std::to_string(m.id))})) {
+        here.push_back(m);
+      } else {
+        waiting = true;
+      }
+    }
+    if (!waiting) break;
+    if (const int sig = take_signal()) {
+      store_->set(gen_key(g + 1, "members"),
+                  dump({{"abort", "the launcher on node 0 received " + signal_name(sig)}}));
+      throw Interrupted(sig);
+    }
+    if (Clock::now() >= deadline) {
+      for (const auto& m : members_) {
+        if (gone.count(m.id) || std::any_of(here.begin(), here.end(),
+                                            [&](const Member& h) { return h.id == m.id; })) {
+          continue;
+        }
+        say("node --node-rank " + std::to_string(m.id) + " (host " + m.host +
+            ") did not say it stopped its workers within --node-timeout " +
+            seconds_text(o_.node_timeout_s) + " s; it is left out");
+      }
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  const bool membership = failure.value("membership", false) || here.size() < members_.size();
+  if (!membership) {
+    if (restarts_used_ >= o_.max_restarts) {
+      *why = "no restarts left (--max-restarts " + std::to_string(o_.max_restarts) + ")";
+      store_->set(gen_key(g + 1, "members"),
+                  dump({{"abort", "the job failed: " + failure.value("status", std::string("?")) +
+                                      "; " + *why}}));
+      return false;
+    }
+    ++restarts_used_;
+    say("restarting the workers of every node (restart " + std::to_string(restarts_used_) +
+        " of " + std::to_string(o_.max_restarts) + ")");
+  } else if (here.size() < members_.size()) {
+    say(std::to_string(members_.size() - here.size()) + " node(s) gone; " +
+        std::to_string(here.size()) +
+        " remain (a membership change, not counted as a restart)");
+  }
+  // From here a replacement for a gone node may take its --node-rank.
+  members_ = here;
+  std::vector<Member> next = here;
+  next.insert(next.end(), pending_.begin(), pending_.end());
+  return form_generation(g + 1, next, why);
+}
+
+// One line for every node: why generation g ended.
+std::string Agent::event_text(const json& f) const {
+  const std::string node = "node " + std::to_string(f.value("node", -1)) + " (host " +
+                           f.value("host", std::string("?")) + ")";
+  if (f.value("membership", false)) {
+    return f.value("status", std::string("a node asks to join")) +
+           "; the workers stop for a generation with it (a membership change, not counted as a "
+           "restart)";
+  }
+  if (f.value("left", false) || f.value("lost", false)) {
+    return node + " " + f.value("status", std::string("is gone"));
+  }
+  if (f.value("rank", -1) < 0) {
+    return node + " could not start its workers: " + f.value("status", std::string("?"));
+  }
+  return "rank " + std::to_string(f.value("rank", -1)) + " on " + node + " ended with " +
+         f.value("status", std::string("?"));
+}
+
+int Agent::run_elastic() {
+  const auto normal_exit_wait = std::max<std::chrono::milliseconds>(
+      kExitSyncTimeout,
+      std::chrono::milliseconds(static_cast<int64_t>(o_.monitor_interval_s * 3000)) +
+          std::chrono::seconds(5));
+  const bool host = o_.node_rank == 0;
+  int g = 0;
+  try {
+    connect_store();
+    if (host) {
+      std::string why;
+      if (!form_generation(0, {Member{0, hostname(), 0}}, &why)) {
+        say(why);
+        return kExitJobFailed;
+      }
+    } else {
+      g = join_job();
+    }
+    adopt_members(g);
+  } catch (const Interrupted& e) {
+    say(std::string(e.what()) + " before the workers started");
+    return 128 + e.signal;
+  } catch (const AgentError& e) {
+    say(e.what());
+    return kExitJobFailed;
+  } catch (const UsageError&) {
+    throw;
+  } catch (const Error& e) {
+    say("rendezvous failed: " + e.message());
+    return kExitJobFailed;
+  }
+  // As in run_static: a store request unanswered for --node-timeout means node 0 is gone.
+  store_->set_timeout(std::chrono::milliseconds(static_cast<int64_t>(o_.node_timeout_s * 1000)));
+  for (;;) {
+    GenResult r = run_generation(g);
+    switch (r.outcome) {
+      case Outcome::kSucceeded:
+        if (host) refuse_waiting_joins("the job has finished");
+        exit_sync(normal_exit_wait);
+        return kExitOk;
+      case Outcome::kInterrupted:
+        if (host) refuse_waiting_joins("the job was stopped");
+        if (host) exit_sync(kExitSyncAfterSignal);  // a node that leaves just goes
+        return 128 + r.signal;
+      case Outcome::kStoreLost:
+        say("lost node 0's store at " + o_.master_addr + ":" + std::to_string(store_port_) +
+            " (its launcher exited or the network failed; node 0 must stay for the whole job): " +
+            r.why + "; workers stopped");
+        return kExitJobFailed;
+      case Outcome::kFailed:
+        break;
+    }
+    if (const int sig = take_signal()) {  // a Ctrl-C while the failed group was being stopped
+      if (host) {
+        publish_interrupted(g + 1, sig);
+        store_->set(gen_key(g + 1, "members"),
+                    dump({{"abort", "the launcher on node 0 received " + signal_name(sig)}}));
+        refuse_waiting_joins("the job was stopped");
+      }
+      say("received " + signal_name(sig) + "; not restarting");
+      if (host) exit_sync(kExitSyncAfterSignal);
+      return 128 + sig;
+    }
+    if (r.failure.value("interrupted", false)) {  // node 0 was told to stop the job
+      print_summary(r.failure, restarts_used_);
+      if (host) refuse_waiting_joins("the job was stopped");
+      exit_sync(kExitSyncAfterSignal);
+      return kExitJobFailed;
+    }
+    say(event_text(r.failure));
+    try {
+      store_->set(gen_key(g, "stopped/" + std::to_string(o_.node_rank)), "1");
+      if (host) {
+        std::string why;
+        if (!next_generation(g, r.failure, &why)) {
+          print_summary(r.failure, restarts_used_);
+          print_peak_memory();
+          say("not restarting: " + why);
+          refuse_waiting_joins("the job failed");
+          exit_sync(normal_exit_wait);
+          return kExitJobFailed;
+        }
+      }
+      ++g;
+      adopt_members(g);
+    } catch (const Interrupted& e) {
+      say(std::string(e.what()) + " while restarting; not restarting");
+      if (host) refuse_waiting_joins("the job was stopped");
+      return 128 + e.signal;
+    } catch (const AgentError& e) {
+      print_summary(r.failure, restarts_used_);
+      say(e.what());
+      return kExitJobFailed;
+    } catch (const Error& e) {
+      say("lost node 0's store while restarting: " + e.message());
+      return kExitJobFailed;
+    }
+  }
+}
+
+}  // namespace lockstep::launch::agent_detail
