@@ -11,6 +11,7 @@
 // DataParallel, DDP or neither, the optimizer, its schedule, the loss scaler, a resumed position),
 // then each epoch is train_epoch() (train_step after train_step, each followed by its metrics, a
 // checkpoint when one is due and the log line), the mean loss, evaluate(), and one line.
+#include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -31,6 +32,7 @@
 
 #include "fashion_mnist_models.h"
 #include "lockstep/base/log.h"
+#include "lockstep/base/syscall.h"
 #include "lockstep/base/worker_env.h"
 #include "lockstep/data/data.h"
 #include "lockstep/distributed/checkpoint.h"
@@ -143,11 +145,14 @@ io::Metadata run_metadata(const Config& cfg) {
   return {{"model", cfg.model}, {"amp", cfg.amp}, {"seed", std::to_string(cfg.seed)}};
 }
 
-// The first attempt of a run (not a restart by `lockstep run --max-restarts`).
-bool first_attempt() {
+// LOCKSTEP_RESTART_COUNT as `lockstep run` sets it: 0 on the first attempt of a run, or unset.
+std::string restart_count() {
   const char* restart = std::getenv(env::kRestartCount);
-  return restart == nullptr || std::string(restart) == "0";
+  return restart == nullptr || *restart == '\0' ? "0" : restart;
 }
+
+// The first attempt of a run (not a restart by `lockstep run --max-restarts`).
+bool first_attempt() { return restart_count() == "0"; }
 
 // Whether rank 0's stdout ends on a terminal, where a progress bar replaces the loss lines: as
 // the launcher says when there is one, else as isatty says.
@@ -311,7 +316,8 @@ Model build_model(const Config& cfg, const std::shared_ptr<dist::ProcessGroup>& 
 // check that --resume and `lockstep run --max-restarts` recover the very same state. Only on the
 // first attempt of a run: a group that `lockstep run` restarted goes on past step N. It is armed
 // once at setup and called at one moment, after each optimizer step; nothing else in the
-// training loop knows of it. --test-slow-rank R (the slow_rank test) makes rank R's forward
+// training loop knows of it. --test-sample-log PATH logs the samples of every step (Note
+// [Sample log]). --test-slow-rank R (the slow_rank test) makes rank R's forward
 // sleep 100 ms in every training step, through a wrapper DDP is built around (TestSlowForward):
 // the run must name rank R the slowest in its metrics and warn about it.
 class TestCrash {
@@ -332,6 +338,68 @@ class TestCrash {
  private:
   int64_t at_step_;  // 0: disarmed
   int rank_;
+};
+
+// Note [Sample log]
+// --test-sample-log PATH is for the tests alone (the rescale test, and the launcher's elastic
+// tests): it shows which samples the model was trained on, so that a test can check that a run
+// resumed at another world size skipped none of the epoch and repeated none. After each
+// optimizer step every rank appends one line:
+//
+//   restart=R step=S epoch=E rank=K world_size=W samples=I,J,...
+//
+// R is LOCKSTEP_RESTART_COUNT (0 when unset), S the optimizer step just taken (1 for the first,
+// as in --metrics and the checkpoint names), E its epoch, K this rank, W the world size, and
+// the samples are the dataset indices of this rank's micro-batches of the step, in order. Each
+// line is one write(2) to a file opened with O_APPEND, so ranks and restarts share the file
+// with whole lines. A rank writes its line before the step's checkpoint, which is collective:
+// every step a checkpoint holds has the lines of all its ranks.
+//
+// A run (one restart count; with separate `lockstep run` invocations, which all count from 0,
+// one file each) trains on from the step its checkpoint holds. What the final model trained on
+// is therefore, run by run in order: the run's records, less those of steps after the step the
+// next run resumed from (the next run's first step minus 1), which the crash lost. The
+// remaining records have each step once, with one line per rank of the world that trained it.
+class TestSampleLog {
+ public:
+  TestSampleLog(const Config& cfg, const dist::ProcessGroup& pg)
+      : prefix_("restart=" + restart_count()), rank_(pg.rank()), world_(pg.size()) {
+    if (cfg.test_sample_log.empty()) return;
+    fd_ = Fd(LS_SYSCHECK_MSG(
+        ::open(cfg.test_sample_log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644),
+        "--test-sample-log: cannot open ", cfg.test_sample_log));
+    path_ = cfg.test_sample_log;
+  }
+
+  // One micro-batch of the coming optimizer step.
+  void add(const data::Batch& batch) {
+    if (fd_.valid()) samples_.insert(samples_.end(), batch.indices.begin(), batch.indices.end());
+  }
+
+  // The step's line: Note [Sample log].
+  void after_step(int64_t step, int64_t epoch) {
+    if (!fd_.valid()) return;
+    std::string line = prefix_ + " step=" + std::to_string(step) +
+                       " epoch=" + std::to_string(epoch) + " rank=" + std::to_string(rank_) +
+                       " world_size=" + std::to_string(world_) + " samples=";
+    for (size_t k = 0; k < samples_.size(); ++k)
+      line += (k ? "," : "") + std::to_string(samples_[k]);
+    line += '\n';
+    samples_.clear();
+    // One write in practice (a short write to a regular file means a full disk): an error then.
+    const ssize_t n = LS_SYSCHECK_MSG(
+        retry_on_eintr([&] { return ::write(fd_.get(), line.data(), line.size()); }),
+        "--test-sample-log: cannot write to ", path_);
+    LS_CHECK(static_cast<size_t>(n) == line.size(), "--test-sample-log: wrote ", n, " of the ",
+             line.size(), " bytes of a line to ", path_, " (is the disk full?)");
+  }
+
+ private:
+  std::string prefix_;
+  int rank_, world_;
+  std::string path_;
+  Fd fd_;
+  std::vector<int64_t> samples_;  // the current step's, so far
 };
 
 // Each rank evaluates its share of the test set (the non-padding sampler: every sample once over
@@ -377,6 +445,9 @@ struct Position {
 // The checkpoint's user metadata that holds Position's loss sums (one per rank, %.17g) and count.
 constexpr const char* kLossSumsKey = "epoch_loss_sums";
 constexpr const char* kLossStepsKey = "epoch_loss_steps";
+// The user metadata that holds the learning rate --lr-scaling gave the writing run's world, before
+// the schedule (%.17g): Note [Rescaling].
+constexpr const char* kScaledLrKey = "scaled_lr";
 
 // What one optimizer step ran with.
 struct StepResult {
@@ -444,7 +515,8 @@ class Trainer {
         scheduler_(*opt_, schedule_of(cfg, total_steps_)),
         // On a terminal, rank 0 draws a progress bar in place of the periodic loss lines.
         progress_({.terminal = true, .enabled = main_rank_ && stdout_is_terminal()}),
-        test_crash_(cfg, *pg_) {
+        test_crash_(cfg, *pg_),
+        sample_log_(cfg, *pg_) {
     for (const auto& [name, p] : model_.params->named_parameters()) param_names_.push_back(name);
   }
 
@@ -477,6 +549,7 @@ class Trainer {
   bool spared(const std::string& path) const;
   void load(const std::string& path);
   void load_epoch_loss(const io::TrainingCheckpoint& ckpt, const std::string& path);
+  void report_rescaled_lr(const io::TrainingCheckpoint& ckpt, const std::string& path) const;
   void warn_about_later_checkpoints() const;
   bool reached_max_steps() const { return cfg_.max_steps > 0 && pos_.step >= cfg_.max_steps; }
 
@@ -497,6 +570,7 @@ class Trainer {
   optim::LRScheduler scheduler_;
   io::Progress progress_;
   const TestCrash test_crash_;
+  TestSampleLog sample_log_;
   std::vector<std::string> param_names_;
   std::optional<io::MetricsWriter> metrics_;
   Position pos_;
@@ -551,10 +625,54 @@ void Trainer::load(const std::string& path) {
   }
   pos_ = {.step = ckpt.step, .epoch = ckpt.epoch, .epoch_consumed = ckpt.epoch_samples};
   load_epoch_loss(ckpt, path);
+  // The optimizer state brought back the writing run's learning rate; this puts this world's
+  // (Note [Rescaling]).
   scheduler_.set_step(pos_.step);
   log_rank0(LogLevel::kInfo, "resumed ", path, ": step ", pos_.step, ", epoch ", pos_.epoch,
             " after ", pos_.epoch_consumed, " of its samples (written by ", ckpt.world_size,
             " ranks, now ", world_, ")");
+  report_rescaled_lr(ckpt, path);
+}
+
+// Note [Rescaling]
+// A checkpoint resumed with another number of ranks continues the epoch exactly: the sampler
+// deals out the rest of the epoch's order to the new ranks (DistributedSampler::set_start_index),
+// so no sample is skipped or seen twice (but for the padding when the rest does not split evenly
+// over the new ranks), and the learning rate is the one --lr-scaling gives the new world's
+// effective batch. The optimizer's state dict holds each group's learning rate
+// ("group.<g>.lr"), so loading it brings back the writing run's; the scheduler then sets this
+// run's base rate (scaled_lr() of this world, taken when it was built, before the load) times
+// the schedule at the resumed step, and every step from there on uses it. The checkpoint
+// records the writing run's base rate (user.scaled_lr), so that rank 0 can say that the rate
+// changed and by how much: "learning rate rescaled from 0.05 to 0.075 (world size 2 -> 3,
+// --lr-scaling linear)". The metrics' train records carry world_size, so the change shows there
+// too. What stays approximate: the schedule counts optimizer steps, and a step covers another
+// number of samples in the new world (a cosine decay reaches its end at this world's count of
+// steps per epoch, from the resumed step on).
+
+// Rank 0 says when the base learning rate differs from the checkpoint's run's (Note
+// [Rescaling]). A checkpoint without user.scaled_lr (written before it was recorded) is taken to
+// have been written with this run's flags at its own world size.
+void Trainer::report_rescaled_lr(const io::TrainingCheckpoint& ckpt,
+                                 const std::string& path) const {
+  if (!main_rank_) return;
+  double before = scaled_lr(cfg_, effective_batch_of(cfg_, static_cast<int>(ckpt.world_size)));
+  if (auto it = ckpt.user.find(kScaledLrKey); it != ckpt.user.end()) {
+    char* end = nullptr;
+    before = std::strtod(it->second.c_str(), &end);
+    LS_CHECK(!it->second.empty() && end == it->second.c_str() + it->second.size(), "--resume ",
+             path, ": metadata user.", kScaledLrKey, " should be a number, found '", it->second,
+             "'");
+  }
+  if (before == lr_) return;
+  if (ckpt.world_size != world_) {
+    log_info("learning rate rescaled from ", before, " to ", lr_, " (world size ", ckpt.world_size,
+             " -> ", world_, ", --lr-scaling ", cfg_.lr_scaling, ")");
+  } else {
+    log_info("learning rate ", lr_, " differs from the checkpoint's ", before, " (the same world",
+             " size ", world_, "; another --lr, --batch-size, --accum-steps, --lr-scaling or ",
+             "--base-batch)");
+  }
 }
 
 // Position's loss sums: each rank its own when the world size is the checkpoint's, else each the
@@ -655,12 +773,14 @@ EpochResult Trainer::train_epoch() {
   int64_t step_samples = 0;
   for (data::Batch& batch : loader_) {
     const bool epoch_end = batch.index + 1 == micro_batches;
+    sample_log_.add(batch);  // testing only: Note [Sample log]
     const std::optional<StepResult> step = train_step(batch, pass_samples);
     const int64_t samples = batch.input.size(0) * world_;  // every rank read a batch as large
     e.samples += samples;
     pos_.epoch_consumed += samples;
     step_samples += samples;
     if (!step) continue;  // a micro-batch of gradient accumulation: no optimizer step yet
+    sample_log_.after_step(pos_.step, pos_.epoch);  // before the step's checkpoint
 
     ++e.steps;
     pos_.epoch_loss_sum += step->loss;
@@ -734,6 +854,7 @@ void Trainer::record_step(const StepResult& s, double samples_per_s) {
   metrics_->write(io::TrainRecord{
       .step = pos_.step,
       .epoch = pos_.epoch,
+      .world_size = world_,
       .loss = s.loss,
       .lr = s.lr,
       .samples_per_s = samples_per_s,
@@ -803,6 +924,9 @@ io::TrainingCheckpoint Trainer::checkpoint(const Position& at) {
   }
   ckpt.user[kLossSumsKey] = text;
   ckpt.user[kLossStepsKey] = std::to_string(at.epoch_loss_steps);
+  char lr[32];
+  std::snprintf(lr, sizeof lr, "%.17g", lr_);
+  ckpt.user[kScaledLrKey] = lr;
   return ckpt;
 }
 

@@ -61,6 +61,7 @@ struct Config {
   double clip_grad_norm = 0.0;        // 0: no clipping
   int64_t test_crash_at_step = 0;     // testing only: Note [Testing hooks]
   int64_t test_slow_rank = -1;        // testing only: Note [Testing hooks]; -1: none
+  std::string test_sample_log;        // testing only: Note [Sample log]
   bool uneven = false;                // no padding in the train sampler; dist::Join evens out
   bool sync_bn = false;               // BatchNorm layers as dist::SyncBatchNorm
   int64_t zero = 0;                   // 1: the optimizer state sharded (ZeRO-1)
@@ -190,6 +191,13 @@ inline int parse_flags(int argc, char** argv, Config& cfg) {
   add_number(app, "--test-slow-rank", cfg.test_slow_rank, I{0, kMaxCount},
              "Testing only (the slow-rank test): this rank's forward sleeps 100 ms in every "
              "training step, so that DDP names it the slowest");
+  app.add_option("--test-sample-log", cfg.test_sample_log,
+                 "Testing only (the rescale test): every rank appends to this file, after each "
+                 "optimizer step, one line 'restart=R step=S epoch=E rank=K world_size=W "
+                 "samples=I,J,...' (R is LOCKSTEP_RESTART_COUNT or 0; the dataset indices of the "
+                 "step's micro-batches on that rank, in order), each line one O_APPEND write, so "
+                 "all ranks and restarts share the file")
+      ->type_name("PATH");
   add_number(app, "--bucket-mb", cfg.bucket_mb, R{0, kMaxBucketMb, true},
              "DDP gradient bucket size in MiB");
   app.add_option("--comm-hook", cfg.comm_hook, "DDP gradient compression on the wire")

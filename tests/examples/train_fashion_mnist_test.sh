@@ -426,6 +426,89 @@ PY
       || fail "no world-size change reported"
     grep -q "steps=30 " "$work/c.out" || fail "the 1-process continuation did not stop at step 30"
     ;;
+  rescale)
+    # Exact rescaling (Note [Rescaling], Note [Sample log] in the example): 2 ranks train until
+    # rank 1 dies after step 12, 3 ranks resume the step-9 checkpoint with --resume auto and
+    # finish the epoch. What the final model trained on (each run's sample log, less the steps
+    # after the one the next run resumed from) is the train set, each sample once; the learning
+    # rate grew by 3/2 (--lr-scaling linear); the metrics' world_size goes from 2 to 3.
+    # The sizes leave no padding, so "once" is exact: 60000 samples in batches of 1000 are 30
+    # steps of 2 ranks; the checkpoint at step 9 holds 9 x 2000 = 18000 of them, and the other
+    # 42000 are 14 batches on each of 3 ranks (a world that did not divide them would get up to
+    # 2 padding samples, the epoch's first in its order, read twice).
+    [ -x "$tool" ] || fail "no lockstep binary given"
+    command -v python3 > /dev/null || fail "python3 is missing (scripts/install-deps.sh installs it)"
+    args=(--log-every 0 --no-eval --threads 1 --batch-size 1000 --lr 0.05 --base-batch 2000
+          --lr-scaling linear --save "$work/ck/ck.safetensors" --save-every 9 --resume auto
+          --metrics "$work/metrics.jsonl")
+    "$tool" run --standalone --nproc-per-node 2 "$exe" "${args[@]}" --test-crash-at-step 12 \
+      --test-sample-log "$work/samples.2" > "$work/a.out" 2>&1
+    rc=$?
+    [ "$rc" -ne 0 ] || { cat "$work/a.out"; fail "the 2-rank job survived --test-crash-at-step 12"; }
+    grep -q "rank 1 .*ended with signal SIGKILL" "$work/a.out" \
+      || { cat "$work/a.out"; fail "rank 1 was not killed"; }
+    "$tool" run --standalone --nproc-per-node 3 "$exe" "${args[@]}" \
+      --test-sample-log "$work/samples.3" > "$work/b.out" 2>&1 \
+      || { cat "$work/b.out"; fail "the 3-rank job failed"; }
+    cat "$work/b.out"
+    grep -q "INFO: resumed .*ck.step00000009.safetensors: step 9, epoch 0 after 18000 of its samples (written by 2 ranks, now 3)" \
+      "$work/b.out" || fail "the 3-rank job did not resume from step 9"
+    grep -q "INFO: learning rate rescaled from 0.05 to 0.075 (world size 2 -> 3, --lr-scaling linear)" \
+      "$work/b.out" || fail "no line saying the learning rate was rescaled"
+    grep -q "^\[rank0\]: final .* steps=23 " "$work/b.out" || fail "the epoch did not end at step 23 (9 + 14)"
+    python3 - "$work/samples.2" "$work/samples.3" "$work/metrics.jsonl" <<'PY' || fail "rescaling was not exact"
+import collections, json, sys
+
+def records(path):
+    out = []
+    for line in open(path):
+        fields = dict(f.split("=", 1) for f in line.split())
+        out.append({k: (v if k == "samples" else int(v)) for k, v in fields.items()})
+    return out
+
+# Note [Sample log]: each run's records, less those after the step the next run resumed from.
+runs = [records(p) for p in sys.argv[1:3]]
+kept = []
+for run, nxt in zip(runs, runs[1:] + [None]):
+    resumed_at = min(r["step"] for r in nxt) - 1 if nxt else None
+    dropped = [r for r in run if resumed_at is not None and r["step"] > resumed_at]
+    kept += [r for r in run if r not in dropped]
+    if nxt:
+        assert resumed_at == 9, f"the 3-rank run resumed after step {resumed_at}, expected 9"
+        assert {r["step"] for r in dropped} >= {10, 11, 12}, "the 2-rank run's steps 10-12 not logged"
+# Every step once, by each rank of the world that trained it.
+by_step = collections.defaultdict(list)
+for r in kept:
+    by_step[r["step"]].append(r)
+assert sorted(by_step) == list(range(1, 24)), f"steps {sorted(by_step)}, expected 1..23"
+for step, rs in by_step.items():
+    world = 2 if step <= 9 else 3
+    assert sorted(r["rank"] for r in rs) == list(range(world)), f"step {step}: ranks {rs}"
+    assert all(r["world_size"] == world and r["epoch"] == 0 and r["restart"] == 0 for r in rs)
+samples = collections.Counter(int(i) for r in kept for i in r["samples"].split(","))
+twice = sorted(i for i, n in samples.items() if n > 1)
+missing = sorted(set(range(60000)) - set(samples))
+assert not twice and not missing and len(samples) == 60000, (
+    f"{len(samples)} distinct samples, {len(twice)} seen more than once (e.g. {twice[:5]}), "
+    f"{len(missing)} missing (e.g. {missing[:5]})")
+
+# The metrics: world_size 2 until the crash, then 3; the lr 3/2 of the 2-rank run's.
+train = [json.loads(l) for l in open(sys.argv[3]) if '"kind":"train"' in l]
+worlds = [t["world_size"] for t in train]
+assert worlds == [2] * 12 + [3] * 14, f"world_size over the records: {worlds}"
+lr2 = {t["lr"] for t in train if t["world_size"] == 2}
+lr3 = {t["lr"] for t in train if t["world_size"] == 3}
+assert len(lr2) == 1 and len(lr3) == 1, f"the lr varied within a world size: {lr2}, {lr3}"
+ratio = lr3.pop() / lr2.pop()
+assert abs(ratio - 1.5) < 1e-12, f"lr at 3 ranks / lr at 2 ranks = {ratio!r}, expected 1.5"
+print(f"rescale: 60000 samples once each over steps 1-23; lr x {ratio:.15g}; world_size 2 -> 3")
+PY
+    # `lockstep plot` reads the file with its world-size change.
+    "$tool" plot "$work/metrics.jsonl" -o "$work/curves.svg" > "$work/plot" 2>&1 \
+      || { cat "$work/plot"; fail "plot failed"; }
+    expect_exit 1 "--test-sample-log: cannot open $work/none/samples: No such file or directory" \
+      --no-eval --max-steps 1 --test-sample-log "$work/none/samples"
+    ;;
   metrics)
     # --metrics: one JSON line per optimizer step (with rank 0's peak resident memory) and one
     # per evaluation, appended across a resumed run; `lockstep plot` (a strict reader: file:line
@@ -439,7 +522,7 @@ PY
       --resume auto > "$work/out2" 2>&1 || { cat "$work/out2"; fail "resumed run failed"; }
     [ "$(grep -c '"kind":"train"' "$m")" -eq 35 ] || fail "expected 25 + 10 train records"
     [ "$(grep -c '"kind":"eval"' "$m")" -eq 1 ] || fail "expected one eval record"
-    grep -q '^{"kind":"train","step":21,"epoch":0,"loss":[0-9.e-]*,"lr":0.05,"samples_per_s":[0-9.e+-]*,"peak_rss_mib":[0-9.e+]*,"time":[0-9.e+]*,"elapsed":[0-9.e+-]*}$' "$m" \
+    grep -q '^{"kind":"train","step":21,"epoch":0,"world_size":1,"loss":[0-9.e-]*,"lr":0.05,"samples_per_s":[0-9.e+-]*,"peak_rss_mib":[0-9.e+]*,"time":[0-9.e+]*,"elapsed":[0-9.e+-]*}$' "$m" \
       || { cat "$m"; fail "train record format"; }
     grep -q '^{"kind":"eval","step":30,"epoch":0,"test_accuracy":0\.[0-9]*,' "$m" || fail "eval record"
     # Every line is one JSON object: the plot tool rejects anything else with the line number.
