@@ -350,8 +350,10 @@ bool Agent::next_generation(int g, const json& failure, std::string* why) {
         std::to_string(here.size()) +
         " remain (a membership change, not counted as a restart)");
   }
-  // From here a replacement for a gone node may take its --node-rank.
+  // From here a replacement for a gone node may take its --node-rank, and the job's end waits
+  // only for the nodes still here (exit_sync).
   members_ = here;
+  nnodes_ = static_cast<int>(here.size());
   std::vector<Member> next = here;
   next.insert(next.end(), pending_.begin(), pending_.end());
   return form_generation(g + 1, next, why);

@@ -125,6 +125,18 @@ int report_env(const fs::path& out_dir, int argc, char** argv) {
   return 0;
 }
 
+// Elastic tests: reports the environment as OUT/gen<LOCKSTEP_RESTART_COUNT>/rank<RANK>.env, then
+// ends (0) in a world of `want` ranks, and in any other waits to be stopped for a new generation.
+int elastic(const fs::path& out, int want) {
+  const fs::path dir = out / ("gen" + std::to_string(env_int("LOCKSTEP_RESTART_COUNT", -1)));
+  fs::create_directories(dir);
+  char* argv[] = {nullptr, nullptr, nullptr};
+  report_env(dir, 3, argv);
+  std::fflush(stdout);
+  if (env_int("WORLD_SIZE", -1) == want) return 0;
+  return sleep_then_fail(60s);
+}
+
 // N lines of `R:i:` and 200 copies of the digit R, through stdio's buffer (which splits writes
 // at arbitrary points, not at line ends).
 int print_lines(int n) {
@@ -335,6 +347,7 @@ int run(int argc, char** argv) {
     return 0;
   }
   if (mode == "sleep") return sleep_then_fail(120s);
+  if (mode == "elastic" && argc >= 4) return elastic(argv[2], std::atoi(argv[3]));
   if (mode == "lines" && argc >= 3) return print_lines(std::atoi(argv[2]));
   if (mode == "redraw" && argc >= 3) return redraw(argv[2]);
   if (mode == "throw") {

@@ -1,0 +1,190 @@
+// `lockstep run --nnodes MIN:MAX` end to end (Note [Elastic membership] in
+// tools/lockstep/agent_elastic.cpp): agents on this machine, each its own "node", on
+// launch_worker's `elastic` mode, which reports each generation's environment and ends once the
+// world has the size it wants. A node joining a running job, a node whose agent is killed, a
+// node past MAX or with a taken --node-rank, too few nodes, and restarts that count.
+#include <signal.h>
+
+#include <gmock/gmock.h>
+
+#include "launch/launcher_process.h"
+
+namespace {
+
+using namespace lockstep::testing::launch;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+class Elastic : public Launcher {
+ protected:
+  // `lockstep run` for node `node` of an elastic job of workers that end in a world of `want`.
+  // Node 0 waits `last_call` seconds for more nodes once MIN are in.
+  std::vector<std::string> args(const std::string& nnodes, int node, int want,
+                                std::vector<std::string> extra = {},
+                                const std::string& last_call = "0") const {
+    std::vector<std::string> a = {"run",
+                                  "--nnodes",
+                                  nnodes,
+                                  "--node-rank",
+                                  std::to_string(node),
+                                  "--nproc-per-node",
+                                  "1",
+                                  "--master-port",
+                                  port_,
+                                  "--run-id",
+                                  "elastic",
+                                  "--rdzv-last-call",
+                                  last_call,
+                                  "--node-timeout",
+                                  "2",
+                                  "--monitor-interval",
+                                  "0.05"};
+    a.insert(a.end(), extra.begin(), extra.end());
+    a.insert(a.end(), {kWorker, "elastic", out_.string(), std::to_string(want)});
+    return a;
+  }
+  // Generation g's environment reports, by rank.
+  std::map<int, EnvReport> generation(int g) const {
+    const fs::path d = out_ / ("gen" + std::to_string(g));
+    return fs::is_directory(d) ? read_env_reports(d) : std::map<int, EnvReport>{};
+  }
+  // Until generation g's report of `rank` exists (or the launcher `l` ended).
+  bool wait_report(int g, int rank, const Launch& l) const {
+    const fs::path f = out_ / ("gen" + std::to_string(g)) / ("rank" + std::to_string(rank) + ".env");
+    const auto deadline = std::chrono::steady_clock::now() + 60s;
+    while (!fs::exists(f) && running(l.pid) && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(20ms);
+    }
+    return fs::exists(f);
+  }
+
+  const std::string port_ = std::to_string(free_port());
+};
+
+// A 1-node job runs alone (world 1, its workers wait for 2); a second node asks to join: both
+// continue in generation 1 with world size 2, node ranks by --node-rank order, restart count
+// incremented, and with --max-restarts 0, since a membership change is not a failure.
+TEST_F(Elastic, ASecondNodeJoinsARunningJob) {
+  const Launch l0 = start_launcher(args("1:2", 0, 2), dir_, "node0");
+  ASSERT_TRUE(wait_report(0, 0, l0)) << wait_launcher(l0).describe();
+  EXPECT_EQ(generation(0).at(0)["WORLD_SIZE"], "1");
+  const Launch l5 = start_launcher(args("1:2", 5, 2), dir_, "node5");
+  const Outcome o0 = wait_launcher(l0), o5 = wait_launcher(l5);
+  ASSERT_TRUE(o0.exited_with(0)) << o0.describe();
+  ASSERT_TRUE(o5.exited_with(0)) << o5.describe();
+  auto g1 = generation(1);
+  ASSERT_EQ(g1.size(), 2u) << o0.describe();
+  for (int r = 0; r < 2; ++r) {
+    EnvReport e = g1.at(r);
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_EQ(e["WORLD_SIZE"], "2");
+    EXPECT_EQ(e["GROUP_RANK"], std::to_string(r));
+    EXPECT_EQ(e["LOCKSTEP_RESTART_COUNT"], "1");
+  }
+  EXPECT_THAT(o0.err, HasSubstr("node --node-rank 5 (host ")) << o0.describe();
+  EXPECT_THAT(o0.err, HasSubstr("not counted as a restart")) << o0.describe();
+  EXPECT_THAT(o5.err, HasSubstr("generation 1: this machine is node 1 of 2")) << o5.describe();
+}
+
+// Two nodes run (world 2, workers wait for 1); node 1's agent is SIGKILLed (its workers die with
+// it): node 0 finds the node lost within --node-timeout and goes on alone in generation 1.
+TEST_F(Elastic, TheOtherNodeGoesOnWhenANodesAgentIsKilled) {
+  const Launch l0 = start_launcher(args("1:2", 0, 1, {}, "5"), dir_, "node0");
+  const Launch l1 = start_launcher(args("1:2", 1, 1), dir_, "node1");
+  ASSERT_TRUE(wait_report(0, 1, l1)) << wait_launcher(l1).describe();
+  ::kill(l1.pid, SIGKILL);
+  const Outcome o1 = wait_launcher(l1);
+  const Outcome o0 = wait_launcher(l0);
+  ASSERT_TRUE(o0.exited_with(0)) << o0.describe();
+  EXPECT_EQ(generation(0).at(0)["WORLD_SIZE"], "2");
+  auto g1 = generation(1);
+  ASSERT_EQ(g1.size(), 1u) << o0.describe();
+  EXPECT_EQ(g1.at(0)["WORLD_SIZE"], "1");
+  EXPECT_EQ(g1.at(0)["LOCKSTEP_RESTART_COUNT"], "1");
+  EXPECT_THAT(o0.err, HasSubstr("node 1 (host ")) << o0.describe();
+  EXPECT_THAT(o0.err, HasSubstr("lost")) << o0.describe();
+  EXPECT_THAT(o0.err, HasSubstr("1 remain")) << o0.describe();
+}
+
+// A SIGTERM to a node other than node 0 makes it leave: its agent exits 128+15 and the job goes
+// on without it.
+TEST_F(Elastic, ANodeThatIsToldToStopLeavesAndTheJobGoesOn) {
+  const Launch l0 = start_launcher(args("1:2", 0, 1, {}, "5"), dir_, "node0");
+  const Launch l1 = start_launcher(args("1:2", 1, 1), dir_, "node1");
+  ASSERT_TRUE(wait_report(0, 1, l1)) << wait_launcher(l1).describe();
+  ::kill(l1.pid, SIGTERM);
+  const Outcome o1 = wait_launcher(l1), o0 = wait_launcher(l0);
+  EXPECT_TRUE(o1.exited_with(128 + SIGTERM)) << o1.describe();
+  ASSERT_TRUE(o0.exited_with(0)) << o0.describe();
+  EXPECT_THAT(o0.err, HasSubstr("left the job (its launcher received SIGTERM)")) << o0.describe();
+  EXPECT_EQ(generation(1).at(0)["WORLD_SIZE"], "1");
+}
+
+// With MAX nodes in, a further node is refused with the reason, and so is one whose --node-rank
+// is taken; the job is not disturbed.
+TEST_F(Elastic, ANodePastMaxOrWithATakenNodeRankIsRefused) {
+  const Launch l0 = start_launcher(args("1:2", 0, 2, {}, "5"), dir_, "node0");
+  const Launch l1 = start_launcher(args("1:2", 1, 3), dir_, "node1");  // its workers stay
+  ASSERT_TRUE(wait_report(0, 1, l1)) << wait_launcher(l1).describe();
+  const Outcome o2 = run_launcher(args("1:2", 2, 2), dir_, "node2");
+  EXPECT_TRUE(o2.exited_with(1)) << o2.describe();
+  EXPECT_THAT(o2.err, HasSubstr("node 0 refused this node: the job already has 2 nodes, the most "
+                                "--nnodes 1:2 allows"))
+      << o2.describe();
+  const Outcome o1b = run_launcher(args("1:2", 1, 2), dir_, "node1b");
+  EXPECT_TRUE(o1b.exited_with(1)) << o1b.describe();
+  EXPECT_THAT(o1b.err, HasSubstr("another agent already joined as --node-rank 1")) << o1b.describe();
+  // Generation 0 was never stopped: rank 0 ended (world 2), rank 1 still waits for a world of 3.
+  EXPECT_FALSE(fs::exists(out_ / "gen1"));
+  // A signal to node 0 stops the whole job.
+  ::kill(l0.pid, SIGTERM);
+  const Outcome o0 = wait_launcher(l0), o1 = wait_launcher(l1);
+  EXPECT_TRUE(o0.exited_with(128 + SIGTERM)) << o0.describe();
+  EXPECT_TRUE(o1.exited_with(1)) << o1.describe();
+  EXPECT_FALSE(fs::exists(out_ / "gen1")) << "the job restarted after node 0 was stopped";
+}
+
+// Below MIN after a node leaves: the rendezvous waits --rdzv-timeout for another, then fails
+// saying how many are needed.
+TEST_F(Elastic, FewerThanMinNodesFailTheJobAfterTheRendezvousTimeout) {
+  const Launch l0 =
+      start_launcher(args("2:2", 0, 1, {"--rdzv-timeout", "3"}), dir_, "node0");
+  const Launch l1 = start_launcher(args("2:2", 1, 1, {"--rdzv-timeout", "3"}), dir_, "node1");
+  ASSERT_TRUE(wait_report(0, 1, l1)) << wait_launcher(l1).describe();
+  ::kill(l1.pid, SIGKILL);
+  wait_launcher(l1);
+  const Outcome o0 = wait_launcher(l0);
+  EXPECT_TRUE(o0.exited_with(1)) << o0.describe();
+  EXPECT_THAT(o0.err, HasSubstr("needs at least 2")) << o0.describe();
+  EXPECT_FALSE(fs::exists(out_ / "gen1")) << "a generation ran below MIN";
+}
+
+// A worker's failure with every node still there is a restart: --max-restarts bounds it.
+TEST_F(Elastic, AWorkerFailureCountsAgainstMaxRestarts) {
+  auto fail_first = [&](const char* restarts) {
+    return std::vector<std::string>{"run",          "--nnodes",         "1:2",   "--node-rank",
+                                     "0",            "--nproc-per-node", "2",     "--master-port",
+                                     port_,          "--run-id",         "ff",    "--rdzv-last-call",
+                                     "0",            "--max-restarts",   restarts, kWorker,
+                                     "fail-first"};
+  };
+  const Outcome none = run_launcher(fail_first("0"), dir_, "none");
+  EXPECT_TRUE(none.exited_with(1)) << none.describe();
+  EXPECT_THAT(none.err, HasSubstr("no restarts left (--max-restarts 0)")) << none.describe();
+  const Outcome one = run_launcher(fail_first("1"), dir_, "one");
+  EXPECT_TRUE(one.exited_with(0)) << one.describe();
+  EXPECT_THAT(one.out, HasSubstr("[rank0]: restart count 1")) << one.describe();
+  EXPECT_THAT(one.err, HasSubstr("restart 1 of 1")) << one.describe();
+}
+
+TEST_F(Elastic, BadNnodesRangesAreUsageErrors) {
+  for (const char* bad : {"3:2", "0:2", "a:2", "1:", ":2", "1:2:3"}) {
+    SCOPED_TRACE(bad);
+    const Outcome o = run_launcher({"run", "--nnodes", bad, "--run-id", "bad", kWorker, "env",
+                                    out_.string()},
+                                   dir_, "bad");
+    expect_usage_error(o, out_, {"--nnodes"});
+  }
+}
+
+}  // namespace
