@@ -456,41 +456,19 @@ PY
     grep -q "INFO: learning rate rescaled from 0.05 to 0.075 (world size 2 -> 3, --lr-scaling linear)" \
       "$work/b.out" || fail "no line saying the learning rate was rescaled"
     grep -q "^\[rank0\]: final .* steps=23 " "$work/b.out" || fail "the epoch did not end at step 23 (9 + 14)"
-    python3 - "$work/samples.2" "$work/samples.3" "$work/metrics.jsonl" <<'PY' || fail "rescaling was not exact"
-import collections, json, sys
+    python3 - "$work/samples.2" "$work/samples.3" "$work/metrics.jsonl" "$(dirname "$0")" <<'PY' || fail "rescaling was not exact"
+import json, sys
+sys.path.insert(0, sys.argv[4])
+from sample_log import check_epoch, kept_records
 
-def records(path):
-    out = []
-    for line in open(path):
-        fields = dict(f.split("=", 1) for f in line.split())
-        out.append({k: (v if k == "samples" else int(v)) for k, v in fields.items()})
-    return out
-
-# Note [Sample log]: each run's records, less those after the step the next run resumed from.
-runs = [records(p) for p in sys.argv[1:3]]
-kept = []
-for run, nxt in zip(runs, runs[1:] + [None]):
-    resumed_at = min(r["step"] for r in nxt) - 1 if nxt else None
-    dropped = [r for r in run if resumed_at is not None and r["step"] > resumed_at]
-    kept += [r for r in run if r not in dropped]
-    if nxt:
-        assert resumed_at == 9, f"the 3-rank run resumed after step {resumed_at}, expected 9"
-        assert {r["step"] for r in dropped} >= {10, 11, 12}, "the 2-rank run's steps 10-12 not logged"
-# Every step once, by each rank of the world that trained it.
-by_step = collections.defaultdict(list)
-for r in kept:
-    by_step[r["step"]].append(r)
+kept, resumes = kept_records(sys.argv[1:3])
+[(resumed_at, dropped)] = resumes
+assert resumed_at == 9, f"the 3-rank run resumed after step {resumed_at}, expected 9"
+assert {r["step"] for r in dropped} >= {10, 11, 12}, "the 2-rank run's steps 10-12 not logged"
+by_step = check_epoch(kept, 60000)
 assert sorted(by_step) == list(range(1, 24)), f"steps {sorted(by_step)}, expected 1..23"
 for step, rs in by_step.items():
-    world = 2 if step <= 9 else 3
-    assert sorted(r["rank"] for r in rs) == list(range(world)), f"step {step}: ranks {rs}"
-    assert all(r["world_size"] == world and r["epoch"] == 0 and r["restart"] == 0 for r in rs)
-samples = collections.Counter(int(i) for r in kept for i in r["samples"].split(","))
-twice = sorted(i for i, n in samples.items() if n > 1)
-missing = sorted(set(range(60000)) - set(samples))
-assert not twice and not missing and len(samples) == 60000, (
-    f"{len(samples)} distinct samples, {len(twice)} seen more than once (e.g. {twice[:5]}), "
-    f"{len(missing)} missing (e.g. {missing[:5]})")
+    assert rs[0]["world_size"] == (2 if step <= 9 else 3), f"step {step}: {rs[0]}"
 
 # The metrics: world_size 2 until the crash, then 3; the lr 3/2 of the 2-rank run's.
 train = [json.loads(l) for l in open(sys.argv[3]) if '"kind":"train"' in l]
@@ -508,6 +486,78 @@ PY
       || { cat "$work/plot"; fail "plot failed"; }
     expect_exit 1 "--test-sample-log: cannot open $work/none/samples: No such file or directory" \
       --no-eval --max-steps 1 --test-sample-log "$work/none/samples"
+    ;;
+  elastic)
+    # Elastic membership with exact rescaling (Note [Elastic membership] in the launcher, Note
+    # [Rescaling] here): two agents of `lockstep run --nnodes 1:2` on this machine, one worker
+    # each. Node 0 trains alone (world 1) to a checkpoint; node 1 joins, and both go on in
+    # generation 1 (world 2) from the newest checkpoint; once generation 1 has written one, node
+    # 1's agent is SIGKILLed and node 0 goes on alone (generation 2, world 1) from the newest
+    # checkpoint to the end of the epoch. What the final model trained on is the train set,
+    # each sample once; the lr doubles at world 2 and halves back (--lr-scaling linear); the
+    # metrics' world_size goes 1 -> 2 -> 1. Batches of 1000 leave no padding: every checkpoint
+    # holds a multiple of 1000 samples, and the epoch ends in a world of 1.
+    [ -x "$tool" ] || fail "no lockstep binary given"
+    command -v python3 > /dev/null || fail "python3 is missing (scripts/install-deps.sh installs it)"
+    port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    agent=(--nnodes 1:2 --nproc-per-node 1 --master-port "$port" --run-id "elastic-$$"
+           --rdzv-last-call 0 --node-timeout 3 --timeout 60 --monitor-interval 0.05)
+    args=(--log-every 0 --no-eval --threads 1 --batch-size 1000 --lr 0.05 --base-batch 1000
+          --lr-scaling linear --save "$work/ck/ck.safetensors" --save-every 4 --resume auto
+          --metrics "$work/metrics.jsonl" --test-sample-log "$work/samples")
+    # Waits (up to 120 s) until file $1 has at least $3 lines matching $2.
+    wait_lines() {
+      local i
+      for ((i = 0; i < 2400; ++i)); do
+        [ "$(grep -c -- "$2" "$1" 2> /dev/null)" -ge "$3" ] && return 0
+        sleep 0.05
+      done
+      cat "$work"/n*.out
+      fail "no $3 lines with '$2' in $1 within 120 s"
+    }
+    "$tool" run "${agent[@]}" --node-rank 0 "$exe" "${args[@]}" > "$work/n0.out" 2>&1 &
+    pid0=$!
+    wait_lines "$work/n0.out" "INFO: saved .*ck.step00000008" 1
+    "$tool" run "${agent[@]}" --node-rank 1 "$exe" "${args[@]}" > "$work/n1.out" 2>&1 &
+    pid1=$!
+    wait_lines "$work/n0.out" "generation 1: 2 node(s)" 1
+    saved=$(grep -c "INFO: saved " "$work/n0.out")
+    wait_lines "$work/n0.out" "INFO: saved " $((saved + 1))
+    kill -KILL "$pid1"
+    wait "$pid1"
+    rc1=$?
+    wait "$pid0"
+    rc0=$?
+    cat "$work/n0.out"
+    [ "$rc1" -eq 137 ] || fail "node 1's agent exited $rc1, expected 137 (SIGKILL)"
+    [ "$rc0" -eq 0 ] || fail "node 0's agent exited $rc0 after node 1 was lost"
+    grep -q "generation 2: 1 node(s) by --node-rank: 0 " "$work/n0.out" || fail "no generation 2 of node 0 alone"
+    grep -q "INFO: resumed .*(written by 1 ranks, now 2)" "$work/n0.out" || fail "generation 1 did not resume"
+    grep -q "INFO: resumed .*(written by 2 ranks, now 1)" "$work/n0.out" || fail "generation 2 did not resume"
+    grep -q "learning rate rescaled from 0.05 to 0.1 (world size 1 -> 2" "$work/n0.out" || fail "no lr rescale 1 -> 2"
+    grep -q "learning rate rescaled from 0.1 to 0.05 (world size 2 -> 1" "$work/n0.out" || fail "no lr rescale 2 -> 1"
+    python3 - "$work/samples" "$work/metrics.jsonl" "$(dirname "$0")" <<'PY' || fail "elastic rescaling was not exact"
+import itertools, json, sys
+sys.path.insert(0, sys.argv[3])
+from sample_log import check_epoch, kept_records
+
+kept, resumes = kept_records([sys.argv[1]])
+assert len(resumes) == 2, f"{len(resumes) + 1} generations, expected 3"
+by_step = check_epoch(kept, 60000)
+restarts = [(r["restart"], r["world_size"]) for s in sorted(by_step) for r in by_step[s][:1]]
+assert [k for k, _ in itertools.groupby(restarts)] == [(0, 1), (1, 2), (2, 1)], (
+    f"(restart, world size) over the kept steps: {[k for k, _ in itertools.groupby(restarts)]}")
+train = [json.loads(l) for l in open(sys.argv[2]) if '"kind":"train"' in l]
+worlds = [k for k, _ in itertools.groupby(t["world_size"] for t in train)]
+assert worlds == [1, 2, 1], f"world_size over the metrics: {worlds}"
+lrs = {t["world_size"]: set() for t in train}
+for t in train:
+    lrs[t["world_size"]].add(t["lr"])
+assert all(len(v) == 1 for v in lrs.values()), f"the lr varied within a world size: {lrs}"
+assert abs(lrs[2].pop() / lrs[1].pop() - 2) < 1e-12, "the lr at world 2 is not twice world 1's"
+print(f"elastic: 60000 samples once each over {len(by_step)} steps; "
+      f"resumed after steps {[s for s, _ in resumes]}; world_size 1 -> 2 -> 1")
+PY
     ;;
   metrics)
     # --metrics: one JSON line per optimizer step (with rank 0's peak resident memory) and one
