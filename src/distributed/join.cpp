@@ -10,6 +10,7 @@
 #include "lockstep/amp/grad_scaler.h"
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/base/error.h"
+#include "lockstep/distributed/zero.h"
 #include "lockstep/optim/optimizer.h"
 
 namespace lockstep::dist {
@@ -125,6 +126,7 @@ Join::Join(DistributedDataParallel& ddp, JoinOptions opts) : ddp_(ddp), opts_(op
   LS_CHECK(sync_bn.empty(), "Join: the model has a SyncBatchNorm (", sync_bn,
            "), whose forward all-gathers the batch statistics of every rank; a rank out of data "
            "cannot take part, so uneven inputs need BatchNorm (per-rank statistics) instead");
+  zero_ = dynamic_cast<ZeroRedundancyOptimizer*>(opts_.optimizer);
   ddp_.join_ = this;
 }
 
@@ -177,11 +179,25 @@ void Join::finish() {
     ddp_.broadcast_buffers(h.first_active);
     if (h.synced > 0) {
       ddp_.reducer_->set_contributors(h.active);
-      ddp_.reducer_->shadow_backward();
+      ddp_.reducer_->shadow_backward(/*expose_grads=*/zero_ != nullptr);
+      if (zero_ != nullptr) shadow_step();
     }
   }
   ddp_.join_ = nullptr;
   sync_state(last_first_active_);
+}
+
+void Join::shadow_step() {
+  if (opts_.step) {
+    opts_.step();
+  } else if (opts_.scaler != nullptr && opts_.scaler->is_enabled()) {
+    opts_.scaler->step(*zero_);
+    opts_.scaler->update();
+  } else {
+    zero_->step();
+  }
+  // This rank has no backward of its own to come in this Join: nothing may accumulate onto them.
+  zero_->zero_grad();
 }
 
 bool Join::next(bool have_batch) {
@@ -201,7 +217,8 @@ void Join::sync_state(int source) {
     if (!state.empty()) broadcast_tensors(pg, state, source);
   }
   const bool mine = pg.rank() == source;
-  if (opts_.optimizer != nullptr) {
+  // Note [Join and ZeRO]: every rank stepped its shard; the state is where it belongs.
+  if (opts_.optimizer != nullptr && zero_ == nullptr) {
     const Bytes b =
         pg.broadcast_object(mine ? pack(opts_.optimizer->state_dict()) : Bytes{}, source);
     if (!mine) opts_.optimizer->load_state_dict(unpack(b));

@@ -167,7 +167,7 @@ void Reducer::launch_ready() {
 // Every parameter counts as ready with a zero gradient, so the buckets go out in the order the
 // contributing ranks launch them, and finalize() takes the same path (unused-parameter status,
 // the first step's bucket rebuild) as on those ranks.
-void Reducer::shadow_backward() {
+void Reducer::shadow_backward(bool expose_grads) {
   LS_CHECK(!iteration_active_,
            "DistributedDataParallel: a joined rank shadowed a backward while its own was running");
   {
@@ -175,6 +175,11 @@ void Reducer::shadow_backward() {
     for (auto& b : buckets_) {
       b.flat.zero_();
       b.pending = 0;
+    }
+    // For a shadow step (Note [Join and ZeRO]): .grad() are the bucket views, as after a
+    // backward of its own, and hold the others' average once reduced.
+    if (expose_grads) {
+      for (size_t i = 0; i < params_.size(); ++i) params_[i].second.set_grad(slots_[i].view);
     }
   }
   std::fill(ready_.begin(), ready_.end(), true);

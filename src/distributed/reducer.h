@@ -32,8 +32,8 @@ class Reducer {
   // world size outside a Join); the reduced gradients are the mean over those ranks.
   void set_contributors(int n) { contributors_ = n; }
   // On a rank that joined: the bucket all-reduces of one synchronized backward of the others,
-  // with zeros from this rank.
-  void shadow_backward();
+  // with zeros from this rank; with expose_grads its .grad() are the reduced views after.
+  void shadow_backward(bool expose_grads);
   // Note [Slow rank]: a training forward starts this rank's clock for the step, unless a forward
   // since the last synchronized backward (an earlier micro-batch) already did.
   void start_step_clock();

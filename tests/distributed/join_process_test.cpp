@@ -12,6 +12,7 @@
 #include "lockstep/distributed/ddp.h"
 #include "lockstep/distributed/init.h"
 #include "lockstep/distributed/join.h"
+#include "lockstep/distributed/zero.h"
 #include "testing.h"
 
 using namespace lockstep;
@@ -31,12 +32,18 @@ struct Scenario {
   std::vector<std::vector<int>> batches;  // per epoch, per rank
   int accumulate = 1;                     // micro-batches per synchronized step
   bool scaler = false;
+  // ZeroRedundancyOptimizer around the SGD (Note [Join and ZeRO]): 1 its default mode (DDP
+  // averages), 2 ZeroOptions::reduce_scatter_gradients.
+  int zero = 0;
 };
 
 Scenario scenario(const std::string& mode) {
   if (mode == "uneven") return {{{3, 5, 8}, {8, 3, 5}}, 1, false};  // 2 epochs: momentum synced
   if (mode == "accumulate") return {{{3, 5, 8}}, 2, true};
   if (mode == "zero") return {{{0, 2, 3}}, 1, false};
+  if (mode == "zero1-uneven") return {{{3, 5, 8}, {8, 3, 5}}, 1, false, 1};
+  if (mode == "zero1-accumulate") return {{{3, 5, 8}}, 2, true, 1};
+  if (mode == "zero1-reduce-scatter") return {{{3, 5, 8}, {0, 3, 5}}, 1, false, 2};
   LS_THROW("unknown mode ", mode);
 }
 
@@ -92,8 +99,20 @@ int worker(const std::string& mode) {
     DDPOptions o;
     o.first_bucket_bytes = 512;  // several buckets
     o.bucket_bytes = 2048;
+    if (s.zero == 2) o.comm_hook = zero_hook();
     auto ddp = std::make_shared<DistributedDataParallel>(mlp(7 + r), pg, o);
-    optim::SGD opt(ddp->parameters(), sgd());
+    std::unique_ptr<optim::Optimizer> owned;
+    if (s.zero > 0) {
+      owned = std::make_unique<ZeroRedundancyOptimizer>(
+          ddp->parameters(), pg,
+          [](std::vector<optim::ParamGroup> g) {
+            return std::make_unique<optim::SGD>(std::move(g), sgd());
+          },
+          ZeroOptions{.reduce_scatter_gradients = s.zero == 2});
+    } else {
+      owned = std::make_unique<optim::SGD>(ddp->parameters(), sgd());
+    }
+    optim::Optimizer& opt = *owned;
     amp::GradScaler scaler({.init_scale = 1024.0, .growth_interval = 2});
     std::ostringstream report;
     for (size_t e = 0; e < s.batches.size(); ++e) {
@@ -192,6 +211,26 @@ TEST(JoinProcesses, ARankWithZeroBatchesDoesNotHang) {
   EXPECT_EQ(results[0].report, "epoch 0: taken 0, shadowed 3; ");
   EXPECT_EQ(results[1].report, "epoch 0: taken 2, shadowed 1; ");
   EXPECT_EQ(results[2].report, "epoch 0: taken 3, shadowed 0; ");
+}
+
+// Note [Join and ZeRO]: with a ZeroRedundancyOptimizer a joined rank takes the step with the
+// others (its shard would stop moving, and the all-gather would hang, without), and the result
+// is the same reference, bit-identical on every rank.
+TEST(JoinProcesses, ZeroRedundancyOptimizerStepsAlongOnJoinedRanks) {
+  const auto results = run("zero1-uneven");
+  EXPECT_EQ(results[0].report, "epoch 0: taken 3, shadowed 5; epoch 1: taken 8, shadowed 0; ");
+  EXPECT_EQ(results[2].report, "epoch 0: taken 8, shadowed 0; epoch 1: taken 5, shadowed 3; ");
+}
+
+TEST(JoinProcesses, ZeroWithNoSyncAccumulationAndGradScalerEqualsTheReference) {
+  const auto results = run("zero1-accumulate");
+  // Every rank's scaler moved with the steps (the joined ones' through the shadow step).
+  for (const auto& r : results) EXPECT_THAT(r.report, ::testing::EndsWith("scale 4096"));
+}
+
+TEST(JoinProcesses, ZeroReduceScatterModeWithARankOfZeroBatchesEqualsTheReference) {
+  const auto results = run("zero1-reduce-scatter");
+  EXPECT_EQ(results[0].report, "epoch 0: taken 3, shadowed 5; epoch 1: taken 0, shadowed 5; ");
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 
 #include "lockstep/distributed/ddp.h"
 
@@ -27,12 +28,21 @@ class GradScaler;
 
 namespace lockstep::dist {
 
+class ZeroRedundancyOptimizer;
+
 struct JoinOptions {
   // State that moves only on ranks that still step. When every rank has joined, the optimizer's
   // state (moments, step count, learning rates) and the scaler's (scale, growth tracker) are
   // copied, with the model's parameters and buffers, from a rank that took the last step.
   optim::Optimizer* optimizer = nullptr;
   amp::GradScaler* scaler = nullptr;
+  // With a ZeroRedundancyOptimizer as `optimizer` (Note [Join and ZeRO]): what the ranks with
+  // data do after each synchronizing backward, up to the next forward (unscale_ and
+  // clip_grad_norm, the step, the scaler's update, the schedule's step). A joined rank runs it
+  // over the averaged gradients so that its shard of the parameters moves with the others'.
+  // Empty: scaler->step(*optimizer) and scaler->update() with an enabled scaler, else
+  // optimizer->step().
+  std::function<void()> step;
 };
 
 // Note [Join]
@@ -50,6 +60,18 @@ struct JoinOptions {
 // active, every rank takes parameters, buffers and the optional optimizer and scaler state from
 // the lowest rank active in the last step. Outside a Join, DDP issues no header and divides by
 // the world size as before.
+//
+// Note [Join and ZeRO]
+// A ZeroRedundancyOptimizer's step is a collective (each rank steps its own shard, then all
+// shards are all-gathered), so a joined rank cannot sit it out: its shard would stop moving and
+// the others would wait in the all-gather. Given as JoinOptions::optimizer, a joined rank takes
+// the step with the others after each synchronized backward it shadows, over the gradients that
+// backward left in its .grad() (the average over the ranks with data, as on those ranks; in
+// ZeroOptions::reduce_scatter_gradients mode zeros, and every rank's share is scaled to the
+// contributors' mean before the reduce-scatter), running JoinOptions::step, which must do what
+// the ranks with data do (the same clipping, scaler and schedule), or the default step. Every
+// rank's optimizer and scaler state then moves as if it had data, and at the end only the
+// parameters and buffers are copied (the optimizer state is each rank's shard).
 class Join {
  public:
   // On every rank of ddp's process group, at the same point (before the loop).
@@ -80,9 +102,12 @@ class Join {
   // The header all-reduce (Note [Join]); DDP's forward calls it with active = true.
   Header exchange(bool active, bool synced);
   void sync_state(int source);
+  // Note [Join and ZeRO]: the step a joined rank takes with the others.
+  void shadow_step();
 
   DistributedDataParallel& ddp_;
   JoinOptions opts_;
+  ZeroRedundancyOptimizer* zero_ = nullptr;  // opts_.optimizer, when it is one
   bool finished_ = false;
   int last_first_active_ = 0;  // the lowest active rank of the last step anyone took
   int64_t shadowed_ = 0;

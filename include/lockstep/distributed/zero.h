@@ -59,8 +59,9 @@ struct ZeroStats {
 // optimizer it wraps: param_groups() are the user's groups over the whole parameters (set_lr and
 // a schedule write there; step() hands lr and weight decay on to the wrapped optimizer), and
 // zero_grad() drops the whole parameters' gradients. step(), and so GradScaler::step, and
-// state_dict() are collective: every rank calls them together (not inside a dist::Join, whose
-// joined ranks skip the step).
+// state_dict() are collective: every rank calls them together. Inside a dist::Join, give it as
+// JoinOptions::optimizer: a joined rank then takes the step with the others (Note [Join and
+// ZeRO] in join.h).
 class ZeroRedundancyOptimizer : public optim::Optimizer {
  public:
   ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> groups, ProcessGroupPtr pg,
