@@ -104,8 +104,10 @@ Window accumulation_window(int64_t first, int64_t accum_steps, int64_t batch_siz
 // out of batches calls finish(), which shadows the DDP collectives of the ranks still training
 // (each step's gradient is then the mean over the ranks that had a batch) and, when all are out,
 // gives every rank the parameters, optimizer and scaler state of a rank of the last step; the
-// step count and the schedule then continue from the longest rank's count. Whatever else
-// communicates mid-epoch cannot be shadowed, so --uneven excludes it (flags.h): a periodic
+// step count and the schedule then continue from the longest rank's count. With --zero 1 a rank
+// out of batches also takes each optimizer step with the others (Note [Join and ZeRO]), and
+// keeps its own shard of the optimizer state. Whatever else communicates mid-epoch cannot be
+// shadowed, so --uneven excludes it (flags.h): a periodic
 // checkpoint, SyncBatchNorm's all-gather, accumulation windows that would end at different
 // micro-batches on different ranks, a resumed position (which assumes equal shares).
 
@@ -541,6 +543,7 @@ class Trainer {
 
  private:
   std::optional<StepResult> train_step(const data::Batch& batch, int64_t pass_samples);
+  void optimizer_step(StepResult* s);
   void finish_uneven_epoch(dist::Join& join);
   void record_step(const StepResult& s, double samples_per_s);
   void save_if_due(bool epoch_end);
@@ -762,7 +765,11 @@ EpochResult Trainer::train_epoch() {
       cfg_.uneven ? 0 : (full_epoch_batches_ - micro_batches) / cfg_.accum_steps;
   // --uneven: Note [Uneven inputs].
   std::optional<dist::Join> join;
-  if (cfg_.uneven && model_.ddp) join.emplace(*model_.ddp, dist::JoinOptions{opt_.get(), &scaler_});
+  if (cfg_.uneven && model_.ddp) {
+    join.emplace(*model_.ddp, dist::JoinOptions{.optimizer = opt_.get(),
+                                                .scaler = &scaler_,
+                                                .step = [this] { optimizer_step(nullptr); }});
+  }
   EpochResult e;
   e.finished = micro_batches == 0;
   micro_ = 0;
@@ -832,19 +839,30 @@ std::optional<StepResult> Trainer::train_step(const data::Batch& batch, int64_t 
 
   StepResult s;
   s.loss = std::exchange(step_loss_, 0.0);
+  optimizer_step(&s);
+  ++pos_.step;
+  return s;
+}
+
+// After a synchronized backward: clipping, the (scaled) step, the scaler's and the schedule's
+// updates. With --uneven and --zero 1 a rank out of data runs it too, over the others' averaged
+// gradients, so that its shard of the parameters moves with theirs (Note [Join and ZeRO]).
+void Trainer::optimizer_step(StepResult* s) {
+  double grad_norm = 0;
   if (cfg_.clip_grad_norm > 0) {
     scaler_.unscale_(*opt_);
-    s.grad_norm = optim::clip_grad_norm(model_.params->parameters(), cfg_.clip_grad_norm);
+    grad_norm = optim::clip_grad_norm(model_.params->parameters(), cfg_.clip_grad_norm);
   }
-  // What this step ran with, before update() and the scheduler move on to the next.
-  s.loss_scale = scaler_.get_scale();
-  s.lr = scheduler_.last_lr();
+  if (s != nullptr) {
+    if (cfg_.clip_grad_norm > 0) s->grad_norm = grad_norm;
+    // What this step ran with, before update() and the scheduler move on to the next.
+    s->loss_scale = scaler_.get_scale();
+    s->lr = scheduler_.last_lr();
+  }
   scaler_.step(*opt_);
   scaler_.update();
   scheduler_.step();
   opt_->zero_grad();
-  ++pos_.step;
-  return s;
 }
 
 void Trainer::record_step(const StepResult& s, double samples_per_s) {

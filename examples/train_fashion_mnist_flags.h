@@ -251,7 +251,7 @@ inline int parse_flags(int argc, char** argv, Config& cfg) {
   add_number(app, "--zero", cfg.zero, I{0, 1},
              "ZeRO stage: 1 shards the optimizer state across the ranks "
              "(dist::ZeroRedundancyOptimizer; each rank keeps 1/world of it, the parameters are "
-             "bitwise those of 0); 0: every rank keeps all of it. Not with --dp or --uneven");
+             "bitwise those of 0); 0: every rank keeps all of it. Not with --dp");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -289,9 +289,8 @@ inline int parse_flags(int argc, char** argv, Config& cfg) {
                         : !cfg.resume.empty() ? "--resume (a position mid-epoch assumes equal "
                                                 "shares)"
                         : cfg.dp > 1          ? "--dp (one process: no rank runs out)"
-                        : cfg.sync_bn  ? "--sync-bn (its all-gather needs every rank's batch)"
-                        : cfg.zero > 0 ? "--zero 1 (its step is a collective of all ranks)"
-                                       : nullptr;
+                        : cfg.sync_bn ? "--sync-bn (its all-gather needs every rank's batch)"
+                                      : nullptr;
     if (other != nullptr)
       return usage_error(std::string("--uneven cannot be combined with ") + other);
   }

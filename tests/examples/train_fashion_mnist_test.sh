@@ -617,6 +617,15 @@ PY
     last=$(tail -n 1 "$work/out")
     [[ "$last" =~ ^\[rank0\]:\ final\ test_accuracy=([0-9.]+)\ .*\ steps=4\  ]] || fail "last line: $last"
     awk -v a="${BASH_REMATCH[1]}" 'BEGIN { exit !(a >= 0.20) }' || fail "accuracy ${BASH_REMATCH[1]}"
+    # With --zero 1 the ranks out of data also take the last step with the others (Note [Join
+    # and ZeRO]; without it the others would wait in the step's all-gather): the same final line,
+    # since ZeRO-1's parameters are bitwise plain DDP's.
+    OMP_NUM_THREADS=1 "$tool" run --standalone --nproc-per-node 7 "$exe" --uneven --zero 1 \
+      --batch-size 2857 --threads 1 --log-every 1 > "$work/zout" 2> "$work/zerr" \
+      || { cat "$work/zout" "$work/zerr"; fail "--uneven --zero 1 run failed"; }
+    zlast=$(tail -n 1 "$work/zout")
+    [ "${zlast% samples_per_s=*}" = "${last% samples_per_s=*}" ] \
+      || { cat "$work/zout" "$work/zerr"; fail "--zero 1 ended with '$zlast', plain DDP with '$last'"; }
     ;;
   sync_bn)
     # --sync-bn: 2 ranks of --batch-size 32 normalize as one process of 64. Rank r reads positions
