@@ -159,6 +159,20 @@ TEST_F(Elastic, FewerThanMinNodesFailTheJobAfterTheRendezvousTimeout) {
   EXPECT_FALSE(fs::exists(out_ / "gen1")) << "a generation ran below MIN";
 }
 
+// Node 0 hosts the store and must stay: when its agent is SIGKILLed the other node stops its
+// workers and exits 1, saying so.
+TEST_F(Elastic, WhenNodeZeroGoesTheOthersStopSayingItMustStay) {
+  const Launch l0 = start_launcher(args("1:2", 0, 3, {}, "5"), dir_, "node0");
+  const Launch l1 = start_launcher(args("1:2", 1, 3), dir_, "node1", pid_env());
+  ASSERT_TRUE(wait_report(0, 1, l1)) << wait_launcher(l1).describe();
+  ::kill(l0.pid, SIGKILL);
+  wait_launcher(l0);
+  const Outcome o1 = wait_launcher(l1);
+  EXPECT_TRUE(o1.exited_with(1)) << o1.describe();
+  EXPECT_THAT(o1.err, HasSubstr("lost node 0's store")) << o1.describe();
+  EXPECT_THAT(o1.err, HasSubstr("node 0 must stay for the whole job")) << o1.describe();
+}
+
 // A worker's failure with every node still there is a restart: --max-restarts bounds it.
 TEST_F(Elastic, AWorkerFailureCountsAgainstMaxRestarts) {
   auto fail_first = [&](const char* restarts) {
