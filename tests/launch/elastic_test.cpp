@@ -144,6 +144,23 @@ TEST_F(Elastic, ANodePastMaxOrWithATakenNodeRankIsRefused) {
   EXPECT_FALSE(fs::exists(out_ / "gen1")) << "the job restarted after node 0 was stopped";
 }
 
+// Once node 0's workers have all finished, the job is ending: a node that asks to join then, with
+// room for it, is refused rather than restarting a finished job.
+TEST_F(Elastic, ANodeAskingToJoinAJobThatIsEndingIsRefused) {
+  const Launch l0 = start_launcher(args("1:3", 0, 2, {}, "5"), dir_, "node0");
+  const Launch l1 = start_launcher(args("1:3", 1, 3), dir_, "node1");  // its worker stays
+  ASSERT_TRUE(wait_report(0, 1, l1)) << wait_launcher(l1).describe();
+  ASSERT_TRUE(wait_report(0, 0, l0)) << wait_launcher(l0).describe();
+  std::this_thread::sleep_for(500ms);  // node 0 sees its worker's exit
+  const Outcome o2 = run_launcher(args("1:3", 2, 3), dir_, "node2");
+  EXPECT_TRUE(o2.exited_with(1)) << o2.describe();
+  EXPECT_THAT(o2.err, HasSubstr("node 0 refused this node: the job is ending")) << o2.describe();
+  EXPECT_FALSE(fs::exists(out_ / "gen1"));
+  ::kill(l0.pid, SIGTERM);
+  const Outcome o0 = wait_launcher(l0), o1 = wait_launcher(l1);
+  EXPECT_TRUE(o0.exited_with(128 + SIGTERM)) << o0.describe();
+}
+
 // Below MIN after a node leaves: the rendezvous waits --rdzv-timeout for another, then fails
 // saying how many are needed.
 TEST_F(Elastic, FewerThanMinNodesFailTheJobAfterTheRendezvousTimeout) {

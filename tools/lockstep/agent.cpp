@@ -573,7 +573,7 @@ GenResult Agent::run_generation(int g) {
       if (Clock::now() < next_check) continue;
       next_check = Clock::now() +
                    std::chrono::milliseconds(static_cast<int64_t>(o_.monitor_interval_s * 1000));
-      if (o_.elastic && o_.node_rank == 0 && !published) admit_while_running(g);
+      if (o_.elastic && o_.node_rank == 0 && !published) admit_while_running(g, success_counted);
       if (store_->check({gen_key(g, "failure")})) {
         result.outcome = Outcome::kFailed;
         result.failure = json::parse(store_->get_string(gen_key(g, "failure")));

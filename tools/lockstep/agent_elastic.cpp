@@ -131,12 +131,18 @@ std::string full_text(const Member& m, int nnodes, int min_nodes) {
 
 }  // namespace
 
-void Agent::admit_while_running(int g) {
+void Agent::admit_while_running(int g, bool ending) {
   for (const auto& m : take_join_requests()) {
     if (members_.size() + pending_.size() >= static_cast<size_t>(o_.nnodes)) {
       say("refused node --node-rank " + std::to_string(m.id) + " (host " + m.host +
           "): the job already has its most nodes (" + std::to_string(o_.nnodes) + ")");
       answer_join(m, {{"refused", full_text(m, o_.nnodes, o_.min_nodes)}});
+      continue;
+    }
+    if (ending) {  // restarting a job whose node 0 is done would redo its last steps for nothing
+      say("refused node --node-rank " + std::to_string(m.id) + " (host " + m.host +
+          "): the job is ending");
+      answer_join(m, {{"refused", "the job is ending (node 0's workers have finished)"}});
       continue;
     }
     pending_.push_back(m);

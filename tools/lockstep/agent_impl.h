@@ -210,8 +210,9 @@ class Agent {
   std::vector<Member> take_join_requests();
   void answer_join(const Member& m, const json& reply);
   void refuse_waiting_joins(const std::string& why);
-  // Node 0, while generation g runs: a node that asks to join (and fits) stops the generation.
-  void admit_while_running(int g);
+  // Node 0, while generation g runs: a node that asks to join (and fits) stops the generation,
+  // unless `ending` (node 0's workers all succeeded: the job is about to end; it is refused).
+  void admit_while_running(int g, bool ending);
   // Node 0: waits for MIN nodes and the last call (joins answered meanwhile), then publishes
   // gen<g>/members; false when it published an abort instead (why in *why).
   bool form_generation(int g, std::vector<Member> members, std::string* why);
