@@ -625,10 +625,14 @@ int Agent::run() {
   LS_CHECK(made != nullptr, "cannot create a temporary directory: ", errno_text(errno));
   tmp_dir_ = made;
 
-  if (o_.elastic) return run_elastic();
+  int first_generation = 0;
   try {
     connect_store();
-    rendezvous();
+    if (o_.elastic) {
+      first_generation = elastic_rendezvous();
+    } else {
+      rendezvous();
+    }
   } catch (const Interrupted& e) {
     say(std::string(e.what()) + " before the workers started");
     return 128 + e.signal;
@@ -641,7 +645,11 @@ int Agent::run() {
     say("rendezvous failed: " + e.message());
     return kExitJobFailed;
   }
-  return run_static();
+  // Everyone joined: from now on a store request that gets no reply for --node-timeout means
+  // node 0 (or the network) is gone, the bound within which node 0 notices a lost node too
+  // (Note [Stall watch]); the workers are stopped rather than left waiting.
+  store_->set_timeout(std::chrono::milliseconds(static_cast<int64_t>(o_.node_timeout_s * 1000)));
+  return o_.elastic ? run_elastic(first_generation) : run_static();
 }
 
 std::string Agent::host_of(int n) {
@@ -655,20 +663,19 @@ std::string Agent::host_of(int n) {
   }
 }
 
-int Agent::run_static() {
-  // Everyone joined: from now on a store request that gets no reply for --node-timeout means
-  // node 0 (or the network) is gone, the bound within which node 0 notices a lost node too
-  // (Note [Stall watch]); the workers are stopped rather than left waiting.
-  store_->set_timeout(std::chrono::milliseconds(static_cast<int64_t>(o_.node_timeout_s * 1000)));
-  const auto normal_exit_wait = std::max<std::chrono::milliseconds>(
+std::chrono::milliseconds Agent::normal_exit_wait() const {
+  return std::max<std::chrono::milliseconds>(
       kExitSyncTimeout,
       std::chrono::milliseconds(static_cast<int64_t>(o_.monitor_interval_s * 3000)) +
           std::chrono::seconds(5));
+}
+
+int Agent::run_static() {
   for (int g = 0;; ++g) {
     GenResult r = run_generation(g);
     switch (r.outcome) {
       case Outcome::kSucceeded:
-        exit_sync(normal_exit_wait);
+        exit_sync(normal_exit_wait());
         return kExitOk;
       case Outcome::kInterrupted:
         exit_sync(kExitSyncAfterSignal);  // node 0 lets the others read why
@@ -722,7 +729,7 @@ int Agent::run_static() {
     }
     print_summary(r.failure, g);
     print_peak_memory();
-    exit_sync(normal_exit_wait);
+    exit_sync(normal_exit_wait());
     return kExitJobFailed;
   }
 }

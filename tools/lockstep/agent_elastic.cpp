@@ -384,45 +384,26 @@ std::string Agent::event_text(const json& f) const {
          f.value("status", std::string("?"));
 }
 
-int Agent::run_elastic() {
-  const auto normal_exit_wait = std::max<std::chrono::milliseconds>(
-      kExitSyncTimeout,
-      std::chrono::milliseconds(static_cast<int64_t>(o_.monitor_interval_s * 3000)) +
-          std::chrono::seconds(5));
-  const bool host = o_.node_rank == 0;
+int Agent::elastic_rendezvous() {
   int g = 0;
-  try {
-    connect_store();
-    if (host) {
-      std::string why;
-      if (!form_generation(0, {Member{0, hostname(), 0}}, &why)) {
-        say(why);
-        return kExitJobFailed;
-      }
-    } else {
-      g = join_job();
-    }
-    adopt_members(g);
-  } catch (const Interrupted& e) {
-    say(std::string(e.what()) + " before the workers started");
-    return 128 + e.signal;
-  } catch (const AgentError& e) {
-    say(e.what());
-    return kExitJobFailed;
-  } catch (const UsageError&) {
-    throw;
-  } catch (const Error& e) {
-    say("rendezvous failed: " + e.message());
-    return kExitJobFailed;
+  if (o_.node_rank == 0) {
+    std::string why;
+    if (!form_generation(0, {Member{0, hostname(), 0}}, &why)) throw AgentError(why);
+  } else {
+    g = join_job();
   }
-  // As in run_static: a store request unanswered for --node-timeout means node 0 is gone.
-  store_->set_timeout(std::chrono::milliseconds(static_cast<int64_t>(o_.node_timeout_s * 1000)));
+  adopt_members(g);
+  return g;
+}
+
+int Agent::run_elastic(int g) {
+  const bool host = o_.node_rank == 0;
   for (;;) {
     GenResult r = run_generation(g);
     switch (r.outcome) {
       case Outcome::kSucceeded:
         if (host) refuse_waiting_joins("the job has finished");
-        exit_sync(normal_exit_wait);
+        exit_sync(normal_exit_wait());
         return kExitOk;
       case Outcome::kInterrupted:
         if (host) refuse_waiting_joins("the job was stopped");
@@ -463,7 +444,7 @@ int Agent::run_elastic() {
           print_peak_memory();
           say("not restarting: " + why);
           refuse_waiting_joins("the job failed");
-          exit_sync(normal_exit_wait);
+          exit_sync(normal_exit_wait());
           return kExitJobFailed;
         }
       }

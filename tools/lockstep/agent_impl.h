@@ -201,9 +201,13 @@ class Agent {
                       int* interrupted);
   void exit_sync(std::chrono::milliseconds timeout);
   int run_static();
+  // How long node 0 keeps the store up at the end for the others to read the outcome.
+  std::chrono::milliseconds normal_exit_wait() const;
 
   // Note [Elastic membership] (agent_elastic.cpp)
-  int run_elastic();
+  // Node 0 forms generation 0, another node asks to join; returns the generation it starts in.
+  int elastic_rendezvous();
+  int run_elastic(int g);
   // A node other than node 0: asks node 0 to join; returns the generation it joins.
   int join_job();
   // Node 0: join requests not yet answered, those that may join (others refused at once).
