@@ -68,10 +68,12 @@ class CausalSelfAttention : public nn::Module {
   Tensor forward(const Tensor& x) override {  // x (B,T,C)
     const int64_t B = x.size(0), T = x.size(1), C = x.size(2), H = n_head_, D = C / H;
     Tensor qkv = c_attn_->forward(x);                                       // (B,T,3C)
-    Tensor heads = qkv.view({B, T, 3, H, D}).permute({2, 0, 3, 1, 4});      // (3,B,H,T,D)
-    Tensor q = heads.select(0, 0).contiguous();                             // (B,H,T,D)
-    Tensor k = heads.select(0, 1).contiguous();                             // (B,H,T,D)
-    Tensor v = heads.select(0, 2).contiguous();                             // (B,H,T,D)
+    // Strided views; the attention copies them once into its own layout, and unbind's one
+    // backward node gathers their gradients into qkv's (Note [unbind's backward]).
+    std::vector<Tensor> heads = unbind(qkv.view({B, T, 3, H, D}), 2);       // 3 x (B,T,H,D)
+    Tensor q = heads[0].transpose(1, 2);                                    // (B,H,T,D)
+    Tensor k = heads[1].transpose(1, 2);                                    // (B,H,T,D)
+    Tensor v = heads[2].transpose(1, 2);                                    // (B,H,T,D)
     Tensor y = scaled_dot_product_attention(q, k, v, {.is_causal = true});  // (B,H,T,D)
     y = y.transpose(1, 2).contiguous().view({B, T, C});                     // (B,T,C)
     return c_proj_->forward(y);                                             // (B,T,C)

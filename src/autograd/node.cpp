@@ -69,6 +69,11 @@ Edge gradient_edge(const Tensor& t) {
 
 void set_history(const std::shared_ptr<Node>& node, const std::vector<Tensor>& inputs,
                  std::initializer_list<Tensor*> outputs) {
+  set_history(node, inputs, std::vector<Tensor*>(outputs));
+}
+
+void set_history(const std::shared_ptr<Node>& node, const std::vector<Tensor>& inputs,
+                 const std::vector<Tensor*>& outputs) {
   node->next_edges.clear();
   node->next_edges.reserve(inputs.size());
   for (const Tensor& t : inputs) node->next_edges.push_back(gradient_edge(t));

@@ -165,6 +165,47 @@ std::vector<Tensor> split(const Tensor& t, const std::vector<int64_t>& sizes, in
   return out;
 }
 
+// Note [unbind's backward]
+// Slicing a tensor k ways through select() gives k SliceBackward nodes, each returning a
+// zero-filled gradient of the whole input with its slice copied in, which the engine then adds
+// up: k memsets, k copies and k - 1 additions of the whole input. One node for all k views
+// writes each slice once (GPT's q, k, v out of one qkv projection: the copies and additions
+// cost about as much as the attention's own backward).
+std::vector<Tensor> unbind(const Tensor& t, int64_t dim) {
+  detail::check_defined(t, "unbind");
+  LS_CHECK(t.dim() > 0, "unbind: cannot unbind a zero-dimensional tensor");
+  const int64_t d = detail::normalize_dim(dim, t.dim(), "unbind");
+  const int64_t n = t.shape()[d];
+  std::vector<Tensor> out;
+  out.reserve(static_cast<size_t>(n));
+  {
+    autograd::NoGradGuard no_grad;  // one node for all the views, recorded below
+    for (int64_t i = 0; i < n; ++i) out.push_back(t.select(d, i));
+  }
+  if (n == 0 || !autograd::needs_grad({&t})) return out;
+  auto node = std::make_shared<autograd::FunctionNode>(
+      "UnbindBackward",
+      [shape = t.shape(), d, n](const TensorList& g) {
+        const Tensor* any = nullptr;
+        bool all = true;
+        for (const Tensor& gi : g) {
+          if (gi.defined() && any == nullptr) any = &gi;
+          all = all && gi.defined();
+        }
+        const auto o = detail::options_on(*any, any->dtype());
+        Tensor grad = all ? empty(shape, o) : zeros(shape, o);  // (Note [unbind's backward])
+        for (int64_t i = 0; i < n; ++i) {
+          if (g[i].defined()) grad.select(d, i).copy_(g[i]);
+        }
+        return TensorList{grad};
+      },
+      static_cast<uint32_t>(n));
+  std::vector<Tensor*> outputs;
+  for (Tensor& v : out) outputs.push_back(&v);
+  autograd::set_history(node, {t}, outputs);
+  return out;
+}
+
 // ---- index_select ----
 
 Tensor index_select(const Tensor& t, int64_t dim, const Tensor& index) {

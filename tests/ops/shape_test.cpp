@@ -1,4 +1,4 @@
-// cat, stack, split, index_select and gather against naive references on row-major vectors;
+// cat, stack, split, unbind, index_select and gather against naive references on row-major vectors;
 // layouts, dtypes, odd sizes; gradients; errors naming the offending tensor or index.
 #include <cmath>
 #include <vector>
@@ -227,6 +227,58 @@ TEST(Split, Errors) {
       },
       {"split: size 1 is -1"});
   expect_error([] { split(zeros({4, 5}), 2, 2); }, {"split: dimension 2 is out of range"});
+}
+
+// ---- unbind ----
+
+TEST(Unbind, SlicesAreViewsWithTheRightValues) {
+  Generator gen(61);
+  Tensor t = randn({3, 5, 7}, gen);
+  for (int64_t d = 0; d < 3; ++d) {
+    auto parts = unbind(t, d - 3 * (d == 2));  // dim 2 given as -1
+    ASSERT_EQ(parts.size(), static_cast<size_t>(t.size(d)));
+    for (int64_t i = 0; i < t.size(d); ++i) {
+      Tensor ref = t.select(d, i);
+      EXPECT_EQ(parts[i].shape(), ref.shape());
+      EXPECT_EQ(parts[i].data_ptr(), ref.data_ptr());
+      EXPECT_EQ(values(parts[i]), values(ref));
+    }
+  }
+  // A view: writing through a slice changes the original.
+  unbind(t, 1)[4].set_at({2, 6}, 42.0);
+  EXPECT_EQ(t.at({2, 4, 6}), 42.0);
+}
+
+// The one backward node gives select()'s gradients: every slice's gradient in its place, zeros
+// where a slice got none, on a strided input, the GPT's q, k, v layout among them.
+TEST(Unbind, GradientsMatchSelectsIncludingUnusedSlices) {
+  Generator gen(62);
+  Tensor base = randn({2, 4, 3, 2, 5}, gen);  // (B,T,3,H,D)
+  Tensor w = randn({2, 2, 4, 5}, gen);        // (B,H,T,D)
+  for (int used = 1; used <= 3; ++used) {
+    Tensor a = base.detach().requires_grad_(), b = base.detach().requires_grad_();
+    auto parts = unbind(a, 2);
+    Tensor la = zeros({}), lb = zeros({});
+    for (int64_t i = 0; i < used; ++i) {
+      la = add(la, sum(mul(parts[i].transpose(1, 2), mul(w, double(i + 1)))));
+      lb = add(lb, sum(mul(b.select(2, i).transpose(1, 2), mul(w, double(i + 1)))));
+    }
+    la.backward();
+    lb.backward();
+    EXPECT_EQ(values(a.grad()), values(b.grad())) << used << " slices used";
+  }
+  Tensor x = randn({5, 3}, gen, kFloat64).t().detach().requires_grad_();  // (3, 5) strided
+  expect_gradcheck(
+      [](const std::vector<Tensor>& in) {
+        auto p = unbind(in[0], 1);
+        return add(mul(p[0], 3.0), mul(p[4], p[2]));
+      },
+      {x});
+}
+
+TEST(Unbind, Errors) {
+  expect_error([] { unbind(zeros({}), 0); }, {"unbind: cannot unbind a zero-dimensional tensor"});
+  expect_error([] { unbind(zeros({4, 5}), 2); }, {"unbind: dimension 2 is out of range"});
 }
 
 // ---- index_select ----

@@ -84,6 +84,9 @@ Edge gradient_edge(const Tensor& t);
 // Connects `node` to `inputs` and makes it the grad_fn of `outputs` (output_nr = position).
 void set_history(const std::shared_ptr<Node>& node, const std::vector<Tensor>& inputs,
                  std::initializer_list<Tensor*> outputs);
+// The same for an op with a number of outputs known only at run time (unbind).
+void set_history(const std::shared_ptr<Node>& node, const std::vector<Tensor>& inputs,
+                 const std::vector<Tensor*>& outputs);
 
 // Records `fn` as the backward of an op with the given inputs and single output, when needed.
 // `fn` gets the output gradient (grads[0]) and returns one gradient per input (undefined where
