@@ -217,7 +217,30 @@ void Join::sync_state(int source) {
     if (!state.empty()) broadcast_tensors(pg, state, source);
   }
   const bool mine = pg.rank() == source;
-  // Note [Join and ZeRO]: every rank stepped its shard; the state is where it belongs.
+  // Note [Join and ZeRO]: every rank stepped its shard, and its state is where it belongs; the
+  // groups' learning rates and weight decays are the source's, in case the shadow step did not
+  // move a schedule as the ranks with data did.
+  if (zero_ != nullptr) {
+    auto& groups = zero_->param_groups();
+    Tensor hyper = empty({static_cast<int64_t>(2 * groups.size())}, kFloat64);
+    if (mine) {
+      for (size_t i = 0; i < groups.size(); ++i) {
+        hyper.narrow(0, static_cast<int64_t>(2 * i), 1).fill_(groups[i].lr);
+        hyper.narrow(0, static_cast<int64_t>(2 * i + 1), 1).fill_(groups[i].weight_decay);
+      }
+    }
+    // On the parameters' device, which a device backend can broadcast.
+    const Device device = groups.empty() || groups[0].params.empty()
+                              ? Device()
+                              : groups[0].params[0].device();
+    Tensor moved = hyper.to(device);
+    if (!groups.empty()) pg.broadcast(moved, {.root = source})->wait();
+    const std::vector<double> v = moved.to(Device()).to_vector<double>();
+    for (size_t i = 0; i < groups.size(); ++i) {
+      groups[i].lr = v[2 * i];
+      groups[i].weight_decay = v[2 * i + 1];
+    }
+  }
   if (opts_.optimizer != nullptr && zero_ == nullptr) {
     const Bytes b =
         pg.broadcast_object(mine ? pack(opts_.optimizer->state_dict()) : Bytes{}, source);

@@ -161,6 +161,41 @@ TEST_F(Elastic, ANodeAskingToJoinAJobThatIsEndingIsRefused) {
   EXPECT_TRUE(o0.exited_with(128 + SIGTERM)) << o0.describe();
 }
 
+// MIN nodes in when --rdzv-timeout ends, inside a longer last call: the job starts with them.
+TEST_F(Elastic, TheRendezvousDeadlineEndsTheLastCallOnceMinAreIn) {
+  const Outcome o =
+      run_launcher(args("1:3", 0, 1, {"--rdzv-timeout", "2"}, "30"), dir_, "node0");
+  EXPECT_TRUE(o.exited_with(0)) << o.describe();
+  EXPECT_EQ(generation(0).at(0)["WORLD_SIZE"], "1");
+}
+
+// Two machines with the same --node-rank during a rendezvous: one is admitted, the other refused.
+TEST_F(Elastic, ATakenNodeRankIsRefusedDuringTheRendezvousToo) {
+  const Launch l0 = start_launcher(args("1:3", 0, 2, {}, "4"), dir_, "node0");
+  const Launch a = start_launcher(args("1:3", 1, 2), dir_, "a");
+  std::this_thread::sleep_for(300ms);
+  const Launch b = start_launcher(args("1:3", 1, 2), dir_, "b");
+  const Outcome o0 = wait_launcher(l0), oa = wait_launcher(a), ob = wait_launcher(b);
+  ASSERT_TRUE(o0.exited_with(0)) << o0.describe();
+  EXPECT_EQ(oa.exited_with(0) + ob.exited_with(0), 1) << oa.describe() << ob.describe();
+  EXPECT_THAT(oa.err + ob.err, HasSubstr("another agent already joined as --node-rank 1"));
+  EXPECT_EQ(generation(0).size(), 2u);
+}
+
+// A machine stopped while it waits for the job to start withdraws: node 0 starts without it.
+TEST_F(Elastic, ANodeStoppedBeforeTheStartWithdraws) {
+  const Launch l0 = start_launcher(args("1:3", 0, 1, {}, "4"), dir_, "node0");
+  const Launch l1 = start_launcher(args("1:3", 1, 1), dir_, "node1");
+  std::this_thread::sleep_for(1500ms);  // node 1 has asked; node 0 is in its last call
+  ::kill(l1.pid, SIGINT);
+  const Outcome o1 = wait_launcher(l1), o0 = wait_launcher(l0);
+  EXPECT_TRUE(o1.exited_with(130)) << o1.describe();
+  ASSERT_TRUE(o0.exited_with(0)) << o0.describe();
+  EXPECT_THAT(o0.err, HasSubstr("node --node-rank 1 (host ")) << o0.describe();
+  EXPECT_THAT(o0.err, HasSubstr("withdrew before generation 0 started")) << o0.describe();
+  EXPECT_EQ(generation(0).at(0)["WORLD_SIZE"], "1");
+}
+
 // Below MIN after a node leaves: the rendezvous waits --rdzv-timeout for another, then fails
 // saying how many are needed.
 TEST_F(Elastic, FewerThanMinNodesFailTheJobAfterTheRendezvousTimeout) {

@@ -532,7 +532,8 @@ GenResult Agent::run_generation(int g) {
         // Tell the other nodes first, so that they stop too (and do not restart); in an elastic
         // job a node other than node 0 leaves, and the others go on without it.
         if (o_.elastic && o_.node_rank != 0) {
-          publish_leaving(g, sig);
+          // Once its workers all succeeded the node is done: leaving would restart the others.
+          if (!success_counted) publish_leaving(g, sig);
         } else {
           publish_interrupted(g, sig);
         }

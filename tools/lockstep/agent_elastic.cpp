@@ -68,14 +68,28 @@ void Agent::answer_join(const Member& m, const json& reply) {
   store_->set(key("join/" + std::to_string(m.ticket) + "/reply"), dump(reply));
 }
 
-std::vector<Member> Agent::take_join_requests() {
+std::vector<Member> Agent::take_join_requests(const std::vector<Member>& forming) {
   std::vector<Member> out;
   const int64_t issued = store_->add(key("join/next"), 0);
   while (next_ticket_ <= issued) {
     const std::string k = key("join/" + std::to_string(next_ticket_));
-    if (!store_->check({k})) break;  // its ticket is taken, its request not yet written
+    if (!store_->check({k})) {
+      // Its ticket is taken, its request not yet written: wait for it, but not for ever (its
+      // agent may have died in between), or every later request would wait behind it.
+      if (!unwritten_since_ || unwritten_ticket_ != next_ticket_) {
+        unwritten_ticket_ = next_ticket_;
+        unwritten_since_ = Clock::now();
+      }
+      if (std::chrono::duration<double>(Clock::now() - *unwritten_since_).count() <
+          o_.node_timeout_s) {
+        break;
+      }
+      ++next_ticket_;
+      continue;
+    }
     Member m;
     m.ticket = next_ticket_++;
+    if (store_->check({key("join/" + std::to_string(m.ticket) + "/withdrawn")})) continue;
     int nproc = -1;
     try {
       const json j = json::parse(store_->get_string(k));
@@ -99,6 +113,7 @@ std::vector<Member> Agent::take_join_requests() {
     if (auto it = taken(members_); it != members_.end()) holder = &*it;
     if (auto it = taken(pending_); it != pending_.end()) holder = &*it;
     if (auto it = taken(out); it != out.end()) holder = &*it;
+    if (auto it = taken(forming); it != forming.end()) holder = &*it;
     if (holder != nullptr) {
       answer_join(m, {{"refused", "another agent already joined as --node-rank " +
                                       std::to_string(m.id) + " (host " + holder->host +
@@ -159,23 +174,44 @@ void Agent::admit_while_running(int g, bool ending) {
   }
 }
 
+void Agent::drop_withdrawn(int g, std::vector<Member>& members) {
+  for (auto it = members.begin(); it != members.end();) {
+    const bool gone =
+        it->id != 0 &&
+        (store_->check({gen_key(g, "withdrawn/" + std::to_string(it->id))}) ||
+         (it->ticket > 0 &&
+          store_->check({key("join/" + std::to_string(it->ticket) + "/withdrawn")})));
+    if (gone) {
+      say("node --node-rank " + std::to_string(it->id) + " (host " + it->host +
+          ") withdrew before generation " + std::to_string(g) + " started");
+      it = members.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
 bool Agent::form_generation(int g, std::vector<Member> members, std::string* why) {
   const auto deadline =
       Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o_.rdzv_timeout_s * 1000));
   std::optional<Clock::time_point> last_call;
   for (;;) {
-    for (const auto& m : take_join_requests()) {
+    for (const auto& m : take_join_requests(members)) {
       if (members.size() >= static_cast<size_t>(o_.nnodes)) {
         answer_join(m, {{"refused", full_text(m, o_.nnodes, o_.min_nodes)}});
       } else {
         members.push_back(m);
       }
     }
+    drop_withdrawn(g, members);
     const auto now = Clock::now();
     if (members.size() >= static_cast<size_t>(o_.nnodes)) break;
     if (members.size() >= static_cast<size_t>(o_.min_nodes)) {
       if (!last_call) {
-        last_call = now + std::chrono::milliseconds(static_cast<int64_t>(o_.rdzv_last_call_s * 1000));
+        // Not past the rendezvous deadline: MIN are in, so the deadline ends the wait for more.
+        last_call = std::min(
+            deadline,
+            now + std::chrono::milliseconds(static_cast<int64_t>(o_.rdzv_last_call_s * 1000)));
         if (o_.rdzv_last_call_s > 0) {
           say(std::to_string(members.size()) + " of --nnodes " + std::to_string(o_.min_nodes) +
               ":" + std::to_string(o_.nnodes) + " nodes are in; waiting " +
@@ -219,15 +255,27 @@ bool Agent::form_generation(int g, std::vector<Member> members, std::string* why
 
 void Agent::adopt_members(int g) {
   const std::string k = gen_key(g, "members");
+  const double wait_s = o_.rdzv_timeout_s + o_.node_timeout_s + kAnswerMargin.count();
   const auto deadline =
-      Clock::now() +
-      std::chrono::milliseconds(static_cast<int64_t>((o_.rdzv_timeout_s + o_.node_timeout_s) * 1000));
+      Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(wait_s * 1000));
+  // A node that stops waiting says so, so that node 0 does not start a generation with it.
+  auto withdraw = [&] {
+    if (o_.node_rank == 0) return;
+    try {
+      store_->set(gen_key(g, "withdrawn/" + std::to_string(o_.node_rank)), "1");
+    } catch (const Error&) {
+    }
+  };
   while (!store_->check({k})) {
-    if (const int sig = take_signal()) throw Interrupted(sig);
+    if (const int sig = take_signal()) {
+      withdraw();
+      throw Interrupted(sig);
+    }
     if (Clock::now() >= deadline) {
+      withdraw();
       throw AgentError("node 0 did not start generation " + std::to_string(g) + " within " +
-                       seconds_text(o_.rdzv_timeout_s + o_.node_timeout_s) +
-                       " s (--rdzv-timeout + --node-timeout)");
+                       seconds_text(wait_s) + " s (--rdzv-timeout + --node-timeout + " +
+                       std::to_string(kAnswerMargin.count()) + " s)");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
@@ -240,7 +288,8 @@ void Agent::adopt_members(int g) {
   if (me == ms.end()) {
     throw AgentError("node 0 left this node (--node-rank " + std::to_string(o_.node_rank) +
                      ") out of generation " + std::to_string(g) + " (" + nodes_text(ms) +
-                     "): it did not hear from it within --node-timeout after the failure");
+                     "): it found this node lost (no heartbeat for --node-timeout), or this "
+                     "node did not say in time that it had stopped its workers");
   }
   restarts_used_ = j.value("restarts_used", restarts_used_);
   members_ = std::move(ms);
@@ -263,13 +312,27 @@ int Agent::join_job() {
   store_->set(key("join/" + std::to_string(t)),
               dump({{"id", o_.node_rank}, {"host", hostname()}, {"nproc", o_.nproc_per_node}}));
   const std::string k = key("join/" + std::to_string(t) + "/reply");
+  // Node 0 answers once the running generation has stopped (which may take a stop grace, a kill
+  // wait and the verdict's wait) and the nodes have said so: that on top of the rendezvous.
+  const double wait_s = o_.rdzv_timeout_s + o_.node_timeout_s + kAnswerMargin.count();
   const auto deadline =
-      Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o_.rdzv_timeout_s * 1000));
+      Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(wait_s * 1000));
+  auto withdraw = [&] {
+    try {
+      store_->set(key("join/" + std::to_string(t) + "/withdrawn"), "1");
+    } catch (const Error&) {
+    }
+  };
   while (!store_->check({k})) {
-    if (const int sig = take_signal()) throw Interrupted(sig);
+    if (const int sig = take_signal()) {
+      withdraw();
+      throw Interrupted(sig);
+    }
     if (Clock::now() >= deadline) {
-      throw AgentError("node 0 did not admit this node within --rdzv-timeout " +
-                       seconds_text(o_.rdzv_timeout_s) + " s");
+      withdraw();
+      throw AgentError("node 0 did not admit this node within " + seconds_text(wait_s) +
+                       " s (--rdzv-timeout + --node-timeout + " +
+                       std::to_string(kAnswerMargin.count()) + " s)");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
@@ -300,7 +363,8 @@ bool Agent::next_generation(int g, const json& failure, std::string* why) {
   // Who is gone already: a node found lost, or one that left.
   std::set<int> gone;
   const int failed_node = failure.value("node", -1);
-  if ((failure.value("lost", false) || failure.value("left", false)) && failed_node >= 0 &&
+  // Node 0 is never gone: it is this agent (another node found its heartbeat late).
+  if ((failure.value("lost", false) || failure.value("left", false)) && failed_node > 0 &&
       failed_node < nnodes_) {
     gone.insert(members_[failed_node].id);
   }
@@ -344,8 +408,7 @@ bool Agent::next_generation(int g, const json& failure, std::string* why) {
     if (restarts_used_ >= o_.max_restarts) {
       *why = "no restarts left (--max-restarts " + std::to_string(o_.max_restarts) + ")";
       store_->set(gen_key(g + 1, "members"),
-                  dump({{"abort", "the job failed: " + failure.value("status", std::string("?")) +
-                                      "; " + *why}}));
+                  dump({{"abort", event_text(failure) + "; " + *why}}));
       return false;
     }
     ++restarts_used_;
@@ -452,11 +515,15 @@ int Agent::run_elastic(int g) {
       adopt_members(g);
     } catch (const Interrupted& e) {
       say(std::string(e.what()) + " while restarting; not restarting");
-      if (host) refuse_waiting_joins("the job was stopped");
+      if (host) {
+        refuse_waiting_joins("the job was stopped");
+        exit_sync(kExitSyncAfterSignal);  // the others read the abort, not a lost store
+      }
       return 128 + e.signal;
     } catch (const AgentError& e) {
       print_summary(r.failure, restarts_used_);
       say(e.what());
+      exit_sync(kExitSyncAfterSignal);  // node 0 need not wait for this node at the end
       return kExitJobFailed;
     } catch (const Error& e) {
       say("lost node 0's store while restarting: " + e.message());

@@ -52,6 +52,10 @@ constexpr auto kDrainTimeout = std::chrono::seconds(1);
 // After a failure, how long an agent waits for the other nodes' views of their ranks before it
 // prints the verdict without them.
 constexpr auto kFinalViewWait = std::chrono::seconds(5);
+// Elastic: what a node waiting for node 0's answer or for a generation allows beyond
+// --rdzv-timeout + --node-timeout: node 0 may first have to stop a running generation
+// (kStopGrace, kKillWait, kFinalViewWait).
+constexpr auto kAnswerMargin = std::chrono::seconds(30);
 // The stall watch looks at most this often, and at least four times per --stall-timeout and six
 // times per --node-timeout.
 constexpr double kMaxWatchInterval = 5.0;
@@ -211,7 +215,11 @@ class Agent {
   // A node other than node 0: asks node 0 to join; returns the generation it joins.
   int join_job();
   // Node 0: join requests not yet answered, those that may join (others refused at once).
-  std::vector<Member> take_join_requests();
+  // (Not those with an id already in `forming`, the members a rendezvous is forming.)
+  std::vector<Member> take_join_requests(const std::vector<Member>& forming = {});
+  // Node 0: takes out of `members` the nodes that withdrew from generation g (a signal or a
+  // timeout while they waited for it).
+  void drop_withdrawn(int g, std::vector<Member>& members);
   void answer_join(const Member& m, const json& reply);
   void refuse_waiting_joins(const std::string& why);
   // Node 0, while generation g runs: a node that asks to join (and fits) stops the generation,
@@ -256,6 +264,10 @@ class Agent {
   std::vector<Member> pending_;  // node 0: admitted to the next generation
   int64_t next_ticket_ = 1;      // node 0: the first join request not yet read
   std::set<int64_t> admitted_;   // node 0: join requests answered with a generation
+  // node 0: a ticket taken but its request not written yet, since when (skipped after
+  // --node-timeout: its agent may have died in between)
+  int64_t unwritten_ticket_ = 0;
+  std::optional<Clock::time_point> unwritten_since_;
   int restarts_used_ = 0;        // node 0: failures restarted (membership changes do not count)
   Fd sigfd_;
   int pending_signal_ = 0;
