@@ -26,8 +26,10 @@ namespace lockstep::launch::agent_detail {
 //   join/next              counter: a node that wants in takes ticket t = add(join/next, 1)
 //   join/<t>               its request: {id, host, nproc}
 //   join/<t>/reply         node 0's answer: {"admitted": g} or {"refused": why}
+//   join/<t>/withdrawn     the node stopped waiting for the answer (a signal, its timeout)
 //   gen<g>/members         {"nodes": [{id, host, ticket}, ...]} (by id), or {"abort": why}
 //   gen<g>/stopped/<id>    after generation g failed: this node has stopped its workers
+//   gen<g>/withdrawn/<id>  the node stopped waiting for generation g to start
 //
 // A rendezvous (node 0, form_generation): the members it already has, plus join requests as
 // they come (each checked: --nproc-per-node must match, the --node-rank must be free, and a
@@ -35,7 +37,10 @@ namespace lockstep::launch::agent_detail {
 // --rdzv-last-call seconds for more, cut short at MAX; past --rdzv-timeout without MIN, the job
 // fails. While a generation runs, node 0 reads join requests at every monitor interval: one
 // that fits stops the generation (a `membership` failure record) and the next rendezvous
-// admits it; one past MAX is refused at once.
+// admits it; one past MAX is refused at once. A ticket whose request is not written within
+// --node-timeout (its agent died in between) is skipped; a node that withdraws (join/<t>/withdrawn
+// or gen<g>/withdrawn/<id>) is taken out of a rendezvous still forming. A node that withdraws
+// after its generation was published is found lost by the heartbeat instead.
 //
 // When a generation fails, every node stops its workers and says so (gen<g>/stopped/<id>).
 // Node 0 keeps the nodes that said so within --node-timeout; a node found lost (Note [Stall
