@@ -144,12 +144,13 @@ Tensor linear_nograd(const Tensor& x, const Tensor& w, const Tensor& bias) {
   return y.view(out_shape);
 }
 
-// Column sums of g2 (M x out) -> (out), for linear's bias gradient; 16-bit floats sum in f32.
+// Column sums of g2 (M x out) -> (out), for linear's bias gradient; 16-bit floats sum in f32
+// (the CPU kernel reads them as they are, the CUDA one from an f32 copy).
 Tensor bias_grad(const Tensor& g2) {
   const auto sum_rows = detail::kernel(&Kernels::sum_rows, g2.device(), "linear");
   const DType pt = product_dtype(g2.dtype());
   Tensor out = empty({g2.size(1)}, detail::options_on(g2, pt));
-  sum_rows(out, g2.to(pt));
+  sum_rows(out, g2.device().is_cpu() ? g2 : g2.to(pt));
   return pt == g2.dtype() ? out : out.to(g2.dtype());
 }
 

@@ -89,6 +89,21 @@ TEST(Bf16Matmul, GradientsMatchTheDoubleModel) {
   expect_bf16_close(b.grad(), b64.grad(), "bias gradient");
 }
 
+// The bias gradient sums a bf16 output gradient (read as bf16, contiguous or strided) in double
+// and rounds once: exactly the f64 column sums of the same bf16 values, rounded to f32 then bf16.
+TEST(Bf16Matmul, BiasGradientIsTheRoundedColumnSumOfTheBf16Gradient) {
+  const Tensor x = rand_bf16({37, 40}, 17), w0 = rand_bf16({29, 40}, 18), b0 = rand_bf16({29}, 19);
+  const Tensor g_rows = rand_bf16({37, 29}, 20), g_cols = rand_bf16({29, 37}, 21).t();
+  for (const Tensor& g : {g_rows, g_cols}) {
+    Tensor w = w0.detach().requires_grad_(), b = b0.detach().requires_grad_();
+    linear(x, w, b).backward(g);
+    const Tensor want = sum(g.to(kFloat64), Dims{0}).to(kFloat32).to(kBFloat16);
+    ASSERT_EQ(b.grad().dtype(), kBFloat16);
+    EXPECT_EQ(b.grad().to_vector<double>(), want.to_vector<double>())
+        << (g.is_contiguous() ? "contiguous" : "strided") << " gradient";
+  }
+}
+
 TEST(Bf16Matmul, EmptyShapes) {
   EXPECT_EQ(matmul(rand_bf16({0, 4}, 1), rand_bf16({4, 3}, 2)).shape(), Dims({0, 3}));
   const Tensor z = matmul(rand_bf16({2, 0}, 1), rand_bf16({0, 3}, 2));

@@ -2,8 +2,10 @@
 // optional bias row, through BLAS (f32, f64) or oneDNN (bf16); f16, and bf16 shapes oneDNN
 // declines, are computed in f32 from converted operands.
 #include <algorithm>
+#include <bit>
 #include <climits>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "lockstep/ops/linalg.h"
@@ -229,22 +231,39 @@ void gemm_kernel(const Tensor& c, const Tensor& a, const Tensor& b, const Tensor
 }
 
 // Parallel over column blocks, each summing all rows in row order, so the result does not
-// depend on the thread count; rows are read along their contiguous direction.
+// depend on the thread count; rows are read along their contiguous direction. A bf16 or f16 g
+// is read as it is into an f32 out: under autocast a Linear's output gradient is bf16, and
+// converting all of it to f32 first cost as much as the sum.
 void sum_rows_kernel(const Tensor& out, const Tensor& g) {
-  dispatch_float(g.dtype(), "linear backward", [&]<typename T>() {
+  auto run = [&]<typename In, typename Out>() {
     const int64_t rows = g.size(0), cols = g.size(1), rs = g.stride(0), cs = g.stride(1);
-    const T* p = g.data<T>();
-    T* o = out.data<T>();
+    const In* p = static_cast<const In*>(g.data_ptr());
+    Out* o = out.data<Out>();
     const int64_t grain = std::max<int64_t>(64, kElementwiseGrain / std::max<int64_t>(rows, 1));
     parallel_for(0, cols, grain, [&](int64_t b, int64_t e) {
       std::vector<double> acc(static_cast<size_t>(e - b), 0.0);
       for (int64_t i = 0; i < rows; ++i) {
-        const T* row = p + i * rs;
-        for (int64_t j = b; j < e; ++j) acc[j - b] += static_cast<double>(row[j * cs]);
+        const In* row = p + i * rs;
+        for (int64_t j = b; j < e; ++j) {
+          if constexpr (std::is_same_v<In, BFloat16>) {
+            // The bits shifted into place (bf16_bits_to_float), which the compiler vectorizes.
+            const uint32_t u = static_cast<uint32_t>(row[j * cs].bits) << 16;
+            acc[j - b] += static_cast<double>(std::bit_cast<float>(u));
+          } else {
+            acc[j - b] += static_cast<double>(static_cast<float>(row[j * cs]));
+          }
+        }
       }
-      for (int64_t j = b; j < e; ++j) o[j] = static_cast<T>(acc[j - b]);
+      for (int64_t j = b; j < e; ++j) o[j] = static_cast<Out>(acc[j - b]);
     });
-  });
+  };
+  if (g.dtype() == kBFloat16 || g.dtype() == kFloat16) {
+    LS_CHECK(out.dtype() == kFloat32, "linear backward: the column sums of a ",
+             dtype_name(g.dtype()), " gradient go to f32, got ", dtype_name(out.dtype()));
+    if (g.dtype() == kBFloat16) return run.template operator()<BFloat16, float>();
+    return run.template operator()<Half, float>();
+  }
+  dispatch_float(g.dtype(), "linear backward", [&]<typename T>() { run.template operator()<T, T>(); });
 }
 
 }  // namespace lockstep::cpu
