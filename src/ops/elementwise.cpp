@@ -4,6 +4,7 @@
 #include "lockstep/ops/elementwise.h"
 
 #include <cmath>
+#include <initializer_list>
 
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/autograd/node.h"
@@ -129,6 +130,16 @@ Tensor scalar_compare(CompareOp op, const char* name, const Tensor& a, double s)
   return out;
 }
 
+// The CPU's tanh GELU takes contiguous bf16 tensors as they are (Note [bf16 GELU] in
+// src/ops/cpu/elementwise.cpp); other ops, dtypes and devices compute 16-bit floats in f32.
+bool bf16_gelu_on_cpu(UnaryOp op, std::initializer_list<const Tensor*> ts) {
+  if (op != UnaryOp::gelu_tanh) return false;
+  for (const Tensor* t : ts) {
+    if (t->dtype() != kBFloat16 || !t->device().is_cpu() || !t->is_contiguous()) return false;
+  }
+  return true;
+}
+
 // Unary math in floating point (integer inputs are promoted to f32, 16-bit floats computed in
 // f32 and stored back).
 Tensor unary_float(UnaryOp op, const char* name, const Tensor& a) {
@@ -136,6 +147,11 @@ Tensor unary_float(UnaryOp op, const char* name, const Tensor& a) {
   detail::check_defined(a, name);
   const auto kernel = detail::kernel(&Kernels::unary, a.device(), name);
   if (!is_floating(a.dtype())) return unary_float(op, name, a.to(kFloat32));
+  if (bf16_gelu_on_cpu(op, {&a})) {  // Note [bf16 GELU] in src/ops/cpu/elementwise.cpp
+    Tensor out = empty(a.shape(), detail::options_on(a, a.dtype()));
+    kernel(op, out, a, 0.0, 0.0);
+    return out;
+  }
   if (is_half(a.dtype())) return unary_float(op, name, a.to(kFloat32)).to(a.dtype());
   Tensor out = empty(a.shape(), detail::options_on(a, a.dtype()));
   kernel(op, out, a, 0.0, 0.0);
@@ -162,6 +178,12 @@ Tensor unary_grad(UnaryOp op, const char* name, const Tensor& g, const Tensor& s
   LS_CHECK(g.shape() == saved.shape(), name, ": shapes ", g.shape().str(), " and ",
            saved.shape().str(), " differ");
   const DType dt = g.dtype();
+  if (bf16_gelu_on_cpu(op, {&g, &saved})) {  // Note [bf16 GELU] in src/ops/cpu/elementwise.cpp
+    const auto kernel = detail::kernel(&Kernels::unary_backward, g.device(), name);
+    Tensor out = empty(g.shape(), detail::options_on(g, dt));
+    kernel(op, out, g, saved, lo, hi);
+    return out;
+  }
   if (is_half(dt)) {
     return unary_grad(op, name, g.to(kFloat32), saved.to(kFloat32), lo, hi).to(dt);
   }

@@ -114,6 +114,8 @@ struct Kernels {
   // bool out; a and b of one numeric dtype.
   LS_KERNEL_ENTRY(compare, CompareOp op, const Tensor& out, const Tensor& a, const Tensor& b)
   LS_KERNEL_ENTRY(compare_scalar, CompareOp op, const Tensor& out, const Tensor& a, double s)
+  // The CPU's unary and unary_backward also take contiguous bf16 for gelu_tanh (Note [bf16 GELU]
+  // in src/ops/cpu/elementwise.cpp).
   LS_KERNEL_ENTRY(unary, UnaryOp op, const Tensor& out, const Tensor& a, double p0, double p1)
   // out = d op(x)/dx * g, of one floating dtype; `saved` is the op's input x, or its output y
   // for exp, sqrt, rsqrt, tanh, sigmoid.

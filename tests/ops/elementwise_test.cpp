@@ -146,6 +146,45 @@ TEST(Elementwise, GeluTanhFloat32MatchesFloat64) {
   EXPECT_NEAR(y.at({0}), ref(1.0), 1e-6);
 }
 
+// bf16 GELU (Note [bf16 GELU] in src/ops/cpu/elementwise.cpp) reads and writes bf16 directly;
+// its values and gradients must be the bits of the f32 kernel between .to(kFloat32) and
+// .to(kBFloat16): 1003 (not a multiple of 8) and 70,001 (several threads' chunks) elements over
+// [-12, 12], and NaN, infinities, huge and subnormal inputs.
+TEST(Elementwise, GeluTanhBf16IsTheRoundedFloat32Kernel) {
+  auto expect_same_bits = [](const Tensor& got, const Tensor& want, const char* what) {
+    ASSERT_EQ(got.dtype(), kBFloat16) << what;
+    const auto g = got.to_vector<double>(), w = want.to_vector<double>();
+    ASSERT_EQ(g.size(), w.size()) << what;
+    for (size_t i = 0; i < g.size(); ++i) {
+      if (std::isnan(w[i])) {
+        ASSERT_TRUE(std::isnan(g[i])) << what << " element " << i;
+      } else {
+        ASSERT_EQ(g[i], w[i]) << what << " element " << i;
+        ASSERT_EQ(std::signbit(g[i]), std::signbit(w[i])) << what << " element " << i;
+      }
+    }
+  };
+  for (int64_t n : {1003, 70001}) {
+    Tensor x = arange(0.0, static_cast<double>(n), 1.0, kFloat32);
+    x = add(mul(x, 24.0 / static_cast<double>(n - 1)), -12.0).to(kBFloat16);
+    const double specials[] = {std::nan(""), INFINITY, -INFINITY, -1e5, -3e38, 3e38, 1e-40, -1e-40,
+                               0.0, -0.0};
+    for (size_t i = 0; i < std::size(specials); ++i)
+      x.set_at({static_cast<int64_t>(7 * i + 3)}, specials[i]);
+    Generator gen(8);
+    const Tensor w = randn({n}, gen).to(kBFloat16);
+
+    Tensor xb = x.detach().requires_grad_();
+    Tensor yb = gelu(xb, GeluApprox::tanh);
+    sum(mul(yb, w)).backward();
+    Tensor x32 = x.to(kFloat32).requires_grad_();
+    Tensor y32 = gelu(x32, GeluApprox::tanh);
+    sum(mul(y32, w.to(kFloat32))).backward();
+    expect_same_bits(yb, y32.to(kBFloat16), "gelu");
+    expect_same_bits(xb.grad(), x32.grad().to(kBFloat16), "gelu gradient");
+  }
+}
+
 TEST(Elementwise, UnaryOpsMatchReference) {
   struct Case {
     const char* name;

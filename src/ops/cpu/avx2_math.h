@@ -3,6 +3,8 @@
 // target attribute, and callers check cpu_has_avx2() before calling into them.
 #pragma once
 
+#include <cstdint>
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define LS_HAVE_AVX2 1
 #include <immintrin.h>
@@ -43,6 +45,32 @@ LS_AVX2 inline __m256 exp8(__m256 x) {
   const __m256i e =
       _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(er, _mm256_castsi256_ps(e));
+}
+
+// 8 bf16 (bit patterns) -> f32, exact.
+LS_AVX2 inline __m256 bf16_to_f32_8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// f32 -> 8 bf16 stored at p, bit for bit float_to_bf16_bits (the algorithm of to_bf16_avx2 in
+// src/tensor/half.cpp): round to nearest even by adding 0x7fff plus the kept lowest bit; a NaN
+// stays NaN and is made quiet. Denormals are rounded, not flushed, unlike vcvtneps2bf16.
+LS_AVX2 inline void f32_to_bf16_8(uint16_t* p, __m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i hi = _mm256_srli_epi32(u, 16);
+  const __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                           _mm256_and_si256(hi, _mm256_set1_epi32(1)))),
+      16);
+  // |u| > inf as signed 32-bit integers (|u| < 2^31) is the NaN test.
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                         _mm256_set1_epi32(0x7f800000));
+  const __m256i r =
+      _mm256_blendv_epi8(rounded, _mm256_or_si256(hi, _mm256_set1_epi32(0x0040)), nan);
+  // packus works per 128-bit half; the permute puts the two halves' 4 values together.
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
 
 #else

@@ -170,6 +170,58 @@ void compare_scalar_kernel(CompareOp op, const Tensor& out, const Tensor& a, dou
   LS_THROW("compare_scalar: unknown op ", static_cast<int>(op));
 }
 
+namespace {
+
+template <typename T>
+T gelu_tanh_value(T x) {
+  const T inner = T(kSqrt2OverPi) * (x + T(kGeluCoeff) * x * x * x);
+  return T(0.5) * x * (T(1) + std::tanh(inner));
+}
+
+template <typename T>
+T gelu_tanh_grad(T gv, T x) {
+  const T inner = T(kSqrt2OverPi) * (x + T(kGeluCoeff) * x * x * x);
+  const T t = std::tanh(inner);
+  const T dinner = T(kSqrt2OverPi) * (T(1) + T(3 * kGeluCoeff) * x * x);
+  return gv * (T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * dinner);
+}
+
+// Note [bf16 GELU]
+// Under autocast the MLP's GELU gets bf16 activations (the output of the first linear), and
+// elementwise.cpp hands them over as they are (contiguous, one shape) instead of converting
+// them to f32 and back around the f32 kernel. Each value is computed in f32 and rounded once,
+// the same bits as that round trip: the AVX2 kernel, or these f32 loops without AVX2.
+void gelu_tanh_bf16(const Tensor& out, const Tensor& a) {
+  LS_CHECK(out.dtype() == kBFloat16 && a.is_contiguous() && out.is_contiguous() &&
+               a.shape() == out.shape(),
+           "gelu: the bf16 kernel takes contiguous bf16 tensors of one shape");
+  auto* y = static_cast<uint16_t*>(out.data_ptr());
+  const auto* x = static_cast<const uint16_t*>(a.data_ptr());
+  if (gelu_tanh_bf16_avx2(y, x, a.numel())) return;  // Note [GELU on AVX2]
+  parallel_for(0, a.numel(), kElementwiseGrain, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i)
+      y[i] = float_to_bf16_bits(gelu_tanh_value(bf16_bits_to_float(x[i])));
+  });
+}
+
+void gelu_tanh_backward_bf16(const Tensor& out, const Tensor& g, const Tensor& saved) {
+  LS_CHECK(out.dtype() == kBFloat16 && saved.dtype() == kBFloat16 && g.is_contiguous() &&
+               saved.is_contiguous() && out.is_contiguous() && g.shape() == out.shape() &&
+               saved.shape() == out.shape(),
+           "gelu_backward: the bf16 kernel takes contiguous bf16 tensors of one shape");
+  auto* dx = static_cast<uint16_t*>(out.data_ptr());
+  const auto* gp = static_cast<const uint16_t*>(g.data_ptr());
+  const auto* x = static_cast<const uint16_t*>(saved.data_ptr());
+  if (gelu_tanh_backward_bf16_avx2(dx, gp, x, out.numel())) return;  // Note [GELU on AVX2]
+  parallel_for(0, out.numel(), kElementwiseGrain, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i)
+      dx[i] = float_to_bf16_bits(
+          gelu_tanh_grad(bf16_bits_to_float(gp[i]), bf16_bits_to_float(x[i])));
+  });
+}
+
+}  // namespace
+
 void unary_kernel(UnaryOp op, const Tensor& out, const Tensor& a, double lo, double hi) {
   switch (op) {
     case UnaryOp::neg:
@@ -222,11 +274,8 @@ void unary_kernel(UnaryOp op, const Tensor& out, const Tensor& a, double lo, dou
           out.is_contiguous() && a.shape() == out.shape() &&
           gelu_tanh_f32_avx2(out.data<float>(), a.data<float>(), a.numel()))
         return;  // Note [GELU on AVX2]
-      return run_unary_float("gelu", out, a, [](auto x) {
-        using T = decltype(x);
-        const T inner = T(kSqrt2OverPi) * (x + T(kGeluCoeff) * x * x * x);
-        return T(0.5) * x * (T(1) + std::tanh(inner));
-      });
+      if (a.dtype() == kBFloat16) return gelu_tanh_bf16(out, a);
+      return run_unary_float("gelu", out, a, [](auto x) { return gelu_tanh_value(x); });
   }
   LS_THROW("unary: unknown op ", static_cast<int>(op));
 }
@@ -271,13 +320,8 @@ void unary_backward_kernel(UnaryOp op, const Tensor& out, const Tensor& g, const
           gelu_tanh_backward_f32_avx2(out.data<float>(), g.data<float>(), saved.data<float>(),
                                       out.numel()))
         return;  // Note [GELU on AVX2]
-      return run("gelu_backward", [](auto gv, auto x) {
-        using T = decltype(x);
-        const T inner = T(kSqrt2OverPi) * (x + T(kGeluCoeff) * x * x * x);
-        const T t = std::tanh(inner);
-        const T dinner = T(kSqrt2OverPi) * (T(1) + T(3 * kGeluCoeff) * x * x);
-        return gv * (T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * dinner);
-      });
+      if (g.dtype() == kBFloat16) return gelu_tanh_backward_bf16(out, g, saved);
+      return run("gelu_backward", [](auto gv, auto x) { return gelu_tanh_grad(gv, x); });
     case UnaryOp::clamp:
       return run("clamp_backward", [lo, hi](auto gv, auto x) {
         return (x >= lo && x <= hi) ? gv : static_cast<decltype(gv)>(0);

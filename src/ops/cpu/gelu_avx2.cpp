@@ -1,4 +1,4 @@
-// GELU's tanh approximation on 8 f32 lanes (Note [GELU on AVX2]).
+// GELU's tanh approximation on 8 f32 lanes, from f32 or bf16 memory (Note [GELU on AVX2]).
 #include "ops/cpu/gelu_avx2.h"
 
 #include <algorithm>
@@ -23,7 +23,9 @@ namespace lockstep::cpu {
 // s is set to 0, as 1 + tanh(u) is in f32, so y = -0 and dx = 0 there (and NaN for x = -inf or
 // where x^2 overflows, as the portable formula gives); for x above about 9, s is 1 and y = x. A NaN
 // x gives NaN (exp8 keeps it). The last n % 8 elements go through an 8-float buffer, so they are
-// computed by the same lanes as the rest.
+// computed by the same lanes as the rest. A bf16 tensor (autocast's MLP) is converted on load and
+// rounded on store (avx2_math.h), which gives the bits of the f32 kernel run between a
+// .to(kFloat32) and a .to(kBFloat16), without those two passes over memory.
 
 #if LS_HAVE_AVX2
 
@@ -62,28 +64,35 @@ LS_AVX2 inline __m256 backward8(__m256 g, __m256 x) {
   return _mm256_mul_ps(g, _mm256_add_ps(l.s, t));
 }
 
-LS_AVX2 void forward_range(float* y, const float* x, int64_t b, int64_t e) {
+// f32 or bf16 (uint16_t bit patterns) lanes in memory.
+LS_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+LS_AVX2 inline __m256 load8(const uint16_t* p) { return bf16_to_f32_8(p); }
+LS_AVX2 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+LS_AVX2 inline void store8(uint16_t* p, __m256 v) { f32_to_bf16_8(p, v); }
+
+template <typename T>
+LS_AVX2 void forward_range(T* y, const T* x, int64_t b, int64_t e) {
   int64_t i = b;
-  for (; i + 8 <= e; i += 8) _mm256_storeu_ps(y + i, forward8(_mm256_loadu_ps(x + i)));
+  for (; i + 8 <= e; i += 8) store8(y + i, forward8(load8(x + i)));
   if (i < e) {
-    float xb[8] = {}, yb[8];
-    const size_t bytes = static_cast<size_t>(e - i) * sizeof(float);
+    T xb[8] = {}, yb[8];
+    const size_t bytes = static_cast<size_t>(e - i) * sizeof(T);
     std::memcpy(xb, x + i, bytes);
-    _mm256_storeu_ps(yb, forward8(_mm256_loadu_ps(xb)));
+    store8(yb, forward8(load8(xb)));
     std::memcpy(y + i, yb, bytes);
   }
 }
 
-LS_AVX2 void backward_range(float* dx, const float* g, const float* x, int64_t b, int64_t e) {
+template <typename T>
+LS_AVX2 void backward_range(T* dx, const T* g, const T* x, int64_t b, int64_t e) {
   int64_t i = b;
-  for (; i + 8 <= e; i += 8)
-    _mm256_storeu_ps(dx + i, backward8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(x + i)));
+  for (; i + 8 <= e; i += 8) store8(dx + i, backward8(load8(g + i), load8(x + i)));
   if (i < e) {
-    float gb[8] = {}, xb[8] = {}, db[8];
-    const size_t bytes = static_cast<size_t>(e - i) * sizeof(float);
+    T gb[8] = {}, xb[8] = {}, db[8];
+    const size_t bytes = static_cast<size_t>(e - i) * sizeof(T);
     std::memcpy(gb, g + i, bytes);
     std::memcpy(xb, x + i, bytes);
-    _mm256_storeu_ps(db, backward8(_mm256_loadu_ps(gb), _mm256_loadu_ps(xb)));
+    store8(db, backward8(load8(gb), load8(xb)));
     std::memcpy(dx + i, db, bytes);
   }
 }
@@ -109,10 +118,26 @@ bool gelu_tanh_backward_f32_avx2(float* dx, const float* g, const float* x, int6
   return true;
 }
 
+bool gelu_tanh_bf16_avx2(uint16_t* y, const uint16_t* x, int64_t n) {
+  if (!cpu_has_avx2()) return false;
+  for_chunks(n, [&](int64_t b, int64_t e) { forward_range(y, x, b, e); });
+  return true;
+}
+
+bool gelu_tanh_backward_bf16_avx2(uint16_t* dx, const uint16_t* g, const uint16_t* x, int64_t n) {
+  if (!cpu_has_avx2()) return false;
+  for_chunks(n, [&](int64_t b, int64_t e) { backward_range(dx, g, x, b, e); });
+  return true;
+}
+
 #else
 
 bool gelu_tanh_f32_avx2(float*, const float*, int64_t) { return false; }
 bool gelu_tanh_backward_f32_avx2(float*, const float*, const float*, int64_t) { return false; }
+bool gelu_tanh_bf16_avx2(uint16_t*, const uint16_t*, int64_t) { return false; }
+bool gelu_tanh_backward_bf16_avx2(uint16_t*, const uint16_t*, const uint16_t*, int64_t) {
+  return false;
+}
 
 #endif
 
