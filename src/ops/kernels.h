@@ -166,6 +166,7 @@ struct Kernels {
   // strides, have batch dims that broadcast to c's (batch..., m, n); c is contiguous. a and b
   // share one floating dtype; c has it for f32 and f64 and is f32 for bf16 and f16 (the
   // products accumulate in f32). bias (n) has c's dtype. The one GEMM of matmul and linear.
+  // The CPU kernel also takes a bf16 c for bf16 operands (with an f32 bias) and rounds once.
   LS_KERNEL_ENTRY(gemm, const Tensor& c, const Tensor& a, const Tensor& b, const Tensor& bias)
   // out (n) = column sums of g (rows x n, any strides), f32/f64 accumulated in double in an
   // order that does not depend on threads: linear's bias gradient. The CPU kernel also takes a

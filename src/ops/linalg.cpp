@@ -42,6 +42,13 @@ int64_t leading_rows(const Tensor& x) {
 // The dtype the gemm kernel accumulates and returns the product in: f32 for 16-bit floats.
 DType product_dtype(DType dt) { return is_half(dt) ? kFloat32 : dt; }
 
+// The dtype the gemm kernel writes for operands of `t`'s dtype: the CPU's takes a bf16 output
+// and rounds it itself (Note [bf16 GEMM] in src/ops/cpu/bf16_gemm.cpp); others write f32 for
+// 16-bit operands, rounded afterwards.
+DType gemm_out_dtype(const Tensor& t) {
+  return t.dtype() == kBFloat16 && t.device().is_cpu() ? kBFloat16 : product_dtype(t.dtype());
+}
+
 void check_matmul_args(const Tensor& a, const Tensor& b, const char* op) {
   detail::check_defined(a, op);
   detail::check_defined(b, op);
@@ -83,7 +90,7 @@ Tensor matmul_nograd(const Tensor& a, const Tensor& b, const char* op = "matmul"
   const Tensor b2 = b.dim() == 1 ? b.unsqueeze(1) : b;  // (k, 1)
   const Dims batch = broadcast_batch(a2, b2, op);
   Tensor out = empty(with_matrix(batch, a2.size(-2), b2.size(-1)),
-                     detail::options_on(a, product_dtype(a.dtype())));
+                     detail::options_on(a, gemm_out_dtype(a)));
   gemm(out, a2, b2, Tensor());
   if (out.dtype() != a.dtype()) out = out.to(a.dtype());
   if (a.dim() > 1 && b.dim() > 1) return out;
@@ -137,10 +144,10 @@ Tensor linear_nograd(const Tensor& x, const Tensor& w, const Tensor& bias) {
   Dims out_shape = x.shape();
   out_shape[out_shape.size() - 1] = out_f;
   const int64_t rows = leading_rows(x);
-  Tensor y = empty({rows, out_f}, detail::options_on(x, pt));  // (M, out)
+  Tensor y = empty({rows, out_f}, detail::options_on(x, gemm_out_dtype(x)));  // (M, out)
   // (M, in) @ (in, out), w's transpose as a view.
   gemm(y, x.reshape({rows, in}), w.t(), bias.defined() ? bias.to(pt) : bias);
-  if (pt != x.dtype()) y = y.to(x.dtype());
+  if (y.dtype() != x.dtype()) y = y.to(x.dtype());
   return y.view(out_shape);
 }
 

@@ -24,5 +24,9 @@ struct Bf16Matrix {
 // converts and calls sgemm.
 bool bf16_gemm(int64_t m, int64_t n, int64_t k, const Bf16Matrix& a, const Bf16Matrix& b, float* c,
                int64_t ldc, bool accumulate);
+// The same product rounded once to bf16 into c (m x n, ldc), plus bias (n, f32) before the
+// rounding when not null: autocast's Linear and matmul outputs, without an f32 copy in memory.
+bool bf16_gemm_bf16_out(int64_t m, int64_t n, int64_t k, const Bf16Matrix& a, const Bf16Matrix& b,
+                        const float* bias, uint16_t* c, int64_t ldc);
 
 }  // namespace lockstep::cpu

@@ -173,7 +173,8 @@ void gemm_float(const Tensor& c, Tensor a, Tensor b, const Tensor& bias) {
 }
 
 // bf16 a and b into f32 c through oneDNN (Note [bf16 GEMM] in bf16_gemm.cpp), the bias (f32)
-// folded in as the accumulator's start; false when oneDNN declines (c is then partly written).
+// folded in as the accumulator's start, or into a bf16 c, rounded once with the bias added
+// before; false when oneDNN declines (c is then partly written).
 bool gemm_bf16_operands(const Tensor& c, Tensor a, Tensor b, const Tensor& bias) {
   if (!bf16_gemm_available()) return false;
   const int64_t m = c.size(-2), n = c.size(-1), k = a.size(-1);
@@ -182,13 +183,26 @@ bool gemm_bf16_operands(const Tensor& c, Tensor a, Tensor b, const Tensor& bias)
   const int64_t nb = batch.numel();
   a = blas_ready(a).expand(with_matrix(batch, m, k));
   b = blas_ready(b).expand(with_matrix(batch, k, n));
-  float* pc = c.data<float>();
-  if (bias.defined()) fill_rows_with_bias(pc, nb * m, n, bias);
   Matrix ma, mb;
   blas_layout(a, &ma);
   blas_layout(b, &mb);
   const auto* pa = static_cast<const BFloat16*>(a.data_ptr());
   const auto* pb = static_cast<const BFloat16*>(b.data_ptr());
+  if (c.dtype() == kBFloat16) {  // rounded by oneDNN (Note [bf16 GEMM])
+    const Tensor bias_c = bias.defined() ? bias.contiguous() : bias;
+    const float* pbias = bias_c.defined() ? bias_c.data<float>() : nullptr;
+    auto* pc16 = static_cast<BFloat16*>(c.data_ptr());
+    for (int64_t i = 0; i < nb; ++i) {
+      const auto [oa, ob] = batch_offsets(i, batch, a, b);
+      if (!gemm_bf16_out(ma.trans, mb.trans, m, n, k, pa + oa, ma.ld, pb + ob, mb.ld, pbias,
+                         pc16 + i * m * n, n)) {
+        return false;
+      }
+    }
+    return true;
+  }
+  float* pc = c.data<float>();
+  if (bias.defined()) fill_rows_with_bias(pc, nb * m, n, bias);
   for (int64_t i = 0; i < nb; ++i) {
     const auto [oa, ob] = batch_offsets(i, batch, a, b);
     if (!gemm_bf16(ma.trans, mb.trans, m, n, k, pa + oa, ma.ld, pb + ob, mb.ld, bias.defined(),
@@ -221,9 +235,14 @@ void gemm_kernel(const Tensor& c, const Tensor& a, const Tensor& b, const Tensor
     case DType::bf16:
       if (gemm_bf16_operands(c, a, b, bias)) return;
       [[fallthrough]];
-    case DType::f16:
-      // No 16-bit kernel here: the rounded inputs convert exactly to f32, multiply there.
-      return gemm_float<float>(c, to_f32(a), to_f32(b), bias);
+    case DType::f16: {
+      // No 16-bit kernel here: the rounded inputs convert exactly to f32, multiply there (into
+      // an f32 copy of a bf16 c, rounded once at the end).
+      if (c.dtype() == kFloat32) return gemm_float<float>(c, to_f32(a), to_f32(b), bias);
+      const Tensor c32 = empty(c.shape(), kFloat32);
+      gemm_float<float>(c32, to_f32(a), to_f32(b), bias);
+      return copy_kernel(c, c32);
+    }
     default:
       LS_THROW(op, ": dtype ", dtype_name(a.dtype()), " is not supported (expected f32, f64, ",
                "bf16 or f16)");

@@ -61,4 +61,18 @@ inline bool gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t 
   return bf16_gemm(m, n, k, ma, mb, c, ldc, accumulate);
 }
 
+// The same with c (bf16) = round(op(a) @ op(b) + bias), bias (n, f32) or nullptr.
+inline bool gemm_bf16_out(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+                          const BFloat16* a, int64_t lda, const BFloat16* b, int64_t ldb,
+                          const float* bias, BFloat16* c, int64_t ldc) {
+  Bf16Matrix ma, mb;
+  ma.data = reinterpret_cast<const uint16_t*>(a);
+  ma.rs = trans_a ? 1 : lda;
+  ma.cs = trans_a ? lda : 1;
+  mb.data = reinterpret_cast<const uint16_t*>(b);
+  mb.rs = trans_b ? 1 : ldb;
+  mb.cs = trans_b ? ldb : 1;
+  return bf16_gemm_bf16_out(m, n, k, ma, mb, bias, reinterpret_cast<uint16_t*>(c), ldc);
+}
+
 }  // namespace lockstep::cpu
