@@ -144,9 +144,8 @@ namespace {
 
 std::string full_text(const Member& m, int nnodes, int min_nodes) {
   return "the job already has " + std::to_string(nnodes) + " nodes, the most --nnodes " +
-         std::to_string(min_nodes) + ":" + std::to_string(nnodes) +
-         " allows; node --node-rank " + std::to_string(m.id) + " (host " + m.host +
-         ") was not admitted";
+         std::to_string(min_nodes) + ":" + std::to_string(nnodes) + " allows; node --node-rank " +
+         std::to_string(m.id) + " (host " + m.host + ") was not admitted";
 }
 
 }  // namespace
@@ -166,8 +165,8 @@ void Agent::admit_while_running(int g, bool ending) {
       continue;
     }
     pending_.push_back(m);
-    const std::string why = "node --node-rank " + std::to_string(m.id) + " (host " + m.host +
-                            ") asks to join";
+    const std::string why =
+        "node --node-rank " + std::to_string(m.id) + " (host " + m.host + ") asks to join";
     store_->compare_set(gen_key(g, "failure"), "",
                         dump({{"membership", true},
                               {"node", -1},
@@ -181,11 +180,10 @@ void Agent::admit_while_running(int g, bool ending) {
 
 void Agent::drop_withdrawn(int g, std::vector<Member>& members) {
   for (auto it = members.begin(); it != members.end();) {
-    const bool gone =
-        it->id != 0 &&
-        (store_->check({gen_key(g, "withdrawn/" + std::to_string(it->id))}) ||
-         (it->ticket > 0 &&
-          store_->check({key("join/" + std::to_string(it->ticket) + "/withdrawn")})));
+    const bool gone = it->id != 0 &&
+                      (store_->check({gen_key(g, "withdrawn/" + std::to_string(it->id))}) ||
+                       (it->ticket > 0 &&
+                        store_->check({key("join/" + std::to_string(it->ticket) + "/withdrawn")})));
     if (gone) {
       say("node --node-rank " + std::to_string(it->id) + " (host " + it->host +
           ") withdrew before generation " + std::to_string(g) + " started");
@@ -214,9 +212,8 @@ bool Agent::form_generation(int g, std::vector<Member> members, std::string* why
     if (members.size() >= static_cast<size_t>(o_.min_nodes)) {
       if (!last_call) {
         // Not past the rendezvous deadline: MIN are in, so the deadline ends the wait for more.
-        last_call = std::min(
-            deadline,
-            now + std::chrono::milliseconds(static_cast<int64_t>(o_.rdzv_last_call_s * 1000)));
+        last_call = std::min(deadline, now + std::chrono::milliseconds(
+                                                 static_cast<int64_t>(o_.rdzv_last_call_s * 1000)));
         if (o_.rdzv_last_call_s > 0) {
           say(std::to_string(members.size()) + " of --nnodes " + std::to_string(o_.min_nodes) +
               ":" + std::to_string(o_.nnodes) + " nodes are in; waiting " +
@@ -226,8 +223,8 @@ bool Agent::form_generation(int g, std::vector<Member> members, std::string* why
       if (now >= *last_call) break;
     }
     if (now >= deadline) {
-      *why = "rendezvous timed out after " + seconds_text(o_.rdzv_timeout_s) + " s: " +
-             std::to_string(members.size()) + " node(s) in (" + nodes_text(members) +
+      *why = "rendezvous timed out after " + seconds_text(o_.rdzv_timeout_s) +
+             " s: " + std::to_string(members.size()) + " node(s) in (" + nodes_text(members) +
              "), --nnodes " + std::to_string(o_.min_nodes) + ":" + std::to_string(o_.nnodes) +
              " needs at least " + std::to_string(o_.min_nodes);
       store_->set(gen_key(g, "members"), dump({{"abort", *why}}));
@@ -258,16 +255,17 @@ bool Agent::form_generation(int g, std::vector<Member> members, std::string* why
   return true;
 }
 
-void Agent::adopt_members(int g) {
-  const std::string k = gen_key(g, "members");
+void Agent::wait_for_node_zero(const std::string& k, const std::string& withdrawn,
+                               const std::string& what) {
+  // Node 0 may first have to stop a running generation (a stop grace, a kill wait and the
+  // verdict's wait) and hear from the nodes: that on top of the rendezvous.
   const double wait_s = o_.rdzv_timeout_s + o_.node_timeout_s + kAnswerMargin.count();
   const auto deadline =
       Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(wait_s * 1000));
-  // A node that stops waiting says so, so that node 0 does not start a generation with it.
   auto withdraw = [&] {
-    if (o_.node_rank == 0) return;
+    if (withdrawn.empty()) return;
     try {
-      store_->set(gen_key(g, "withdrawn/" + std::to_string(o_.node_rank)), "1");
+      store_->set(withdrawn, "1");
     } catch (const Error&) {
     }
   };
@@ -278,18 +276,26 @@ void Agent::adopt_members(int g) {
     }
     if (Clock::now() >= deadline) {
       withdraw();
-      throw AgentError("node 0 did not start generation " + std::to_string(g) + " within " +
-                       seconds_text(wait_s) + " s (--rdzv-timeout + --node-timeout + " +
+      throw AgentError(what + " within " + seconds_text(wait_s) +
+                       " s (--rdzv-timeout + --node-timeout + " +
                        std::to_string(kAnswerMargin.count()) + " s)");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
+}
+
+void Agent::adopt_members(int g) {
+  const std::string k = gen_key(g, "members");
+  // A node that stops waiting says so, so that node 0 does not start a generation with it.
+  wait_for_node_zero(
+      k, o_.node_rank == 0 ? "" : gen_key(g, "withdrawn/" + std::to_string(o_.node_rank)),
+      "node 0 did not start generation " + std::to_string(g));
   const json j = json::parse(store_->get_string(k));
   if (j.contains("abort")) throw AgentError("the job failed: " + j["abort"].get<std::string>());
   std::vector<Member> ms;
   for (const auto& n : j.at("nodes")) ms.push_back(Member::from_json(n));
-  const auto me = std::find_if(ms.begin(), ms.end(),
-                               [&](const Member& m) { return m.id == o_.node_rank; });
+  const auto me =
+      std::find_if(ms.begin(), ms.end(), [&](const Member& m) { return m.id == o_.node_rank; });
   if (me == ms.end()) {
     throw AgentError("node 0 left this node (--node-rank " + std::to_string(o_.node_rank) +
                      ") out of generation " + std::to_string(g) + " (" + nodes_text(ms) +
@@ -317,30 +323,8 @@ int Agent::join_job() {
   store_->set(key("join/" + std::to_string(t)),
               dump({{"id", o_.node_rank}, {"host", hostname()}, {"nproc", o_.nproc_per_node}}));
   const std::string k = key("join/" + std::to_string(t) + "/reply");
-  // Node 0 answers once the running generation has stopped (which may take a stop grace, a kill
-  // wait and the verdict's wait) and the nodes have said so: that on top of the rendezvous.
-  const double wait_s = o_.rdzv_timeout_s + o_.node_timeout_s + kAnswerMargin.count();
-  const auto deadline =
-      Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(wait_s * 1000));
-  auto withdraw = [&] {
-    try {
-      store_->set(key("join/" + std::to_string(t) + "/withdrawn"), "1");
-    } catch (const Error&) {
-    }
-  };
-  while (!store_->check({k})) {
-    if (const int sig = take_signal()) {
-      withdraw();
-      throw Interrupted(sig);
-    }
-    if (Clock::now() >= deadline) {
-      withdraw();
-      throw AgentError("node 0 did not admit this node within " + seconds_text(wait_s) +
-                       " s (--rdzv-timeout + --node-timeout + " +
-                       std::to_string(kAnswerMargin.count()) + " s)");
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+  wait_for_node_zero(k, key("join/" + std::to_string(t) + "/withdrawn"),
+                     "node 0 did not admit this node");
   const json reply = json::parse(store_->get_string(k));
   if (reply.contains("refused")) {
     throw AgentError("node 0 refused this node: " + reply["refused"].get<std::string>());
@@ -396,8 +380,8 @@ bool Agent::next_generation(int g, const json& failure, std::string* why) {
     }
     if (Clock::now() >= deadline) {
       for (const auto& m : members_) {
-        if (gone.count(m.id) || std::any_of(here.begin(), here.end(),
-                                            [&](const Member& h) { return h.id == m.id; })) {
+        if (gone.count(m.id) ||
+            std::any_of(here.begin(), here.end(), [&](const Member& h) { return h.id == m.id; })) {
           continue;
         }
         say("node --node-rank " + std::to_string(m.id) + " (host " + m.host +
@@ -412,17 +396,15 @@ bool Agent::next_generation(int g, const json& failure, std::string* why) {
   if (!membership) {
     if (restarts_used_ >= o_.max_restarts) {
       *why = "no restarts left (--max-restarts " + std::to_string(o_.max_restarts) + ")";
-      store_->set(gen_key(g + 1, "members"),
-                  dump({{"abort", event_text(failure) + "; " + *why}}));
+      store_->set(gen_key(g + 1, "members"), dump({{"abort", event_text(failure) + "; " + *why}}));
       return false;
     }
     ++restarts_used_;
-    say("restarting the workers of every node (restart " + std::to_string(restarts_used_) +
-        " of " + std::to_string(o_.max_restarts) + ")");
+    say("restarting the workers of every node (restart " + std::to_string(restarts_used_) + " of " +
+        std::to_string(o_.max_restarts) + ")");
   } else if (here.size() < members_.size()) {
     say(std::to_string(members_.size() - here.size()) + " node(s) gone; " +
-        std::to_string(here.size()) +
-        " remain (a membership change, not counted as a restart)");
+        std::to_string(here.size()) + " remain (a membership change, not counted as a restart)");
   }
   // From here a replacement for a gone node may take its --node-rank, and the job's end waits
   // only for the nodes still here (exit_sync).

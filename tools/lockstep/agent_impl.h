@@ -233,6 +233,10 @@ class Agent {
   // Every node: reads gen<g>/members (waiting for it), sets members_, nnodes_, node_rank_; an
   // AgentError when the job was aborted or this node was left out.
   void adopt_members(int g);
+  // Waits for node 0 to write key k; on a signal (Interrupted) or past the deadline (AgentError
+  // starting with `what`) it first sets `withdrawn` (unless empty) for node 0 to see.
+  void wait_for_node_zero(const std::string& k, const std::string& withdrawn,
+                          const std::string& what);
   void publish_leaving(int g, int sig);
   std::string event_text(const json& failure) const;
 

@@ -48,31 +48,28 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const T* 
 
 // c (m x n, f32, ldc) = op(a) @ op(b) (+ c when accumulate) with bf16 a and b, as gemm above;
 // false when oneDNN is unavailable or declines the layout (the caller then computes in f32).
+// A row-major bf16 operand with leading dimension ld, transposed or not, as oneDNN's strides.
+inline Bf16Matrix bf16_operand(const BFloat16* p, int64_t ld, bool trans) {
+  Bf16Matrix m;
+  m.data = reinterpret_cast<const uint16_t*>(p);
+  m.rs = trans ? 1 : ld;
+  m.cs = trans ? ld : 1;
+  return m;
+}
+
 inline bool gemm_bf16(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
                       const BFloat16* a, int64_t lda, const BFloat16* b, int64_t ldb,
                       bool accumulate, float* c, int64_t ldc) {
-  Bf16Matrix ma, mb;
-  ma.data = reinterpret_cast<const uint16_t*>(a);
-  ma.rs = trans_a ? 1 : lda;
-  ma.cs = trans_a ? lda : 1;
-  mb.data = reinterpret_cast<const uint16_t*>(b);
-  mb.rs = trans_b ? 1 : ldb;
-  mb.cs = trans_b ? ldb : 1;
-  return bf16_gemm(m, n, k, ma, mb, c, ldc, accumulate);
+  return bf16_gemm(m, n, k, bf16_operand(a, lda, trans_a), bf16_operand(b, ldb, trans_b), c, ldc,
+                   accumulate);
 }
 
 // The same with c (bf16) = round(op(a) @ op(b) + bias), bias (n, f32) or nullptr.
 inline bool gemm_bf16_out(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
                           const BFloat16* a, int64_t lda, const BFloat16* b, int64_t ldb,
                           const float* bias, BFloat16* c, int64_t ldc) {
-  Bf16Matrix ma, mb;
-  ma.data = reinterpret_cast<const uint16_t*>(a);
-  ma.rs = trans_a ? 1 : lda;
-  ma.cs = trans_a ? lda : 1;
-  mb.data = reinterpret_cast<const uint16_t*>(b);
-  mb.rs = trans_b ? 1 : ldb;
-  mb.cs = trans_b ? ldb : 1;
-  return bf16_gemm_bf16_out(m, n, k, ma, mb, bias, reinterpret_cast<uint16_t*>(c), ldc);
+  return bf16_gemm_bf16_out(m, n, k, bf16_operand(a, lda, trans_a), bf16_operand(b, ldb, trans_b),
+                            bias, reinterpret_cast<uint16_t*>(c), ldc);
 }
 
 }  // namespace lockstep::cpu
