@@ -1017,9 +1017,9 @@ void Trainer::report_final(const Totals& totals) const {
     const dist::ZeroStats z = zero->stats();
     std::printf(
         "zero: rank 0 keeps %lld bytes of optimizer state, for its shard of %lld of the %lld "
-        "parameter elements (padding %lld)\n",
+        "parameter elements (%lld stepped on every rank)\n",
         static_cast<long long>(z.state_bytes), static_cast<long long>(z.shard_elements),
-        static_cast<long long>(z.total_elements), static_cast<long long>(z.padding));
+        static_cast<long long>(z.total_elements), static_cast<long long>(z.replicated_elements));
   }
   if (totals.samples == 0)
     log_info("nothing left to train: step ", pos_.step, " reached --max-steps / --epochs");

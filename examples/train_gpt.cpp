@@ -14,8 +14,8 @@
 // of --accum-steps micro-batches; every --eval-every steps rank 0 prints the training and
 // validation loss, tokens/s and the model FLOPs utilisation (Note [MFU]). At the end, --sample N
 // prints N bytes the model generates on rank 0, then rank 0 prints every rank's peak resident
-// memory and optimizer-state bytes (Note [Peak RSS per rank]). The last line is machine-readable: "final val_loss=...
-// train_loss=... steps=... tokens_per_s=... entropy_nats=...". The flags are in
+// memory and optimizer-state bytes (Note [Peak RSS per rank]). The last line is machine-readable:
+// "final val_loss=... train_loss=... steps=... tokens_per_s=... entropy_nats=...". The flags are in
 // train_gpt_flags.h.
 #include <unistd.h>
 
@@ -150,8 +150,12 @@ optim::Schedule schedule_of(const GptConfig& cfg) {
 
 // AdamW over the GPT's two groups (gpt_param_groups); with --zero 1 wrapped so that each rank
 // keeps the moments of its shard only (Note [ZeRO-1]).
+// --zero-reduce-scatter (more than one rank): DDP's buckets are reduce-scattered into the shards
+// and the all-gathers waited for in the next forward.
 std::unique_ptr<optim::Optimizer> build_optimizer(const GptConfig& cfg, const nn::Module& model,
                                                   const std::shared_ptr<dist::ProcessGroup>& pg) {
+  LS_CHECK(!cfg.zero_reduce_scatter || cfg.zero == 1,
+           "--zero-reduce-scatter needs --zero 1, got --zero ", cfg.zero);
   const optim::AdamWOptions opts{.lr = cfg.lr,
                                  .beta1 = cfg.beta1,
                                  .beta2 = cfg.beta2,
@@ -159,10 +163,13 @@ std::unique_ptr<optim::Optimizer> build_optimizer(const GptConfig& cfg, const nn
                                  .weight_decay = cfg.weight_decay};
   std::vector<optim::ParamGroup> groups = examples::gpt_param_groups(model, cfg.weight_decay);
   if (cfg.zero == 0) return std::make_unique<optim::AdamW>(std::move(groups), opts);
+  const bool scatter = cfg.zero_reduce_scatter && pg->size() > 1;
   return std::make_unique<dist::ZeroRedundancyOptimizer>(
-      std::move(groups), pg, [opts](std::vector<optim::ParamGroup> g) {
+      std::move(groups), pg,
+      [opts](std::vector<optim::ParamGroup> g) {
         return std::make_unique<optim::AdamW>(std::move(g), opts);
-      });
+      },
+      dist::ZeroOptions{.reduce_scatter_gradients = scatter, .overlap_all_gather = scatter});
 }
 
 // Where training stands: optimizer steps taken; the sampler epoch and the windows all ranks
@@ -208,6 +215,10 @@ class Trainer {
              " windows per rank in ", cfg.data, "/train.tokens, got ", sampler_->num_samples(),
              " windows of ", cfg.block_size, " tokens for this rank");
     for (const auto& [name, p] : gpt_->named_parameters()) param_names_.push_back(name);
+    if (cfg.zero_reduce_scatter && ddp_) {
+      zero_scatter_ = static_cast<dist::ZeroRedundancyOptimizer*>(opt_.get());
+      ddp_->register_comm_hook(zero_scatter_->comm_hook());
+    }
   }
 
   void resume();
@@ -235,6 +246,12 @@ class Trainer {
   std::shared_ptr<examples::Gpt> gpt_;
   std::shared_ptr<dist::DistributedDataParallel> ddp_;
   std::unique_ptr<optim::Optimizer> opt_;
+  // --zero-reduce-scatter: opt_, whose all-gathers the next forward of ddp_ waits for; what reads
+  // gpt_'s parameters otherwise (evaluation, sampling, checkpoints) calls settle() first.
+  dist::ZeroRedundancyOptimizer* zero_scatter_ = nullptr;
+  void settle() const {
+    if (zero_scatter_) zero_scatter_->wait_parameters();
+  }
   optim::LRScheduler scheduler_;
   std::shared_ptr<data::DistributedSampler> sampler_;
   data::DataLoader loader_;
@@ -338,8 +355,10 @@ void Trainer::train() {
         mul(l, 1.0 / static_cast<double>(cfg_.accum_steps)).backward();
         loss += l.item() / static_cast<double>(cfg_.accum_steps);
       }
-      const double grad_norm =
-          cfg_.grad_clip > 0 ? optim::clip_grad_norm(gpt_->parameters(), cfg_.grad_clip) : 0.0;
+      const double grad_norm = cfg_.grad_clip <= 0 ? 0.0
+                               : zero_scatter_
+                                   ? zero_scatter_->clip_grad_norm(cfg_.grad_clip)
+                                   : optim::clip_grad_norm(gpt_->parameters(), cfg_.grad_clip);
       const double lr = scheduler_.last_lr();
       opt_->step();
       scheduler_.step();
@@ -400,6 +419,7 @@ void Trainer::log_step(double loss, double grad_norm, double tokens_per_s) {
 // windows (in order, no padding), averaged over all of them across ranks.
 double Trainer::evaluate() {
   NoGradGuard no_grad;
+  settle();
   gpt_->eval();
   data::DistributedSampler shard(
       val_data_->size(),
@@ -435,6 +455,7 @@ double Trainer::evaluate() {
 void Trainer::sample() {
   if (cfg_.sample <= 0 || !main_rank_) return;
   NoGradGuard no_grad;
+  settle();
   gpt_->eval();
   Generator gen(cfg_.seed + 1);
   std::vector<int64_t> context = {'\n'};
@@ -465,6 +486,7 @@ void Trainer::sample() {
 }
 
 io::TrainingCheckpoint Trainer::checkpoint() const {
+  settle();
   io::TrainingCheckpoint ckpt;
   ckpt.model = gpt_->state_dict();
   ckpt.optimizer = opt_->state_dict();

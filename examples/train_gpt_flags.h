@@ -43,8 +43,9 @@ struct GptConfig {
   double beta2 = 0.95;
   double grad_clip = 1.0;  // 0: no clipping
   int64_t accum_steps = 1;
-  std::string amp = "none";  // or "bf16"
-  int64_t zero = 0;          // 1: ZeRO-1 (dist::ZeroRedundancyOptimizer)
+  std::string amp = "none";          // or "bf16"
+  int64_t zero = 0;                  // 1: ZeRO-1 (dist::ZeroRedundancyOptimizer)
+  bool zero_reduce_scatter = false;  // --zero 1 with DDP's buckets reduce-scattered (Note [ZeRO-1])
   // Reporting.
   int64_t eval_every = 25;   // a log line with the validation loss every N steps
   int64_t eval_batches = 8;  // batches per rank of the validation windows per evaluation
@@ -116,6 +117,10 @@ inline int parse_gpt_flags(int argc, char** argv, GptConfig& cfg) {
       ->capture_default_str();
   add_number(app, "--zero", cfg.zero, I{0, 1},
              "1: ZeRO-1, each rank keeps the AdamW moments of its shard only");
+  app.add_flag("--zero-reduce-scatter", cfg.zero_reduce_scatter,
+               "With --zero 1: reduce-scatter DDP's buckets into the shards during backward and "
+               "overlap the parameters' all-gather with the next forward (clipping then uses the "
+               "norm over the shards: the same up to the order of its sums)");
   add_number(app, "--eval-every", cfg.eval_every, I{1, kMaxCount},
              "A log line with the validation loss every N steps (and at the last)");
   add_number(app, "--eval-batches", cfg.eval_batches, I{1, kMaxCount},

@@ -21,7 +21,7 @@ CommHook allreduce_hook() {
           [](ProcessGroup& pg, GradBucket& b) {
             return pg.all_reduce(b.buffer, {.op = ReduceOp::avg});
           },
-          nullptr};
+          nullptr, nullptr};
 }
 
 namespace {
@@ -37,7 +37,8 @@ CommHook compress_hook(std::string name, DType wire) {
             autograd::NoGradGuard no_grad;
             b.buffer.copy_(b.scratch);
             b.scratch = Tensor();
-          }};
+          },
+          nullptr};
 }
 
 }  // namespace
@@ -183,6 +184,7 @@ void DistributedDataParallel::broadcast_buffers(int root) {
 }
 
 Tensor DistributedDataParallel::forward(const Tensor& x) {
+  if (opts_.comm_hook.before_forward) opts_.comm_hook.before_forward();
   int buffer_root = 0;
   if (join_ != nullptr && autograd::grad_enabled() && module_->is_training()) {
     // Note [Join]: tell ranks that ran out of data what this step does.
@@ -209,5 +211,10 @@ DistributedDataParallel::NoSync::NoSync(DistributedDataParallel& ddp)
 DistributedDataParallel::NoSync::~NoSync() { ddp_.reducer_->set_no_sync(previous_); }
 
 DDPStats DistributedDataParallel::stats() const { return reducer_->stats(); }
+
+void DistributedDataParallel::register_comm_hook(CommHook hook) {
+  reducer_->set_comm_hook(hook);
+  opts_.comm_hook = std::move(hook);
+}
 
 }  // namespace lockstep::dist

@@ -57,6 +57,15 @@ Reducer::~Reducer() {
   }
 }
 
+void Reducer::set_comm_hook(CommHook hook) {
+  LS_CHECK(stats_.synced_steps == 0 && !iteration_active_,
+           "DistributedDataParallel: register_comm_hook('", hook.name,
+           "') after a synchronized backward; register the hook before the first one");
+  LS_CHECK(hook.start != nullptr, "DistributedDataParallel: the comm hook '", hook.name,
+           "' has no start function");
+  opts_.comm_hook = std::move(hook);
+}
+
 void Reducer::build_buckets(const std::vector<size_t>& order) {
   autograd::NoGradGuard no_grad;
   std::vector<Bucket> buckets;
@@ -89,11 +98,13 @@ void Reducer::build_buckets(const std::vector<size_t>& order) {
     b.pending = static_cast<int>(b.params.size());
     b.handle.index = static_cast<int>(bi);
     b.handle.buffer = b.flat;
+    b.handle.numel = b.numel;
     for (size_t i : b.params) {
       const Tensor& p = params_[i].second;
       Slot& s = slots[i];
       s.view = b.flat.narrow(0, s.offset, p.numel()).view(p.shape());
       b.handle.parameter_names.push_back(params_[i].first);
+      b.handle.parameters.push_back(p);
       if (p.grad().defined()) {
         s.view.copy_(p.grad());
         p.set_grad(s.view);
@@ -159,6 +170,7 @@ void Reducer::launch_ready() {
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
     Bucket& b = buckets_[next_launch_++];
     if (next_launch_ == 1) write_step_time(b);
+    b.handle.contributors = contributors_ > 0 ? contributors_ : pg_->size();
     b.work = opts_.comm_hook.start(*pg_, b.handle);
     bytes_this_step_ += b.numel * dtype_size(b.dtype);
   }

@@ -27,6 +27,7 @@ class Reducer {
   void set_no_sync(bool on) { no_sync_ = on; }
   bool no_sync() const { return no_sync_; }
   DDPStats stats() const { return stats_; }
+  void set_comm_hook(CommHook hook);
 
   // Note [Join]: the number of ranks that contribute to the next synchronized backward (the
   // world size outside a Join); the reduced gradients are the mean over those ranks.

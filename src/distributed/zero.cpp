@@ -2,27 +2,36 @@
 // parameters, and the full state gathered for checkpoints and re-sharded on load.
 #include "lockstep/distributed/zero.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <set>
 #include <sstream>
 #include <string>
+#include <tuple>
 
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/base/error.h"
+#include "lockstep/ops/elementwise.h"
+#include "lockstep/ops/reduce.h"
 
 namespace lockstep::dist {
 
 // Note [ZeRO-1]
-// What is sharded. The parameters of all groups are flattened in group then parameter order (the
-// optimizer's own state index order), padded with zeros to a multiple of the world size W, and
-// cut into W equal contiguous shards: rank r owns elements [r c, (r + 1) c), c = ceil(total / W).
-// The parts of parameters that fall inside a rank's shard are its pieces: 1-D slices of one
-// flat tensor, shard_, which the wrapped optimizer steps as if they were parameters (each piece
-// in its parameter's group, so lr and weight decay per group hold). So the optimizer state on a
-// rank is state for c elements: total / W plus at most W - 1 elements of padding, plus a scalar
-// per piece where the optimizer keeps one (AdamW's per-parameter step count).
+// What is sharded. The parameters are cut into segments: by default one, all parameters of all
+// groups flattened in group then parameter order (the optimizer's own state index order); with
+// reduce_scatter_gradients, one per DDP bucket, its parameters in the bucket's order. A segment
+// of n elements is cut into W shards of q = floor(n / W) elements, rank r owning [r q, (r+1) q),
+// and a tail [W q, n) of fewer than W elements that every rank steps (the same floats from the
+// same inputs on every rank, so nothing needs sending; padding the segment to a multiple of W
+// instead would need a padded copy of every bucket for the reduce-scatter). The parts of
+// parameters inside a rank's shards and the tails are its pieces: 1-D slices of one flat tensor,
+// shard_ (every segment's shard then its tail), which the wrapped optimizer steps as if they were
+// parameters (each piece in its parameter's group, so lr and weight decay per group hold). So the
+// optimizer state on a rank is state for total / W elements plus fewer than W per segment, plus
+// a scalar per piece where the optimizer keeps one (AdamW's per-parameter step count).
 //
 // Why bitwise equal to the plain optimizer. SGD and AdamW update each element from that
 // element's parameter, gradient and state alone, with scalars (lr, bias corrections from the
@@ -47,22 +56,37 @@ namespace lockstep::dist {
 // So there are two modes. By default ZeRO takes the gradients DDP already averaged (any comm
 // hook, any backend, bitwise always) and saves the optimizer-state memory, ZeRO-1's point, for
 // one extra all-gather of the parameters per step. With ZeroOptions::reduce_scatter_gradients,
-// DDP runs zero_hook(), which averages only the reducer's own elements of each bucket (the
-// unused-parameter status and the slow-rank slots of Note [Slow rank] keep working, in one small
-// all-reduce per bucket), and step() reduce-scatters the flat, padded local gradients in one call:
-// bitwise DDP over shm and Gloo at any number of ranks. Its costs: the reduce-scatter runs in step(), not
-// overlapped with backward as DDP's buckets are (per-bucket shards would overlap it, with DDP's
-// bucket layout, rebuilt after the first step, deciding the shards), and .grad() holds local
-// gradients until step(), so gradient clipping and a GradScaler's inf check would see them
-// (they are not supported in that mode). In both modes the all-gather is waited for in step(),
-// not overlapped with the next forward.
+// DDP runs comm_hook(): as each bucket's gradients are ready during backward, its first W q
+// elements are reduce-scattered straight into this rank's shard of that bucket (reduced_[b].own),
+// and the rest of the bucket's buffer (the tail, the unused-parameter status and the slow-rank
+// slots of Note [Slow rank]) is all-reduced in place; both overlap the rest of the backward as
+// DDP's all-reduces do. .grad() keeps local gradients but for the tails, so gradient clipping
+// goes through clip_grad_norm() here, and a GradScaler's inf check would see local values (not
+// supported in that mode).
+//
+// Buckets. DDP lays its buckets out at construction and again after the first backward (in the
+// order gradients became ready, Note [Bucket order]), so the segments are known only from the
+// hooks: the first step() that sees buckets other than its segments (the first, and the second
+// after the rebuild) gathers the full state as state_dict() does, lays the new segments out and
+// loads the state back into them (follow_buckets). Every rank sees rank 0's layout, so every
+// rank does it at the same step.
+//
+// Overlap. step() launches one all-gather per segment, the one the next forward needs first
+// (DDP's last bucket holds the first layers) first. Without overlap_all_gather it waits for them
+// and writes the parameters at once. With it, step() returns with them running (Gloo runs them
+// on its communication thread; shm has already finished them on the caller's), and the next
+// forward of the DDP model waits and writes the parameters (CommHook::before_forward), so the
+// all-gathers overlap whatever the loop does in between: zero_grad, loading the next batch,
+// logging. Anything else that reads the parameters first must call wait_parameters().
 //
 // Checkpoints. state_dict() rebuilds the full state in the plain optimizer's own format: for each
-// per-element field, every rank writes its pieces' state into a shard-sized buffer and one
-// all_gather per field reassembles the flat state; the scalars per parameter (AdamW's step
-// count) travel as text in an all_gather_object; "step" and the groups' lr are every rank's.
-// load_state_dict() takes this rank's slices of a full state. So a checkpoint is the same file
-// whether ZeRO wrote it or not, and loads into any world size, with ZeRO or without.
+// per-element field, every rank writes its pieces' state into a shard_-sized buffer (the same
+// size on every rank) and one all_gather per field brings all of them; every rank's pieces follow
+// from the segments, so each is copied to its parameter's place. The scalars per parameter
+// (AdamW's step count) travel as text in an all_gather_object; "step" and the groups' lr are
+// every rank's. load_state_dict() takes this rank's slices of a full state. So a checkpoint is
+// the same file whether ZeRO wrote it or not, and loads into any world size, with ZeRO or
+// without, in either mode.
 
 namespace {
 
@@ -86,12 +110,27 @@ bool split_key(const std::string& name, size_t& index, std::string& field) {
 
 }  // namespace
 
+// What comm_hook() holds: the optimizer while it lives (its destructor clears it).
+struct ZeroRedundancyOptimizer::HookLink {
+  ZeroRedundancyOptimizer* zero = nullptr;
+};
+
 ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> groups,
                                                  ProcessGroupPtr pg, const OptimizerFactory& make,
                                                  ZeroOptions opts)
-    : Optimizer(groups, 0.0, 0.0, "ZeroRedundancyOptimizer"), pg_(std::move(pg)), opts_(opts) {
+    : Optimizer(groups, 0.0, 0.0, "ZeroRedundancyOptimizer"),
+      pg_(std::move(pg)),
+      opts_(opts),
+      make_(make),
+      user_groups_(groups),
+      link_(std::make_shared<HookLink>()) {
   LS_CHECK(pg_ != nullptr, "ZeroRedundancyOptimizer: expected a process group, got null");
-  LS_CHECK(make != nullptr, "ZeroRedundancyOptimizer: expected an optimizer factory, got null");
+  LS_CHECK(make_ != nullptr, "ZeroRedundancyOptimizer: expected an optimizer factory, got null");
+  LS_CHECK(!opts_.overlap_all_gather || opts_.reduce_scatter_gradients,
+           "ZeroRedundancyOptimizer: ZeroOptions::overlap_all_gather needs "
+           "reduce_scatter_gradients (the DDP model's forward waits through comm_hook())");
+  link_->zero = this;
+  Segment all;
   for (size_t g = 0; g < groups.size(); ++g) {
     for (const Tensor& p : groups[g].params) {
       LS_CHECK(p.defined() && p.is_contiguous(),
@@ -104,49 +143,26 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> 
                  dtype_name(params_[0].dtype()), "), got ", dtype_name(p.dtype()),
                  " for parameter ", params_.size());
       }
-      offset_.push_back(total_);
+      all.params.push_back(params_.size());
+      all.offset.push_back(total_);
       total_ += p.numel();
       params_.push_back(p);
       group_of_.push_back(g);
     }
   }
   LS_CHECK(total_ > 0, "ZeroRedundancyOptimizer: expected parameters, got none");
-  const int64_t world = pg_->size(), rank = pg_->rank();
-  chunk_ = (total_ + world - 1) / world;
-  const auto options = TensorOptions(params_[0].dtype()).with_device(params_[0].device());
-  shard_ = zeros({chunk_}, options);
-  flat_ = empty({chunk_ * world}, options);
-  if (opts_.reduce_scatter_gradients) {
-    grad_flat_ = zeros({chunk_ * world}, options);  // the padding stays 0
-    grad_shard_ = empty({chunk_}, options);
-  }
+  all.numel = total_;
+  // With reduce_scatter_gradients the segments become DDP's buckets at the first step
+  // (follow_buckets); until then, and otherwise, one segment of everything.
+  std::vector<Segment> segments;
+  segments.push_back(std::move(all));
+  lay_out(std::move(segments));
 
-  autograd::NoGradGuard no_grad;
-  const int64_t begin = rank * chunk_, end = std::min(total_, begin + chunk_);
-  std::vector<optim::ParamGroup> local(groups.size());
-  for (size_t g = 0; g < groups.size(); ++g) {
-    local[g].lr = groups[g].lr;
-    local[g].weight_decay = groups[g].weight_decay;
-  }
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const int64_t lo = std::max(begin, offset_[i]);
-    const int64_t hi = std::min(end, offset_[i] + params_[i].numel());
-    if (lo >= hi) continue;
-    Piece piece{i, lo - offset_[i], lo - begin, hi - lo, Tensor()};
-    piece.tensor = shard_.narrow(0, piece.shard_offset, piece.numel);
-    local[group_of_[i]].params.push_back(piece.tensor);
-    pieces_.push_back(std::move(piece));
-  }
-  if (!pieces_.empty()) local_ = make(std::move(local));
-  LS_CHECK(pieces_.empty() || local_ != nullptr,
-           "ZeroRedundancyOptimizer: the optimizer factory returned null");
   // The groups' lr and weight decay as the wrapped optimizer resolved them (its defaults where
-  // the user left them unset), from rank 0, which always has pieces (its shard starts at 0).
+  // the user left them unset), from rank 0.
   std::ostringstream text;
-  if (local_) {
-    for (const auto& g : local_->param_groups())
-      text << exact(g.lr) << ' ' << exact(g.weight_decay) << ' ';
-  }
+  for (const auto& g : local_->param_groups())
+    text << exact(g.lr) << ' ' << exact(g.weight_decay) << ' ';
   const std::string mine = text.str();
   const Bytes agreed = pg_->broadcast_object(Bytes(mine.begin(), mine.end()), 0);
   std::istringstream in(std::string(agreed.begin(), agreed.end()));
@@ -158,79 +174,298 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> 
   }
 }
 
-ZeroRedundancyOptimizer::~ZeroRedundancyOptimizer() = default;
+ZeroRedundancyOptimizer::~ZeroRedundancyOptimizer() {
+  link_->zero = nullptr;
+  // Collectives in flight hold our tensors.
+  for (auto& r : reduced_) {
+    if (r.scatter) {
+      try {
+        r.scatter->wait();
+      } catch (...) {
+      }
+    }
+  }
+  for (auto& s : segments_) {
+    if (s.gather) {
+      try {
+        s.gather->wait();
+      } catch (...) {
+      }
+    }
+  }
+}
+
+std::vector<ZeroRedundancyOptimizer::Piece> ZeroRedundancyOptimizer::pieces_of(int rank) const {
+  const int64_t world = pg_->size();
+  std::vector<Piece> pieces;
+  for (size_t si = 0; si < segments_.size(); ++si) {
+    const Segment& s = segments_[si];
+    // This rank's shard, then the tail, each with where it lies in shard_.
+    const int64_t ranges[2][3] = {{rank * s.per_rank, (rank + 1) * s.per_rank, s.own_at},
+                                  {world * s.per_rank, s.numel, s.tail_at}};
+    for (int k = 0; k < 2; ++k) {
+      const auto [begin, end, at] = std::tuple(ranges[k][0], ranges[k][1], ranges[k][2]);
+      for (size_t j = 0; j < s.params.size(); ++j) {
+        const int64_t lo = std::max(begin, s.offset[j]);
+        const int64_t hi = std::min(end, s.offset[j] + params_[s.params[j]].numel());
+        if (lo >= hi) continue;
+        pieces.push_back(
+            Piece{s.params[j], si, lo - s.offset[j], at + lo - begin, hi - lo, k == 1, Tensor()});
+      }
+    }
+  }
+  // The wrapped optimizer's order: by group, then parameter, then element.
+  std::sort(pieces.begin(), pieces.end(), [&](const Piece& a, const Piece& b) {
+    return std::tuple(group_of_[a.param], a.param, a.param_offset) <
+           std::tuple(group_of_[b.param], b.param, b.param_offset);
+  });
+  return pieces;
+}
+
+void ZeroRedundancyOptimizer::lay_out(std::vector<Segment> segments) {
+  autograd::NoGradGuard no_grad;
+  const int64_t world = pg_->size();
+  const auto options = TensorOptions(params_[0].dtype()).with_device(params_[0].device());
+  int64_t at = 0;
+  for (Segment& s : segments) {
+    s.per_rank = s.numel / world;
+    s.own_at = at;
+    s.tail_at = at + s.per_rank;
+    at = s.tail_at + (s.numel - world * s.per_rank);
+    s.gathered = empty({world * s.per_rank}, options);
+    s.gather.reset();
+  }
+  segments_ = std::move(segments);
+  shard_size_ = at;
+  shard_ = zeros({shard_size_}, options);
+  pieces_ = pieces_of(pg_->rank());
+  std::vector<optim::ParamGroup> local(user_groups_.size());
+  for (size_t g = 0; g < user_groups_.size(); ++g) {
+    local[g].lr = user_groups_[g].lr;
+    local[g].weight_decay = user_groups_[g].weight_decay;
+  }
+  for (Piece& piece : pieces_) {
+    piece.tensor = shard_.narrow(0, piece.shard_offset, piece.numel);
+    local[group_of_[piece.param]].params.push_back(piece.tensor);
+  }
+  local_ = make_(std::move(local));
+  LS_CHECK(local_ != nullptr, "ZeroRedundancyOptimizer: the optimizer factory returned null");
+}
+
+// Note [ZeRO-1], Reduce-scatter: the bucket's first world * q gradient elements (q = numel /
+// world) are reduce-scattered into this rank's shard of the bucket; the rest of the buffer, the
+// tail of fewer than world gradients and the reducer's own elements, is all-reduced in place.
+WorkPtr ZeroRedundancyOptimizer::reduce_bucket(ProcessGroup& pg, GradBucket& b) {
+  autograd::NoGradGuard no_grad;
+  const int64_t world = pg_->size();
+  LS_CHECK(pg.size() == world && pg.rank() == pg_->rank(),
+           "ZeroRedundancyOptimizer::comm_hook(): the DDP model's process group (rank ", pg.rank(),
+           " of ", pg.size(), ") is not this optimizer's (rank ", pg_->rank(), " of ", world, ")");
+  LS_CHECK(b.buffer.dtype() == params_[0].dtype(), "ZeroRedundancyOptimizer::comm_hook(): bucket ",
+           b.index, " holds ", dtype_name(b.buffer.dtype()), " gradients, the parameters are ",
+           dtype_name(params_[0].dtype()));
+  const size_t index = static_cast<size_t>(b.index);
+  if (reduced_.size() <= index) reduced_.resize(index + 1);
+  Reduced& r = reduced_[index];
+  r.params.clear();
+  for (size_t k = 0; k < b.parameters.size(); ++k) {
+    const void* ptr = b.parameters[k].data_ptr();
+    const auto it = std::find_if(params_.begin(), params_.end(),
+                                 [&](const Tensor& p) { return p.data_ptr() == ptr; });
+    LS_CHECK(it != params_.end(), "ZeroRedundancyOptimizer::comm_hook(): DDP's bucket ", b.index,
+             " holds parameter '", k < b.parameter_names.size() ? b.parameter_names[k] : "?",
+             "', which this optimizer does not step; give it all of the DDP model's parameters "
+             "that require grad");
+    r.params.push_back(static_cast<size_t>(it - params_.begin()));
+  }
+  r.numel = b.numel;
+  r.done = false;
+  const int64_t q = b.numel / world;
+  if (!r.own.defined() || r.own.numel() != q)
+    r.own = empty({q}, TensorOptions(b.buffer.dtype()).with_device(b.buffer.device()));
+  r.scatter.reset();
+  if (q > 0) {
+    r.scatter = pg.reduce_scatter(r.own, b.buffer.narrow(0, 0, world * q), {.op = ReduceOp::avg});
+  }
+  Tensor rest = b.buffer.narrow(0, world * q, b.buffer.numel() - world * q);
+  return pg.all_reduce(rest, {.op = ReduceOp::avg});
+}
+
+void ZeroRedundancyOptimizer::finish_bucket(GradBucket& b) {
+  Reduced& r = reduced_.at(static_cast<size_t>(b.index));
+  if (r.scatter) r.scatter->wait();
+  // Note [Join]: the reducer rescales the buffer (the tail) after finish(); the shard here.
+  const int world = pg_->size();
+  if (b.contributors > 0 && b.contributors != world) {
+    autograd::NoGradGuard no_grad;
+    r.own.mul_(static_cast<double>(world) / b.contributors);
+  }
+  r.done = true;
+}
+
+CommHook ZeroRedundancyOptimizer::comm_hook() {
+  LS_CHECK(opts_.reduce_scatter_gradients,
+           "ZeroRedundancyOptimizer::comm_hook() is for ZeroOptions::reduce_scatter_gradients; "
+           "without it DDP's own all-reduce averages the gradients");
+  auto link = link_;
+  auto zero = [link](const char* what) {
+    LS_CHECK(link->zero != nullptr, "ZeroRedundancyOptimizer::comm_hook(): ", what,
+             " after the optimizer was destroyed");
+    return link->zero;
+  };
+  return {
+      "zero_reduce_scatter",
+      [zero](ProcessGroup& pg, GradBucket& b) { return zero("a backward")->reduce_bucket(pg, b); },
+      [zero](GradBucket& b) { zero("a backward")->finish_bucket(b); },
+      [link] {
+        if (link->zero != nullptr) link->zero->wait_parameters();
+      }};
+}
+
+void ZeroRedundancyOptimizer::follow_buckets() {
+  LS_CHECK(!reduced_.empty() && std::all_of(reduced_.begin(), reduced_.end(),
+                                            [](const Reduced& r) { return r.done; }),
+           "ZeroRedundancyOptimizer: step() with reduce_scatter_gradients needs a synchronized "
+           "backward of the DDP model since the last step, with comm_hook() registered "
+           "(DistributedDataParallel::register_comm_hook); ",
+           reduced_.empty() ? "no bucket was reduced by it" : "some buckets were not");
+  bool same = reduced_.size() == segments_.size();
+  for (size_t b = 0; same && b < reduced_.size(); ++b)
+    same = reduced_[b].params == segments_[b].params && reduced_[b].numel == segments_[b].numel;
+  if (same) return;
+  std::vector<Segment> segments(reduced_.size());
+  std::vector<bool> seen(params_.size(), false);
+  for (size_t b = 0; b < reduced_.size(); ++b) {
+    Segment& s = segments[b];
+    s.params = reduced_[b].params;
+    for (size_t i : s.params) {
+      LS_CHECK(!seen[i], "ZeroRedundancyOptimizer: parameter ", i, " is in two DDP buckets");
+      seen[i] = true;
+      s.offset.push_back(s.numel);
+      s.numel += params_[i].numel();
+    }
+    LS_CHECK(s.numel == reduced_[b].numel, "ZeroRedundancyOptimizer: DDP's bucket ", b, " holds ",
+             reduced_[b].numel, " gradient elements, its parameters ", s.numel);
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    LS_CHECK(seen[i], "ZeroRedundancyOptimizer: parameter ", i, " (shape ",
+             params_[i].shape().str(),
+             ") is in no DDP bucket; with reduce_scatter_gradients every parameter it steps must "
+             "be one of the DDP model's that require grad");
+  }
+  // Note [ZeRO-1], Buckets: the state moves to the new shards as a checkpoint would.
+  const optim::NamedTensors full = state_dict();
+  lay_out(std::move(segments));
+  load_state_dict(full);
+}
+
+double ZeroRedundancyOptimizer::clip_grad_norm(double max_norm) {
+  LS_CHECK(opts_.reduce_scatter_gradients,
+           "ZeroRedundancyOptimizer::clip_grad_norm is for reduce_scatter_gradients; otherwise "
+           "every rank holds the averaged gradients: use optim::clip_grad_norm");
+  LS_CHECK(max_norm >= 0, "clip_grad_norm: max_norm must be >= 0, got ", max_norm);
+  autograd::NoGradGuard no_grad;
+  wait_parameters();
+  follow_buckets();
+  double part = 0;
+  for (const Piece& piece : pieces_) {
+    if (piece.tail && pg_->rank() != 0) continue;  // every rank holds the tails: count them once
+    const Tensor g = piece_grad(piece).to(kFloat64);
+    part += sum(mul(g, g)).item();
+  }
+  Tensor acc = full({1}, part, kFloat64);
+  pg_->all_reduce(acc, {.op = ReduceOp::sum})->wait();
+  const double total = std::sqrt(acc.item());
+  if (!std::isfinite(total)) return total;
+  const double coef = max_norm / (total + 1e-6);
+  if (coef < 1.0) {
+    for (const Piece& piece : pieces_) piece_grad(piece).mul_(coef);
+  }
+  return total;
+}
+
+// Where a piece's averaged gradient is: this rank's reduce-scattered shard of the bucket, or
+// (the tail, and everything without reduce_scatter_gradients) the parameter's .grad().
+Tensor ZeroRedundancyOptimizer::piece_grad(const Piece& piece) const {
+  const Tensor& p = params_[piece.param];
+  if (opts_.reduce_scatter_gradients && !piece.tail) {
+    const Segment& s = segments_[piece.segment];
+    return reduced_[piece.segment].own.narrow(0, piece.shard_offset - s.own_at, piece.numel);
+  }
+  const Tensor g = p.grad();
+  if (!g.defined()) return Tensor();
+  return g.reshape({-1}).narrow(0, piece.param_offset, piece.numel);
+}
 
 void ZeroRedundancyOptimizer::step() {
   autograd::NoGradGuard no_grad;
+  wait_parameters();
+  if (opts_.reduce_scatter_gradients) follow_buckets();
   ++steps_;
-  if (opts_.reduce_scatter_gradients) reduce_scatter_gradients();
   // The pieces start from the parameters' current values (a checkpoint or the user may have set
   // them) and see their slices of the averaged gradients.
   for (Piece& piece : pieces_) {
     const Tensor& p = params_[piece.param];
     piece.tensor.copy_(p.reshape({-1}).narrow(0, piece.param_offset, piece.numel));
-    const Tensor g = p.grad();
-    if (!g.defined()) {
-      piece.tensor.set_grad(Tensor());
-    } else if (opts_.reduce_scatter_gradients) {
-      piece.tensor.set_grad(grad_shard_.narrow(0, piece.shard_offset, piece.numel));
-    } else {
-      piece.tensor.set_grad(g.reshape({-1}).narrow(0, piece.param_offset, piece.numel));
-    }
+    piece.tensor.set_grad(piece_grad(piece));
   }
-  if (local_) {
-    // set_lr and schedules write the user's groups; the wrapped optimizer follows them.
-    for (size_t g = 0; g < groups_.size(); ++g) {
-      local_->param_groups()[g].lr = groups_[g].lr;
-      local_->param_groups()[g].weight_decay = groups_[g].weight_decay;
-    }
-    local_->step();
+  // set_lr and schedules write the user's groups; the wrapped optimizer follows them.
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    local_->param_groups()[g].lr = groups_[g].lr;
+    local_->param_groups()[g].weight_decay = groups_[g].weight_decay;
   }
-  pg_->all_gather(flat_, shard_)->wait();
-  for (size_t i = 0; i < params_.size(); ++i) {
-    params_[i].reshape({-1}).copy_(flat_.narrow(0, offset_[i], params_[i].numel()));
+  local_->step();
+  for (Reduced& r : reduced_) r.done = false;
+  // Note [ZeRO-1], Overlap: the segment the next forward needs first (DDP's last bucket holds
+  // the first layers) goes first.
+  for (size_t k = segments_.size(); k-- > 0;) {
+    Segment& s = segments_[k];
+    if (s.per_rank > 0)
+      s.gather = pg_->all_gather(s.gathered, shard_.narrow(0, s.own_at, s.per_rank));
   }
+  gathering_ = true;
+  if (!opts_.overlap_all_gather) wait_parameters();
 }
 
-// Note [ZeRO-1], Reduce-scatter: every rank's local gradients, flat in the order of the shards,
-// reduced so that rank r receives the average of shard r only. A parameter without a gradient
-// contributes zeros (DDP gives every parameter one on every rank, or none on all).
-void ZeroRedundancyOptimizer::reduce_scatter_gradients() {
-  for (size_t i = 0; i < params_.size(); ++i) {
-    Tensor region = grad_flat_.narrow(0, offset_[i], params_[i].numel());
-    const Tensor g = params_[i].grad();
-    if (g.defined()) {
-      region.copy_(g.reshape({-1}));
-    } else {
-      region.zero_();
+void ZeroRedundancyOptimizer::wait_parameters() {
+  if (!gathering_) return;
+  gathering_ = false;
+  autograd::NoGradGuard no_grad;
+  const int64_t world = pg_->size();
+  for (size_t k = segments_.size(); k-- > 0;) {
+    Segment& s = segments_[k];
+    if (s.gather) {
+      const WorkPtr work = std::move(s.gather);
+      work->wait();
+    }
+    const int64_t shards = world * s.per_rank;
+    for (size_t j = 0; j < s.params.size(); ++j) {
+      Tensor p = params_[s.params[j]].reshape({-1});
+      const int64_t begin = s.offset[j], end = begin + p.numel();
+      if (begin < shards) {
+        const int64_t n = std::min(end, shards) - begin;
+        p.narrow(0, 0, n).copy_(s.gathered.narrow(0, begin, n));
+      }
+      if (end > shards) {
+        const int64_t lo = std::max(begin, shards);
+        p.narrow(0, lo - begin, end - lo)
+            .copy_(shard_.narrow(0, s.tail_at + lo - shards, end - lo));
+      }
     }
   }
-  pg_->reduce_scatter(grad_shard_, grad_flat_, {.op = ReduceOp::avg})->wait();
-}
-
-CommHook zero_hook() {
-  return {"zero",
-          [](ProcessGroup& pg, GradBucket& b) {
-            // The reducer's elements follow the gradients: one status element, and in bucket 0
-            // one time slot per rank (GradBucket, Note [Slow rank]).
-            const int64_t extra = b.index == 0 ? 1 + pg.size() : 1;
-            Tensor own = b.buffer.narrow(0, b.buffer.numel() - extra, extra);
-            return pg.all_reduce(own, {.op = ReduceOp::avg});
-          },
-          nullptr};
 }
 
 ZeroStats ZeroRedundancyOptimizer::stats() const {
   ZeroStats s;
   s.total_elements = total_;
-  s.shard_elements = chunk_;
-  s.padding = chunk_ * pg_->size() - total_;
-  if (local_) {
-    size_t index = 0;
-    std::string field;
-    for (const auto& [name, t] : local_->state_dict()) {
-      if (split_key(name, index, field)) s.state_bytes += t.nbytes();
-    }
+  s.shard_elements = shard_size_;
+  for (const Segment& seg : segments_)
+    s.replicated_elements += seg.numel - pg_->size() * seg.per_rank;
+  s.segments = static_cast<int64_t>(segments_.size());
+  size_t index = 0;
+  std::string field;
+  for (const auto& [name, t] : local_->state_dict()) {
+    if (split_key(name, index, field)) s.state_bytes += t.nbytes();
   }
   return s;
 }
@@ -299,21 +534,37 @@ optim::NamedTensors ZeroRedundancyOptimizer::state_dict() const {
       }
     }
   }
+  // Each rank's shards and tails, gathered; every rank's pieces follow from the segments.
   std::map<std::pair<size_t, std::string>, Tensor> per_element;
   const auto device = params_[0].device();
+  const int world = pg_->size();
+  std::vector<std::vector<Piece>> pieces_by_rank;
+  for (int r = 0; r < world; ++r) pieces_by_rank.push_back(pieces_of(r));
   for (const auto& [field, dtype] : all_fields) {
-    Tensor shard = zeros({chunk_}, TensorOptions(dtype).with_device(device));
+    Tensor shard = zeros({shard_size_}, TensorOptions(dtype).with_device(device));
     for (size_t k = 0; k < pieces_.size(); ++k) {
       auto it = local.find(std::to_string(k) + "." + field);
       if (it != local.end())
         shard.narrow(0, pieces_[k].shard_offset, pieces_[k].numel).copy_(it->second);
     }
-    Tensor gathered = empty({chunk_ * pg_->size()}, TensorOptions(dtype).with_device(device));
+    Tensor gathered = empty({shard_size_ * world}, TensorOptions(dtype).with_device(device));
     pg_->all_gather(gathered, shard)->wait();
     for (size_t i = 0; i < params_.size(); ++i) {
-      if (!has.count({i, field})) continue;
-      per_element[{i, field}] =
-          gathered.narrow(0, offset_[i], params_[i].numel()).clone().view(params_[i].shape());
+      if (has.count({i, field}))
+        per_element[{i, field}] =
+            zeros({params_[i].numel()}, TensorOptions(dtype).with_device(device));
+    }
+    for (int r = 0; r < world; ++r) {
+      for (const Piece& piece : pieces_by_rank[r]) {
+        auto it = per_element.find({piece.param, field});
+        if (it == per_element.end()) continue;
+        it->second.narrow(0, piece.param_offset, piece.numel)
+            .copy_(gathered.narrow(0, r * shard_size_ + piece.shard_offset, piece.numel));
+      }
+    }
+    for (size_t i = 0; i < params_.size(); ++i) {
+      auto it = per_element.find({i, field});
+      if (it != per_element.end()) it->second = it->second.view(params_[i].shape());
     }
   }
   // The plain optimizer's order: step, groups, then by parameter, fields sorted.

@@ -99,7 +99,6 @@ int worker(const std::string& mode) {
     DDPOptions o;
     o.first_bucket_bytes = 512;  // several buckets
     o.bucket_bytes = 2048;
-    if (s.zero == 2) o.comm_hook = zero_hook();
     auto ddp = std::make_shared<DistributedDataParallel>(mlp(7 + r), pg, o);
     std::unique_ptr<optim::Optimizer> owned;
     if (s.zero > 0) {
@@ -109,6 +108,9 @@ int worker(const std::string& mode) {
             return std::make_unique<optim::SGD>(std::move(g), sgd());
           },
           ZeroOptions{.reduce_scatter_gradients = s.zero == 2});
+      // Note [ZeRO-1], Reduce-scatter: DDP's buckets go straight into the shards.
+      if (s.zero == 2)
+        ddp->register_comm_hook(static_cast<ZeroRedundancyOptimizer&>(*owned).comm_hook());
     } else {
       owned = std::make_unique<optim::SGD>(ddp->parameters(), sgd());
     }

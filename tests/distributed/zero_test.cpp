@@ -57,19 +57,25 @@ struct Result {
 
 // Steps [start, start + steps) of a run on rank r: the MLP (from `from` when given) under DDP,
 // the optimizer plain or wrapped in ZeRO. Step s's batch depends on s and the world size only.
-// `reduce_scatter`: ZeRO reduce-scatters the gradients itself (DDP with zero_hook()).
+// `reduce_scatter`: DDP's buckets are reduce-scattered into ZeRO's shards during backward
+// (ZeroRedundancyOptimizer::comm_hook()), `overlap`: the all-gathers are waited for in the next
+// forward. Small buckets, so that there are several (and their rebuild after step 1 moves the
+// shards).
 Result train(int r, const ProcessGroupPtr& pg, Opt o, bool zero, int start, int steps,
-             const Snapshot* from, bool reduce_scatter = false) {
+             const Snapshot* from, bool reduce_scatter = false, bool overlap = false) {
   auto model = mlp(7);
   if (from) model->load_state_dict(from->model);
   DDPOptions ddp_opts;
-  if (reduce_scatter) ddp_opts.comm_hook = zero_hook();
+  ddp_opts.first_bucket_bytes = 300;
+  ddp_opts.bucket_bytes = 1000;
   DistributedDataParallel ddp(model, pg, ddp_opts);
   std::unique_ptr<optim::Optimizer> opt;
   if (zero) {
-    opt = std::make_unique<ZeroRedundancyOptimizer>(
+    auto z = std::make_unique<ZeroRedundancyOptimizer>(
         groups_of(*model), pg, [o](auto g) { return make_optimizer(o, std::move(g)); },
-        ZeroOptions{.reduce_scatter_gradients = reduce_scatter});
+        ZeroOptions{.reduce_scatter_gradients = reduce_scatter, .overlap_all_gather = overlap});
+    if (reduce_scatter) ddp.register_comm_hook(z->comm_hook());
+    opt = std::move(z);
   } else {
     opt = make_optimizer(o, groups_of(*model));
   }
@@ -83,6 +89,7 @@ Result train(int r, const ProcessGroupPtr& pg, Opt o, bool zero, int start, int 
     cross_entropy(ddp.forward(batch.x), batch.y).backward();
     opt->step();
   }
+  if (overlap) static_cast<ZeroRedundancyOptimizer&>(*opt).wait_parameters();
   Result res;
   res.params = param_values(*model);
   res.snapshot.model = model->state_dict();
@@ -95,11 +102,11 @@ Result train(int r, const ProcessGroupPtr& pg, Opt o, bool zero, int start, int 
 // Runs `world` ranks; every rank's result must be the same parameters (lockstep).
 std::vector<Result> run(int world, Opt o, bool zero, int start, int steps,
                         const Snapshot* from = nullptr, const std::string& backend = "gloo",
-                        bool reduce_scatter = false) {
+                        bool reduce_scatter = false, bool overlap = false) {
   std::vector<Result> results(static_cast<size_t>(world));
   const auto errors =
       lockstep::testing::run_ranks_on(backend, world, [&](int r, ProcessGroupPtr pg) {
-        results[r] = train(r, pg, o, zero, start, steps, from, reduce_scatter);
+        results[r] = train(r, pg, o, zero, start, steps, from, reduce_scatter, overlap);
       });
   for (int r = 0; r < world; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
   for (int r = 1; r < world; ++r) EXPECT_EQ(results[r].params, results[0].params) << "rank " << r;
@@ -154,8 +161,10 @@ TEST_P(ZeroEqualsDDP, ParametersAndStateBitwiseOverManyStepsWithAShardOfTheState
   int64_t sum = 0;
   for (int r = 0; r < world; ++r) {
     const ZeroStats& s = zero[r].zero;
-    EXPECT_EQ(s.shard_elements * world - s.total_elements, s.padding);
-    EXPECT_LT(s.padding, world);
+    // One segment: world shards of total / world and a tail of fewer than world elements.
+    EXPECT_EQ(s.segments, 1);
+    EXPECT_EQ(s.shard_elements, s.total_elements / world + s.total_elements % world);
+    EXPECT_EQ(s.replicated_elements, s.total_elements % world);
     EXPECT_LE(s.state_bytes, s.shard_elements * fields * 4 + scalar_slack) << "rank " << r;
     EXPECT_LE(s.state_bytes, total_bytes / world + fields * 4 * world + scalar_slack);
     sum += s.state_bytes;
@@ -179,26 +188,42 @@ INSTANTIATE_TEST_SUITE_P(Worlds, ZeroEqualsDDP,
 // Note [ZeRO-1], Reduce-scatter: both backends reduce-scatter in the rank order their all_reduce
 // adds in (Note [Gloo rank-order reduction]), so the gradients reduce-scattered by ZeRO step the
 // parameters to bitwise those of plain DDP on the same backend, at any world size.
+// Several buckets (their rebuild after step 1 moves the shards); with overlap_all_gather the
+// parameters come in at the next forward.
 struct BackendCase {
   int world;
   Opt opt;
   const char* backend;
+  bool overlap;
 };
 
 void PrintTo(const BackendCase& c, std::ostream* os) {
-  *os << (c.opt == Opt::sgd ? "SGD" : "AdamW") << " over " << c.world << " ranks of " << c.backend;
+  *os << (c.opt == Opt::sgd ? "SGD" : "AdamW") << " over " << c.world << " ranks of " << c.backend
+      << (c.overlap ? ", all-gather overlapped" : "");
 }
 
 class ZeroReduceScatter : public ::testing::TestWithParam<BackendCase> {};
 
 TEST_P(ZeroReduceScatter, EqualsPlainDDPBitwiseOnTheSameBackend) {
-  const auto [world, o, backend] = GetParam();
+  const auto [world, o, backend, overlap] = GetParam();
   const auto plain = run(world, o, false, 0, kSteps, nullptr, backend);
-  const auto zero = run(world, o, true, 0, kSteps, nullptr, backend, /*reduce_scatter=*/true);
+  const auto zero =
+      run(world, o, true, 0, kSteps, nullptr, backend, /*reduce_scatter=*/true, overlap);
   EXPECT_EQ(zero[0].params, plain[0].params) << backend;
+  const int64_t total_bytes = per_element_state_bytes(plain[0].snapshot.optimizer);
   for (int r = 0; r < world; ++r) {
     expect_same_state(zero[r].snapshot.optimizer, plain[0].snapshot.optimizer);
-    // zero_hook() still averages the slow-rank slots: every rank knows every rank's time.
+    // A segment per DDP bucket, each a shard per rank and a tail of fewer than world elements.
+    EXPECT_TRUE(zero[r].ddp.buckets_rebuilt);
+    EXPECT_GT(zero[r].zero.segments, 2);
+    EXPECT_EQ(zero[r].zero.segments, static_cast<int64_t>(zero[r].ddp.bucket_bytes.size()));
+    EXPECT_LT(zero[r].zero.replicated_elements, zero[r].zero.segments * world);
+    EXPECT_EQ(zero[r].zero.shard_elements * world,
+              zero[r].zero.total_elements + (world - 1) * zero[r].zero.replicated_elements);
+    const int64_t fields = o == Opt::sgd ? 1 : 2;
+    EXPECT_LE(zero[r].zero.state_bytes,
+              total_bytes / world + fields * 4 * zero[r].zero.replicated_elements + 8 * 8);
+    // The hook still averages the slow-rank slots: every rank knows every rank's time.
     ASSERT_EQ(zero[r].ddp.rank_compute_ms.size(), static_cast<size_t>(world));
     for (double ms : zero[r].ddp.rank_compute_ms) EXPECT_GT(ms, 0.0) << "rank " << r;
     EXPECT_EQ(zero[r].ddp.rank_compute_ms, zero[0].ddp.rank_compute_ms);
@@ -209,7 +234,7 @@ std::vector<BackendCase> reduce_scatter_cases() {
   std::vector<BackendCase> cases;
   for (const char* backend : {"gloo", "shm"}) {
     for (Opt o : {Opt::sgd, Opt::adamw}) {
-      for (int world : {2, 3, 4}) cases.push_back({world, o, backend});
+      for (int world : {2, 3, 4}) cases.push_back({world, o, backend, o == Opt::adamw});
     }
   }
   return cases;
@@ -218,7 +243,8 @@ std::vector<BackendCase> reduce_scatter_cases() {
 INSTANTIATE_TEST_SUITE_P(Worlds, ZeroReduceScatter, ::testing::ValuesIn(reduce_scatter_cases()),
                          [](const auto& info) {
                            return std::string(info.param.opt == Opt::sgd ? "SGD" : "AdamW") + "_" +
-                                  std::to_string(info.param.world) + "ranks_" + info.param.backend;
+                                  std::to_string(info.param.world) + "ranks_" + info.param.backend +
+                                  (info.param.overlap ? "_overlap" : "");
                          });
 
 TEST(ZeroCheckpoint, SavedByTwoRanksResumesInThreeZeroRanksAndInPlainDDPAndBack) {
@@ -262,7 +288,141 @@ TEST(ZeroCheckpoint, SavedByTwoRanksResumesInThreeZeroRanksAndInPlainDDPAndBack)
 // More ranks than parameter elements: ranks 2 and 3 own only padding (no wrapped optimizer), and
 // a 0-dim parameter is one piece. Gradients are set by hand, the same on every rank, as DDP leaves
 // them.
-TEST(ZeroRedundancyOptimizer, RanksWithOnlyPaddingAndAZeroDimParameterStepAsThePlainOptimizer) {
+// Note [ZeRO-1], Buckets: the shards follow DDP's buckets, and a checkpoint is still the one
+// file plain DDP writes: saved by 3 bucket-sharded ranks (one of them mid-overlap), resumed in 2
+// bucket-sharded ranks and in 2 plain ones to the same bits (shm: rank-order reduction), and a
+// bucket-sharded run resumed from its own checkpoint goes on as if never saved.
+TEST(ZeroCheckpoint, BucketShardsSaveTheFullStateAndReshardAcrossWorldSizes) {
+  constexpr int kHalf = kSteps / 2;
+  auto run_rs = [](int world, int start, int steps, const Snapshot* from, bool overlap) {
+    return run(world, Opt::adamw, true, start, steps, from, "shm", /*reduce_scatter=*/true,
+               overlap);
+  };
+  const auto saved3 = run_rs(3, 0, kHalf, nullptr, true);
+  const Snapshot saved = saved3[0].snapshot;
+  for (const auto& r : saved3) expect_same_state(r.snapshot.optimizer, saved.optimizer);
+  expect_same_state(saved.optimizer,
+                    run(3, Opt::adamw, false, 0, kHalf, nullptr, "shm")[0].snapshot.optimizer);
+
+  const auto rs2 = run_rs(2, kHalf, kHalf, &saved, false);
+  const auto plain2 = run(2, Opt::adamw, false, kHalf, kHalf, &saved, "shm");
+  EXPECT_EQ(rs2[0].params, plain2[0].params);
+  expect_same_state(rs2[0].snapshot.optimizer, plain2[0].snapshot.optimizer);
+
+  EXPECT_EQ(run_rs(3, kHalf, kHalf, &saved, true)[0].params,
+            run_rs(3, 0, kSteps, nullptr, true)[0].params);
+}
+
+// Note [ZeRO-1], Overlap: step() leaves the parameters as they were until the next forward of
+// the DDP model (or wait_parameters()); that forward computes with the new ones.
+TEST(ZeroRedundancyOptimizer, OverlappedAllGatherWritesTheParametersAtTheNextForward) {
+  const auto errors = lockstep::testing::run_ranks_on("gloo", 2, [&](int r, ProcessGroupPtr pg) {
+    auto model = mlp(7);
+    DistributedDataParallel ddp(model, pg, {});
+    ZeroRedundancyOptimizer z(
+        model->parameters(), pg, [](auto g) { return make_optimizer(Opt::sgd, std::move(g)); },
+        ZeroOptions{.reduce_scatter_gradients = true, .overlap_all_gather = true});
+    ddp.register_comm_hook(z.comm_hook());
+    const Data batch = shard(make_data(2 * kPerRank, 5), r, 2);
+    z.zero_grad();
+    cross_entropy(ddp.forward(batch.x), batch.y).backward();
+    const auto before = param_values(*model);
+    z.step();
+    EXPECT_EQ(param_values(*model), before) << "rank " << r;  // not yet written
+    autograd::NoGradGuard no_grad;
+    const Tensor out = ddp.forward(batch.x);
+    const auto after = param_values(*model);
+    EXPECT_NE(after, before) << "rank " << r;
+    EXPECT_EQ(out.to_vector<double>(), model->forward(batch.x).to_vector<double>());
+    z.wait_parameters();  // nothing left to wait for
+    EXPECT_EQ(param_values(*model), after);
+  });
+  for (const auto& e : errors) EXPECT_EQ(e, "");
+}
+
+// The mistakes the bucket-sharded mode can meet, each an Error that says what to do.
+TEST(ZeroRedundancyOptimizer, BucketShardingMisuseIsAClearError) {
+  const auto errors = lockstep::testing::run_ranks(2, [&](int r, ProcessGroupPtr pg) {
+    auto factory = [](auto g) { return make_optimizer(Opt::sgd, std::move(g)); };
+    const Data batch = shard(make_data(2 * kPerRank, 5), r, 2);
+    {
+      // comm_hook() never registered: DDP all-reduced, and step() says so.
+      auto model = mlp(7);
+      DistributedDataParallel ddp(model, pg, {});
+      ZeroRedundancyOptimizer z(model->parameters(), pg, factory,
+                                ZeroOptions{.reduce_scatter_gradients = true});
+      cross_entropy(ddp.forward(batch.x), batch.y).backward();
+      lockstep::testing::expect_error([&] { z.step(); }, {"register_comm_hook"});
+      // Registered after a synchronized backward: too late.
+      lockstep::testing::expect_error([&] { ddp.register_comm_hook(z.comm_hook()); },
+                                      {"before the first one"});
+    }
+    {
+      // Not every DDP parameter is the optimizer's.
+      auto model = mlp(7);
+      DistributedDataParallel ddp(model, pg, {});
+      const auto ps = model->parameters();
+      ZeroRedundancyOptimizer z(std::vector<Tensor>(ps.begin(), ps.end() - 1), pg, factory,
+                                ZeroOptions{.reduce_scatter_gradients = true});
+      ddp.register_comm_hook(z.comm_hook());
+      lockstep::testing::expect_error(
+          [&] { cross_entropy(ddp.forward(batch.x), batch.y).backward(); },
+          {"which this optimizer does not step"});
+    }
+    auto model = mlp(7);
+    ZeroRedundancyOptimizer plain(model->parameters(), pg, factory);
+    lockstep::testing::expect_error([&] { plain.comm_hook(); },
+                                    {"is for ZeroOptions::reduce_scatter_gradients"});
+    lockstep::testing::expect_error(
+        [&] {
+          ZeroRedundancyOptimizer(model->parameters(), pg, factory, {.overlap_all_gather = true});
+        },
+        {"needs reduce_scatter_gradients"});
+  });
+  for (const auto& e : errors) EXPECT_EQ(e, "");
+}
+
+// clip_grad_norm over the shards: the norm optim::clip_grad_norm computes over the averaged
+// gradients (up to the order of the f64 sums), and the step after it as plain DDP's with
+// clipping.
+TEST(ZeroRedundancyOptimizer, ClipGradNormOverTheShardsIsTheWholeGradientsNorm) {
+  constexpr double kMaxNorm = 0.05;  // below the norm, so that it clips
+  std::vector<double> norms(2), plain_norms(2);
+  std::vector<std::vector<double>> got(2), want(2);
+  const auto errors = lockstep::testing::run_ranks_on("shm", 2, [&](int r, ProcessGroupPtr pg) {
+    const Data batch = shard(make_data(2 * kPerRank, 5), r, 2);
+    auto factory = [](auto g) { return make_optimizer(Opt::adamw, std::move(g)); };
+    {
+      auto model = mlp(7);
+      DistributedDataParallel ddp(model, pg, {.first_bucket_bytes = 300, .bucket_bytes = 1000});
+      auto opt = factory(std::vector<optim::ParamGroup>{{model->parameters()}});
+      cross_entropy(ddp.forward(batch.x), batch.y).backward();
+      plain_norms[r] = optim::clip_grad_norm(model->parameters(), kMaxNorm);
+      opt->step();
+      want[r] = param_values(*model)[0];
+    }
+    auto model = mlp(7);
+    DistributedDataParallel ddp(model, pg, {.first_bucket_bytes = 300, .bucket_bytes = 1000});
+    ZeroRedundancyOptimizer z(model->parameters(), pg, factory,
+                              ZeroOptions{.reduce_scatter_gradients = true});
+    ddp.register_comm_hook(z.comm_hook());
+    cross_entropy(ddp.forward(batch.x), batch.y).backward();
+    norms[r] = z.clip_grad_norm(kMaxNorm);
+    z.step();
+    got[r] = param_values(*model)[0];
+  });
+  for (const auto& e : errors) ASSERT_EQ(e, "");
+  EXPECT_GT(plain_norms[0], kMaxNorm);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NEAR(norms[r], plain_norms[0], 1e-12 * plain_norms[0]) << "rank " << r;
+    ASSERT_EQ(got[r].size(), want[0].size());
+    for (size_t k = 0; k < got[r].size(); ++k) EXPECT_NEAR(got[r][k], want[0][k], 1e-6) << k;
+  }
+}
+
+// Two elements over four ranks: no shard holds anything, the tail is everything, and every rank
+// steps it (Note [ZeRO-1]).
+TEST(ZeroRedundancyOptimizer, FewerElementsThanRanksAndAZeroDimParameterStepAsThePlainOptimizer) {
   constexpr int kWorld = 4;
   auto make_params = [] {
     return std::vector<Tensor>{full({1}, 0.5).requires_grad_(true),
@@ -284,8 +444,7 @@ TEST(ZeroRedundancyOptimizer, RanksWithOnlyPaddingAndAZeroDimParameterStepAsTheP
   }
   std::vector<std::vector<double>> got(kWorld);
   std::vector<optim::NamedTensors> state(kWorld);
-  // Not vector<bool>: its bits share bytes, and the rank threads write their own entries.
-  std::vector<char> has_local(kWorld);
+  std::vector<ZeroStats> stats(kWorld);
   const auto errors = lockstep::testing::run_ranks(kWorld, [&](int r, ProcessGroupPtr pg) {
     const auto ps = make_params();
     ZeroRedundancyOptimizer z(ps, pg, factory);
@@ -295,13 +454,14 @@ TEST(ZeroRedundancyOptimizer, RanksWithOnlyPaddingAndAZeroDimParameterStepAsTheP
     }
     got[r] = {ps[0].item(), ps[1].item()};
     state[r] = z.state_dict();
-    has_local[r] = z.local_optimizer() != nullptr;
+    stats[r] = z.stats();
   });
   for (int r = 0; r < kWorld; ++r) {
     ASSERT_EQ(errors[r], "") << "rank " << r;
     EXPECT_EQ(got[r], (std::vector<double>{want_params[0].item(), want_params[1].item()}));
     expect_same_state(state[r], plain->state_dict());
-    EXPECT_EQ(has_local[r] != 0, r < 2) << "rank " << r;
+    EXPECT_EQ(stats[r].shard_elements, 2) << "rank " << r;
+    EXPECT_EQ(stats[r].replicated_elements, 2) << "rank " << r;
   }
 }
 

@@ -169,22 +169,38 @@ case "$case_name" in
     # --zero 1 with 2 ranks writes the checkpoint of plain DDP, byte for byte (Note [ZeRO-1]),
     # and each rank keeps half the optimizer state that each plain rank keeps (the line
     # "optimizer state per rank: A B bytes", Note [Peak RSS per rank]).
+    # --zero-reduce-scatter (DDP's buckets reduce-scattered into the shards, the all-gathers
+    # waited for in the next forward): without clipping the checkpoint of plain DDP again, byte
+    # for byte (the shm backend adds in rank order); with clipping (the norm summed over the
+    # shards) the same final validation loss to 4 decimals.
     prepare_tiny
-    for z in 0 1; do
-      port=$((20000 + RANDOM % 20000))
+    two_ranks() {  # name, then the flags
+      local name=$1 port=$((20000 + RANDOM % 20000)) r
+      shift
       for r in 0 1; do
         RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 \
           MASTER_PORT=$port OMP_NUM_THREADS=1 \
-          "$exe" "${small[@]}" --batch-size 4 --max-steps 12 --warmup-steps 2 --zero $z \
-          --save "$work/z$z.safetensors" > "$work/z$z.rank$r" 2>&1 &
+          "$exe" "${small[@]}" --batch-size 4 --max-steps 12 --warmup-steps 2 "$@" \
+          --save "$work/$name.safetensors" > "$work/$name.rank$r" 2>&1 &
         pids[$r]=$!
       done
       for r in 0 1; do
-        wait "${pids[$r]}" || { cat "$work/z$z.rank0" "$work/z$z.rank1"; fail "--zero $z: rank $r failed"; }
+        wait "${pids[$r]}" || { cat "$work/$name.rank0" "$work/$name.rank1"; fail "$name: rank $r failed"; }
       done
-    done
+    }
+    two_ranks z0 --zero 0
+    two_ranks z1 --zero 1
+    two_ranks zrs --zero 1 --zero-reduce-scatter
+    two_ranks nc0 --zero 0 --grad-clip 0
+    two_ranks ncrs --zero 1 --zero-reduce-scatter --grad-clip 0
+    cmp "$work/nc0.safetensors" "$work/ncrs.safetensors" \
+      || fail "--zero-reduce-scatter without clipping ends elsewhere than plain DDP"
+    final_loss() { sed -n 's/^final val_loss=\([0-9.]*\) .*/\1/p' "$work/$1.rank0"; }
+    [ -n "$(final_loss z0)" ] && [ "$(final_loss z0)" = "$(final_loss zrs)" ] \
+      || fail "--zero-reduce-scatter ends at val_loss $(final_loss zrs), plain DDP at $(final_loss z0)"
+    echo "final val_loss: plain $(final_loss z0), --zero-reduce-scatter $(final_loss zrs)"
     cmp "$work/z0.safetensors" "$work/z1.safetensors" || fail "--zero 1 ends elsewhere than --zero 0"
-    for z in 0 1; do
+    for z in 0 1 rs; do
       line=$(grep "^optimizer state per rank: " "$work/z$z.rank0") || fail "--zero $z: no state line"
       [[ "$line" =~ ^optimizer\ state\ per\ rank:\ ([0-9]+)\ ([0-9]+)\ bytes$ ]] \
         || fail "--zero $z: state line: $line"
@@ -199,6 +215,9 @@ case "$case_name" in
     awk -v a="$a1" -v b="$b1" -v u="$a0" \
       'BEGIN { h = u / 2; exit !(a >= h - 512 && a <= h + 512 && b >= h - 512 && b <= h + 512) }' \
       || fail "--zero 1: ranks keep $a1 and $b1 bytes, not about half of $a0 each"
+    awk -v a="$ars" -v b="$brs" -v u="$a0" \
+      'BEGIN { h = u / 2; exit !(a >= h - 1024 && a <= h + 1024 && b >= h - 1024 && b <= h + 1024) }' \
+      || fail "--zero-reduce-scatter: ranks keep $ars and $brs bytes, not about half of $a0 each"
     ;;
   amp)
     # --amp bf16 (Linear and attention in bf16 under autocast, the loss and the optimizer in

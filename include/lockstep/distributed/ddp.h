@@ -27,21 +27,32 @@ inline constexpr int64_t kDefaultSlowRankSteps = 20;
 // One bucket's gradients, handed to a communication hook: `buffer` is the flat tensor whose
 // slices are the parameters' .grad(), followed by elements of the reducer's that a hook reduces
 // like the rest: one status element, and in bucket 0 one slot per rank for the step's compute
-// time (Note [Slow rank]); `scratch` is the hook's to keep between start and finish.
+// time (Note [Slow rank]); `numel` is where the gradients end in it; `parameters` are the
+// parameters whose gradients it holds, in buffer order, with their names; `contributors` is how
+// many ranks' gradients this reduction carries (the world size, or fewer inside a dist::Join,
+// whose reducer rescales the average after finish(): Note [Join]); `scratch` is the hook's to
+// keep between start and finish.
 struct GradBucket {
   int index = 0;
   Tensor buffer;
+  int64_t numel = 0;
   std::vector<std::string> parameter_names;
+  std::vector<Tensor> parameters;
+  int contributors = 0;
   Tensor scratch;
 };
 
 // How a bucket is reduced. start() launches the reduction and returns its Work (it runs while
 // the backward pass goes on); after that Work completed, finish() (may be empty) leaves in
-// bucket.buffer the average over ranks.
+// bucket.buffer the average over ranks (or, for a hook that hands the average elsewhere, as
+// ZeroRedundancyOptimizer::comm_hook() does, its own elements: those after `numel`).
+// before_forward (may be empty) runs at the start of every forward of the DDP model, before
+// anything reads the parameters (ZeRO waits there for the all-gathers it left running).
 struct CommHook {
   std::string name;
   std::function<WorkPtr(ProcessGroup&, GradBucket&)> start;
   std::function<void(GradBucket&)> finish;
+  std::function<void()> before_forward;
 };
 // all_reduce with avg (the default).
 CommHook allreduce_hook();
@@ -129,6 +140,10 @@ class DistributedDataParallel : public nn::Module {
   [[nodiscard]] NoSync no_sync() { return NoSync(*this); }
 
   DDPStats stats() const;
+
+  // Replaces DDPOptions::comm_hook (as PyTorch's register_comm_hook): before the first
+  // synchronized backward only, every rank the same hook.
+  void register_comm_hook(CommHook hook);
 
  private:
   friend class Join;  // Note [Join]: the header in forward, the shadowed collectives

@@ -21,35 +21,39 @@ using OptimizerFactory =
     std::function<std::unique_ptr<optim::Optimizer>(std::vector<optim::ParamGroup>)>;
 
 struct ZeroOptions {
-  // Note [ZeRO-1], Reduce-scatter: step() reduce-scatters the gradients itself, so each rank
-  // receives only its shard's average, and DDP must not average them first: build DDP with
-  // DDPOptions::comm_hook = zero_hook(). Then .grad() holds this rank's own gradient after
-  // backward (clip_grad_norm, a GradScaler's unscale_ and anything else that reads gradients
-  // before step() see local values). Bitwise equal to plain DDP where the backend's
-  // reduce_scatter adds like its all_reduce: shm and Gloo (both in rank order, any number of
-  // ranks) and any backend with 2 ranks.
+  // Note [ZeRO-1], Reduce-scatter: DDP's buckets are reduce-scattered during the backward pass
+  // instead of all-reduced, each rank receiving the average of its shard of every bucket only.
+  // Register comm_hook() with the DDP model (DistributedDataParallel::register_comm_hook, before
+  // the first backward). .grad() then holds this rank's own gradient after backward (clipping
+  // and a GradScaler's unscale_ would see local values; clip with clip_grad_norm() below).
+  // Bitwise equal to plain DDP where the backend's reduce_scatter adds like its all_reduce: shm
+  // and Gloo (both in rank order, any number of ranks) and any backend with 2 ranks.
   bool reduce_scatter_gradients = false;
+  // Note [ZeRO-1], Overlap: step() leaves the parameters' all-gathers running and returns; the
+  // next forward of the DDP model (comm_hook()'s before_forward), the next step(),
+  // state_dict() and wait_parameters() wait for them and write the parameters. Anything else
+  // that reads the parameters in between (an evaluation through the inner module, saving the
+  // model) must call wait_parameters() first. Needs reduce_scatter_gradients.
+  bool overlap_all_gather = false;
 };
-
-// DDP's comm hook for ZeroOptions::reduce_scatter_gradients: averages only the reducer's own
-// elements of each bucket (the unused-parameter status, the slow-rank times of Note [Slow rank])
-// and leaves the gradients as they are, for step()'s reduce-scatter.
-CommHook zero_hook();
 
 // What ZeRO saves, on this rank.
 struct ZeroStats {
-  int64_t total_elements = 0;  // parameter elements over all groups
-  int64_t shard_elements = 0;  // elements per rank's shard: ceil(total / world)
-  int64_t padding = 0;         // shard_elements * world - total (on the last ranks)
-  int64_t state_bytes = 0;     // this rank's optimizer state (all fields, scalars included)
+  int64_t total_elements = 0;       // parameter elements over all groups
+  int64_t shard_elements = 0;       // elements this rank steps (the same on every rank)
+  int64_t replicated_elements = 0;  // of those, stepped on every rank (< world per segment)
+  int64_t segments = 0;             // 1, or DDP's buckets with reduce_scatter_gradients
+  int64_t state_bytes = 0;          // this rank's optimizer state (all fields, scalars included)
 };
 
-// Note [ZeRO-1] (src/distributed/zero.cpp): the parameters of all groups, flattened in group
-// then parameter order and padded to a multiple of the world size, are cut into world_size equal
-// contiguous shards; rank r owns shard r. step() steps the wrapped optimizer over this rank's
-// pieces (the parts of parameters inside its shard, with their averaged gradients) and
-// all-gathers the shards back into every rank's parameters. With an element-wise optimizer (SGD,
-// AdamW) the parameters are bitwise those of the wrapped optimizer stepping everything.
+// Note [ZeRO-1] (src/distributed/zero.cpp): the parameters are cut into segments (all of
+// them, flattened in group then parameter order; or, with reduce_scatter_gradients, each of
+// DDP's buckets), and each segment into world_size equal contiguous shards and a tail of fewer
+// than world_size elements; rank r owns shard r of every segment, and every rank steps the
+// tails. step() steps the wrapped optimizer over this rank's pieces (the parts of parameters in
+// its shards and the tails, with their averaged gradients) and all-gathers the shards back into
+// every rank's parameters. With an element-wise optimizer (SGD, AdamW) the parameters are
+// bitwise those of the wrapped optimizer stepping everything.
 //
 // Construct it on every rank of `pg` with the same parameters (DDP's module's parameters; every
 // rank must hold the same values, as DDP's broadcast ensures). Parameters: one dtype (f32 or
@@ -83,37 +87,85 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
   void load_state_dict(const optim::NamedTensors& state) override;
 
   ZeroStats stats() const;
-  // The wrapped optimizer over this rank's pieces; null on a rank whose shard is all padding.
+  // The wrapped optimizer over this rank's pieces.
   optim::Optimizer* local_optimizer() { return local_.get(); }
+
+  // ZeroOptions::reduce_scatter_gradients: DDP's comm hook that reduce-scatters each bucket into
+  // this optimizer's shards (register it with the DDP model before its first backward). It
+  // holds no reference that outlives this optimizer: used after it, it throws.
+  CommHook comm_hook();
+  // ZeroOptions::overlap_all_gather: waits for the all-gathers the last step() left running and
+  // writes the parameters (nothing when none are running). Local.
+  void wait_parameters();
+  // Collective, with reduce_scatter_gradients, between backward and step(): clips the averaged
+  // gradient (the shards this rank holds, the tails counted once) to total 2-norm max_norm as
+  // optim::clip_grad_norm does the whole gradient, and returns the norm before clipping.
+  double clip_grad_norm(double max_norm);
 
  protected:
   std::vector<std::string> state_fields() const override { return {}; }
 
  private:
+  // A run of parameters sharded together (Note [ZeRO-1]): rank r owns elements
+  // [r per_rank, (r + 1) per_rank) of it; the tail [world per_rank, numel) is every rank's.
+  struct Segment {
+    std::vector<size_t> params;   // indices into params_, in the segment's order
+    std::vector<int64_t> offset;  // each one's first element in the segment
+    int64_t numel = 0;
+    int64_t per_rank = 0;  // numel / world
+    int64_t own_at = 0;    // where this rank's shard of it starts in shard_
+    int64_t tail_at = 0;   // where its tail starts in shard_
+    Tensor gathered;       // (world per_rank): the all-gathered shards
+    WorkPtr gather;        // the all-gather step() left running
+  };
   struct Piece {
     size_t param = 0;          // index over all groups' parameters, in order
+    size_t segment = 0;        // the segment it lies in
     int64_t param_offset = 0;  // first element of the parameter in this piece
     int64_t shard_offset = 0;  // where it starts in shard_
     int64_t numel = 0;
-    Tensor tensor;  // shard_'s slice: what the wrapped optimizer steps
+    bool tail = false;  // in the segment's tail (stepped on every rank)
+    Tensor tensor;      // shard_'s slice: what the wrapped optimizer steps
   };
+  // One DDP bucket as comm_hook() saw it in this backward, with its reduce-scatter.
+  struct Reduced {
+    std::vector<size_t> params;
+    int64_t numel = 0;
+    Tensor own;  // (numel / world): this rank's shard of the average
+    WorkPtr scatter;
+    bool done = false;
+  };
+  struct HookLink;
+
+  // Lays the segments out in shard_ and builds this rank's pieces and the wrapped optimizer.
+  void lay_out(std::vector<Segment> segments);
+  // Rank `rank`'s pieces of the current segments (without tensors).
+  std::vector<Piece> pieces_of(int rank) const;
+  // comm_hook()'s start and finish.
+  WorkPtr reduce_bucket(ProcessGroup& pg, GradBucket& b);
+  void finish_bucket(GradBucket& b);
+  // The segments DDP's buckets make, from this backward's hooks; lay_out() again when they differ
+  // from the current ones (the full state gathered and re-sharded, as for a checkpoint).
+  void follow_buckets();
+  // A piece's averaged gradient (undefined when its parameter has none).
+  Tensor piece_grad(const Piece& piece) const;
 
   ProcessGroupPtr pg_;
   ZeroOptions opts_;
-  void reduce_scatter_gradients();
+  OptimizerFactory make_;
+  std::vector<optim::ParamGroup> user_groups_;  // as given (params, lr, weight decay)
 
-  std::vector<Tensor> params_;   // all groups', in order (as in groups_)
-  std::vector<int64_t> offset_;  // each parameter's first element in the flat order
+  std::vector<Tensor> params_;  // all groups', in order (as in groups_)
   std::vector<size_t> group_of_;
   int64_t total_ = 0;
-  int64_t chunk_ = 0;
-  Tensor shard_;  // (chunk_): this rank's shard of the flat parameters
-  Tensor flat_;   // (chunk_ * world): the all-gathered parameters
-  // reduce_scatter_gradients: the local gradients, flat and padded (chunk_ * world), and this
-  // rank's shard of their average (chunk_).
-  Tensor grad_flat_, grad_shard_;
-  std::vector<Piece> pieces_;
+  std::vector<Segment> segments_;
+  int64_t shard_size_ = 0;
+  Tensor shard_;  // (shard_size_): this rank's shards and the tails, segment by segment
+  std::vector<Piece> pieces_;  // in the wrapped optimizer's order (group, then parameter)
   std::unique_ptr<optim::Optimizer> local_;
+  std::vector<Reduced> reduced_;  // by bucket index
+  bool gathering_ = false;        // all-gathers left running (overlap_all_gather)
+  std::shared_ptr<HookLink> link_;
 };
 
 }  // namespace lockstep::dist
