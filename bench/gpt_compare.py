@@ -40,7 +40,8 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# key, library, processes, amp, zero, the PyTorch row it is compared with
+# key, library, processes, amp, zero (2: --zero 1 --zero-reduce-scatter), the PyTorch row it is
+# compared with
 ROWS = [
     ("L1f", "lockstep", 1, "none", 0, "P1f"),
     ("L1b", "lockstep", 1, "bf16", 0, None),
@@ -48,6 +49,8 @@ ROWS = [
     ("L2b", "lockstep", 2, "bf16", 0, "P2b"),
     ("L2fz", "lockstep", 2, "none", 1, "P2f"),
     ("L2bz", "lockstep", 2, "bf16", 1, "P2b"),
+    ("L2fr", "lockstep", 2, "none", 2, "P2f"),
+    ("L2br", "lockstep", 2, "bf16", 2, "P2b"),
     ("P1f", "pytorch", 1, "none", 0, None),
     ("P2f", "pytorch", 2, "none", 0, None),
     ("P2b", "pytorch", 2, "bf16", 0, None),
@@ -63,7 +66,8 @@ def label(row):
     where = "1 process" if procs == 1 else "2 processes"
     if procs > 1 and lib == "pytorch":
         where = "DDP gloo, " + where
-    return f"{name}, {where}, {'bf16' if amp == 'bf16' else 'f32'}" + (", --zero 1" if zero else "")
+    flags = ["", ", --zero 1", ", --zero 1 --zero-reduce-scatter"][zero]
+    return f"{name}, {where}, {'bf16' if amp == 'bf16' else 'f32'}{flags}"
 
 
 def run(cmd, env, what):
@@ -89,7 +93,9 @@ def run_lockstep(row, a, env, warmup):
         metrics = os.path.join(tmp, "metrics.jsonl")
         cmd = [exe, "--data", a.data, "--max-steps", str(a.steps), "--warmup-steps", str(warmup),
                "--eval-every", str(a.steps), "--threads", str(a.threads), "--amp", amp,
-               "--zero", str(zero), "--metrics", metrics]
+               "--zero", str(min(zero, 1)), "--metrics", metrics]
+        if zero == 2:
+            cmd.append("--zero-reduce-scatter")
         if a.lockstep_backend:
             cmd += ["--backend", a.lockstep_backend]
         if procs > 1:

@@ -209,6 +209,9 @@ bool Join::next(bool have_batch) {
 void Join::sync_state(int source) {
   ProcessGroup& pg = *ddp_.pg_;
   if (pg.size() == 1) return;
+  // Note [ZeRO-1], Overlap: the parameters the last step's all-gathers bring, before they are
+  // read here.
+  if (zero_ != nullptr) zero_->wait_parameters();
   std::vector<Tensor> state;
   for (const auto& [name, t] : ddp_.module_->named_parameters()) state.push_back(t);
   for (const auto& [name, t] : ddp_.module_->named_buffers()) state.push_back(t);
@@ -230,9 +233,8 @@ void Join::sync_state(int source) {
       }
     }
     // On the parameters' device, which a device backend can broadcast.
-    const Device device = groups.empty() || groups[0].params.empty()
-                              ? Device()
-                              : groups[0].params[0].device();
+    const Device device =
+        groups.empty() || groups[0].params.empty() ? Device() : groups[0].params[0].device();
     Tensor moved = hyper.to(device);
     if (!groups.empty()) pg.broadcast(moved, {.root = source})->wait();
     const std::vector<double> v = moved.to(Device()).to_vector<double>();

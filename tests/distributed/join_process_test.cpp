@@ -33,7 +33,7 @@ struct Scenario {
   int accumulate = 1;                     // micro-batches per synchronized step
   bool scaler = false;
   // ZeroRedundancyOptimizer around the SGD (Note [Join and ZeRO]): 1 its default mode (DDP
-  // averages), 2 ZeroOptions::reduce_scatter_gradients.
+  // averages), 2 ZeroOptions::reduce_scatter_gradients with overlap_all_gather.
   int zero = 0;
 };
 
@@ -107,7 +107,7 @@ int worker(const std::string& mode) {
           [](std::vector<optim::ParamGroup> g) {
             return std::make_unique<optim::SGD>(std::move(g), sgd());
           },
-          ZeroOptions{.reduce_scatter_gradients = s.zero == 2});
+          ZeroOptions{.reduce_scatter_gradients = s.zero == 2, .overlap_all_gather = s.zero == 2});
       // Note [ZeRO-1], Reduce-scatter: DDP's buckets go straight into the shards.
       if (s.zero == 2)
         ddp->register_comm_hook(static_cast<ZeroRedundancyOptimizer&>(*owned).comm_hook());
