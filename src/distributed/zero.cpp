@@ -353,10 +353,7 @@ void ZeroRedundancyOptimizer::follow_buckets() {
              ") is in no DDP bucket; with reduce_scatter_gradients every parameter it steps must "
              "be one of the DDP model's that require grad");
   }
-  // Note [ZeRO-1], Buckets: the state moves to the new shards as a checkpoint would.
-  const optim::NamedTensors full = state_dict();
-  lay_out(std::move(segments));
-  load_state_dict(full);
+  reshard(std::move(segments));
 }
 
 double ZeroRedundancyOptimizer::clip_grad_norm(double max_norm) {
@@ -473,30 +470,31 @@ ZeroStats ZeroRedundancyOptimizer::stats() const {
 // Note [ZeRO-1], Checkpoints. The text each rank sends: "field <name> <dtype>" per per-element
 // field, "has <param> <field>" per parameter that
 // has it, "scalar <param> <field> <dtype> <value>" per piece scalar.
-optim::NamedTensors ZeroRedundancyOptimizer::state_dict() const {
-  autograd::NoGradGuard no_grad;
+// Collective: what every rank's wrapped optimizer holds, by parameter.
+ZeroRedundancyOptimizer::StateIndex ZeroRedundancyOptimizer::index_state() const {
+  StateIndex index;
   std::ostringstream text;
   std::map<std::string, DType> fields;  // per-element fields here
-  std::map<std::string, Tensor> local;
-  if (local_) {
-    for (const auto& [name, t] : local_->state_dict()) {
-      size_t k = 0;
-      std::string field;
-      if (!split_key(name, k, field)) continue;  // "step", "group.<g>.lr": ours below
-      LS_CHECK(k < pieces_.size(), "ZeroRedundancyOptimizer: the wrapped optimizer has state '",
-               name, "' for piece ", k, " of ", pieces_.size());
-      const Piece& piece = pieces_[k];
-      if (t.dim() == 1 && t.numel() == piece.numel) {
-        fields.emplace(field, t.dtype());
-        text << "has " << piece.param << ' ' << field << '\n';
-        local[name] = t;
-      } else {
-        LS_CHECK(t.numel() == 1, "ZeroRedundancyOptimizer: expected state '", name,
-                 "' to be shaped like its piece (", piece.numel, ") or a scalar, got shape ",
-                 t.shape().str());
-        text << "scalar " << piece.param << ' ' << field << ' ' << static_cast<int>(t.dtype())
-             << ' ' << exact(t.item()) << '\n';
-      }
+  for (const auto& [name, t] : local_->state_dict()) {
+    size_t k = 0;
+    std::string field;
+    if (!split_key(name, k, field)) {  // the wrapped optimizer's "step", "group.<g>.lr"
+      index.globals.emplace_back(name, t);
+      continue;
+    }
+    LS_CHECK(k < pieces_.size(), "ZeroRedundancyOptimizer: the wrapped optimizer has state '", name,
+             "' for piece ", k, " of ", pieces_.size());
+    const Piece& piece = pieces_[k];
+    if (t.dim() == 1 && t.numel() == piece.numel) {
+      fields.emplace(field, t.dtype());
+      text << "has " << piece.param << ' ' << field << '\n';
+      index.local[name] = t;
+    } else {
+      LS_CHECK(t.numel() == 1, "ZeroRedundancyOptimizer: expected state '", name,
+               "' to be shaped like its piece (", piece.numel, ") or a scalar, got shape ",
+               t.shape().str());
+      text << "scalar " << piece.param << ' ' << field << ' ' << static_cast<int>(t.dtype()) << ' '
+           << exact(t.item()) << '\n';
     }
   }
   for (const auto& [field, dtype] : fields) {
@@ -504,15 +502,6 @@ optim::NamedTensors ZeroRedundancyOptimizer::state_dict() const {
   }
   const std::string mine = text.str();
   const auto all = pg_->all_gather_object(Bytes(mine.begin(), mine.end()));
-
-  // The step count and the groups' lr are the same on every rank: this rank's.
-  optim::NamedTensors out;
-  out.emplace_back("step", full({}, static_cast<double>(steps_), kInt64));
-  for (size_t g = 0; g < groups_.size(); ++g)
-    out.emplace_back("group." + std::to_string(g) + ".lr", full({}, groups_[g].lr, kFloat64));
-  std::map<std::string, DType> all_fields;
-  std::set<std::pair<size_t, std::string>> has;
-  std::map<std::pair<size_t, std::string>, Tensor> scalars;
   for (size_t r = 0; r < all.size(); ++r) {
     std::istringstream in(std::string(all[r].begin(), all[r].end()));
     std::string kind;
@@ -522,18 +511,101 @@ optim::NamedTensors ZeroRedundancyOptimizer::state_dict() const {
       size_t param = 0;
       if (kind == "field") {
         in >> name >> dtype;
-        all_fields.emplace(name, static_cast<DType>(dtype));
+        index.fields.emplace(name, static_cast<DType>(dtype));
       } else if (kind == "has") {
         in >> param >> name;
-        has.emplace(param, name);
+        index.has.emplace(param, name);
       } else {
         LS_CHECK(kind == "scalar", "ZeroRedundancyOptimizer: bad state line '", kind, "'");
         in >> param >> name >> dtype >> value;
-        scalars.emplace(std::make_pair(param, name),
-                        full({}, std::strtod(value.c_str(), nullptr), static_cast<DType>(dtype)));
+        index.scalars.emplace(
+            std::make_pair(param, name),
+            full({}, std::strtod(value.c_str(), nullptr), static_cast<DType>(dtype)));
       }
     }
   }
+  return index;
+}
+
+// This rank's state of one per-element field, laid out as shard_ (zeros where it has none).
+Tensor ZeroRedundancyOptimizer::field_shard(const StateIndex& index, const std::string& field,
+                                            DType dtype) const {
+  Tensor shard = zeros({shard_size_}, TensorOptions(dtype).with_device(params_[0].device()));
+  for (size_t k = 0; k < pieces_.size(); ++k) {
+    auto it = index.local.find(std::to_string(k) + "." + field);
+    if (it != index.local.end())
+      shard.narrow(0, pieces_[k].shard_offset, pieces_[k].numel).copy_(it->second);
+  }
+  return shard;
+}
+
+// Note [ZeRO-1], Buckets: the state moves to the new segments one old segment at a time: its
+// shards all-gathered (a bucket's worth of memory, not the whole state), its tail this rank's
+// own, and each new piece copies its elements out. Scalars per parameter travel as text.
+void ZeroRedundancyOptimizer::reshard(std::vector<Segment> next) {
+  autograd::NoGradGuard no_grad;
+  const StateIndex index = index_state();
+  const int64_t world = pg_->size();
+  std::vector<Tensor> old_shards;
+  for (const auto& [field, dtype] : index.fields)
+    old_shards.push_back(field_shard(index, field, dtype));
+  const std::vector<Segment> old = std::move(segments_);
+  lay_out(std::move(next));
+  // Each parameter's old segment and first element in it.
+  std::vector<std::pair<size_t, int64_t>> where(params_.size());
+  for (size_t k = 0; k < old.size(); ++k) {
+    for (size_t j = 0; j < old[k].params.size(); ++j)
+      where[old[k].params[j]] = {k, old[k].offset[j]};
+  }
+  optim::NamedTensors state = index.globals;
+  size_t f = 0;
+  for (const auto& [field, dtype] : index.fields) {
+    const Tensor& before = old_shards[f++];
+    Tensor after = zeros({shard_size_}, TensorOptions(dtype).with_device(params_[0].device()));
+    for (size_t k = 0; k < old.size(); ++k) {
+      const Segment& s = old[k];
+      const int64_t shards = world * s.per_rank;
+      Tensor gathered = empty({shards}, TensorOptions(dtype).with_device(params_[0].device()));
+      if (s.per_rank > 0) pg_->all_gather(gathered, before.narrow(0, s.own_at, s.per_rank))->wait();
+      for (const Piece& piece : pieces_) {
+        if (where[piece.param].first != k) continue;
+        const int64_t o = where[piece.param].second + piece.param_offset, n = piece.numel;
+        if (o < shards) {
+          const int64_t m = std::min(o + n, shards) - o;
+          after.narrow(0, piece.shard_offset, m).copy_(gathered.narrow(0, o, m));
+        }
+        if (o + n > shards) {
+          const int64_t lo = std::max(o, shards);
+          after.narrow(0, piece.shard_offset + lo - o, o + n - lo)
+              .copy_(before.narrow(0, s.tail_at + lo - shards, o + n - lo));
+        }
+      }
+    }
+    for (size_t k = 0; k < pieces_.size(); ++k) {
+      if (index.has.count({pieces_[k].param, field}))
+        state.emplace_back(std::to_string(k) + "." + field,
+                           after.narrow(0, pieces_[k].shard_offset, pieces_[k].numel).clone());
+    }
+  }
+  for (size_t k = 0; k < pieces_.size(); ++k) {
+    for (const auto& [key, t] : index.scalars)
+      if (key.first == pieces_[k].param)
+        state.emplace_back(std::to_string(k) + "." + key.second, t);
+  }
+  local_->load_state_dict(state);
+}
+
+optim::NamedTensors ZeroRedundancyOptimizer::state_dict() const {
+  autograd::NoGradGuard no_grad;
+  const StateIndex index = index_state();
+  // The step count and the groups' lr are the same on every rank: this rank's.
+  optim::NamedTensors out;
+  out.emplace_back("step", full({}, static_cast<double>(steps_), kInt64));
+  for (size_t g = 0; g < groups_.size(); ++g)
+    out.emplace_back("group." + std::to_string(g) + ".lr", full({}, groups_[g].lr, kFloat64));
+  const auto& all_fields = index.fields;
+  const auto& has = index.has;
+  const auto& scalars = index.scalars;
   // Each rank's shards and tails, gathered; every rank's pieces follow from the segments.
   std::map<std::pair<size_t, std::string>, Tensor> per_element;
   const auto device = params_[0].device();
@@ -541,12 +613,7 @@ optim::NamedTensors ZeroRedundancyOptimizer::state_dict() const {
   std::vector<std::vector<Piece>> pieces_by_rank;
   for (int r = 0; r < world; ++r) pieces_by_rank.push_back(pieces_of(r));
   for (const auto& [field, dtype] : all_fields) {
-    Tensor shard = zeros({shard_size_}, TensorOptions(dtype).with_device(device));
-    for (size_t k = 0; k < pieces_.size(); ++k) {
-      auto it = local.find(std::to_string(k) + "." + field);
-      if (it != local.end())
-        shard.narrow(0, pieces_[k].shard_offset, pieces_[k].numel).copy_(it->second);
-    }
+    const Tensor shard = field_shard(index, field, dtype);
     Tensor gathered = empty({shard_size_ * world}, TensorOptions(dtype).with_device(device));
     pg_->all_gather(gathered, shard)->wait();
     for (size_t i = 0; i < params_.size(); ++i) {

@@ -4,7 +4,9 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -136,6 +138,20 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
     bool done = false;
   };
   struct HookLink;
+  // What the ranks' wrapped optimizers hold (index_state, collective): per-element fields and
+  // their dtypes, which parameters have which field, scalars per (parameter, field), this rank's
+  // per-element tensors by their wrapped-optimizer name, and its entries that are no piece's.
+  struct StateIndex {
+    std::map<std::string, DType> fields;
+    std::set<std::pair<size_t, std::string>> has;
+    std::map<std::pair<size_t, std::string>, Tensor> scalars;
+    std::map<std::string, Tensor> local;
+    optim::NamedTensors globals;
+  };
+  StateIndex index_state() const;
+  Tensor field_shard(const StateIndex& index, const std::string& field, DType dtype) const;
+  // Lays `next` out and moves the optimizer state into it (Note [ZeRO-1], Buckets).
+  void reshard(std::vector<Segment> next);
 
   // Lays the segments out in shard_ and builds this rank's pieces and the wrapped optimizer.
   void lay_out(std::vector<Segment> segments);
