@@ -66,10 +66,12 @@ namespace lockstep::dist {
 //
 // Buckets. DDP lays its buckets out at construction and again after the first backward (in the
 // order gradients became ready, Note [Bucket order]), so the segments are known only from the
-// hooks: the first step() that sees buckets other than its segments (the first, and the second
-// after the rebuild) gathers the full state as state_dict() does, lays the new segments out and
-// loads the state back into them (follow_buckets). Every rank sees rank 0's layout, so every
-// rank does it at the same step.
+// hooks: a step() that sees buckets other than its segments (the first, and the second after
+// a rebuild that changed them) lays the new segments out and moves the optimizer state into them
+// (reshard): one old segment at a time, its shards all-gathered, so the memory it takes for a
+// moment is one bucket's state, not the whole state on every rank. At the first step there is no
+// state yet unless a checkpoint was loaded. Every rank sees rank 0's layout, so every rank does
+// it at the same step.
 //
 // Overlap. step() launches one all-gather per segment, the one the next forward needs first
 // (DDP's last bucket holds the first layers) first. Without overlap_all_gather it waits for them
