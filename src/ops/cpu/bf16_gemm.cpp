@@ -1,4 +1,4 @@
-// bf16 GEMM through oneDNN.
+// Matrix products through oneDNN: bf16 x bf16 (Note [bf16 GEMM]) and f32 x f32 (Note [f32 GEMM]).
 //
 // Note [bf16 GEMM]
 // Under autocast, matrix products take bf16 operands and accumulate in f32. OpenBLAS has
@@ -11,7 +11,21 @@
 // Under autocast a product's f32 result is rounded to bf16 at once; oneDNN writes it as bf16
 // itself (round to nearest even, as .to(kBFloat16)), the bias added in f32 before, so the f32
 // result never goes through memory and no conversion pass follows.
+//
+// Note [f32 GEMM]
+// f32 products go to oneDNN too where its matmul is its brgemm kernel (the AVX-512 CPUs):
+// train_gpt's products are small-K or small-N (n_embd 128: K or N of 128-512 against 2048
+// rows), where OpenBLAS 0.3.21's Cooperlake sgemm reaches 85-90% of oneDNN's rate at every one
+// of its 15 shapes (forward, input and weight gradients), and spends another 7% of the step
+// packing operands that oneDNN's brgemm reads in place. The bias rides along as oneDNN's bias
+// argument instead of a pass that first fills the output with it. Elsewhere (AVX2 only, where
+// oneDNN would use its own jit sgemm, not measured) and for f64, OpenBLAS stays. The sums are
+// ordered differently from OpenBLAS's, so results differ from it in the last bits.
+// set_f32_gemm_onednn(false) sends f32 back to OpenBLAS (tests reach both paths).
 #include "ops/cpu/bf16_gemm.h"
+
+#include <atomic>
+#include <vector>
 
 #ifdef LOCKSTEP_HAVE_ONEDNN
 #include <oneapi/dnnl/dnnl.hpp>
@@ -30,11 +44,12 @@ namespace lockstep::cpu {
 
 namespace {
 
-// What the primitive writes: f32 (or adds to f32), or bf16 (with or without an f32 bias).
-enum class Out { kF32, kF32Accumulate, kBf16, kBf16Bias };
+// What the primitive writes: f32 (or adds to f32, or with an f32 bias), or bf16 (with or without
+// an f32 bias).
+enum class Out { kF32, kF32Accumulate, kF32Bias, kBf16, kBf16Bias };
 
-using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                       Out>;  // m, n, k, a strides, b strides, ldc, output
+using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, Out,
+                       bool>;  // m, n, k, a strides, b strides, ldc, output, f32 operands
 
 // A primitive with its own descriptor. Scratchpads are the caller's (user mode), so one
 // primitive may run on several threads at once (DataParallel's replicas): oneDNN's default,
@@ -52,6 +67,7 @@ struct Runtime {
   std::mutex mu;
   std::map<Key, std::shared_ptr<Entry>> cache;
   std::string impl;
+  bool f32 = false;  // f32 products run oneDNN's brgemm here (Note [f32 GEMM])
 };
 
 Runtime* runtime() {
@@ -67,6 +83,9 @@ Runtime* runtime() {
       dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), r->engine);
       r->impl = pd.impl_info_str();
       if (r->impl.find("ref") != std::string::npos) return nullptr;  // no bf16 hardware path
+      dnnl::memory::desc af({64, 64}, dt::f32, tag::ab), bf({64, 64}, dt::f32, tag::ab);
+      dnnl::matmul::primitive_desc pdf(dnnl::matmul::desc(af, bf, c), r->engine);
+      r->f32 = std::string(pdf.impl_info_str()).find("brg") != std::string::npos;
       return r.release();
     } catch (const dnnl::error&) {
       return nullptr;
@@ -75,9 +94,18 @@ Runtime* runtime() {
   return rt;
 }
 
+std::atomic<bool> g_f32_enabled{true};
+
 }  // namespace
 
 bool bf16_gemm_available() { return runtime() != nullptr; }
+
+bool f32_gemm_onednn_enabled() {
+  const Runtime* rt = runtime();
+  return rt != nullptr && rt->f32 && g_f32_enabled.load(std::memory_order_relaxed);
+}
+
+void set_f32_gemm_onednn(bool enabled) { g_f32_enabled.store(enabled, std::memory_order_relaxed); }
 
 const char* bf16_gemm_impl() {
   Runtime* rt = runtime();
@@ -86,15 +114,34 @@ const char* bf16_gemm_impl() {
 
 namespace {
 
-bool run_matmul(int64_t m, int64_t n, int64_t k, const Bf16Matrix& a, const Bf16Matrix& b, Out out,
-                void* c, int64_t ldc, const float* bias) {
+// A row-major operand at `data` (bf16 or f32), element (i, j) at i * rs + j * cs.
+struct Operand {
+  const void* data = nullptr;
+  int64_t rs = 0, cs = 1;
+};
+
+Operand operand(const Bf16Matrix& m) { return {m.data, m.rs, m.cs}; }
+Operand operand(const F32Matrix& m) { return {m.data, m.rs, m.cs}; }
+
+// This thread's scratchpad, grown to the largest a primitive asked for and kept: a call's own
+// (see Entry), without an allocation per call.
+void* scratchpad(size_t bytes) {
+  thread_local std::vector<unsigned char> buf;
+  if (buf.size() < bytes) buf.resize(bytes);
+  return buf.data();
+}
+
+bool run_matmul(int64_t m, int64_t n, int64_t k, const Operand& a, const Operand& b, bool f32_in,
+                Out out, void* c, int64_t ldc, const float* bias) {
   Runtime* rt = runtime();
   if (rt == nullptr || m <= 0 || n <= 0 || k <= 0) return false;
   using dt = dnnl::memory::data_type;
   const bool bf16_out = out == Out::kBf16 || out == Out::kBf16Bias;
-  const Key key{m, n, k, a.rs, a.cs, b.rs, b.cs, ldc, out};
-  const dnnl::memory::desc ad({m, k}, dt::bf16, {a.rs, a.cs});
-  const dnnl::memory::desc bd({k, n}, dt::bf16, {b.rs, b.cs});
+  const bool has_bias = out == Out::kBf16Bias || out == Out::kF32Bias;
+  const dt in = f32_in ? dt::f32 : dt::bf16;
+  const Key key{m, n, k, a.rs, a.cs, b.rs, b.cs, ldc, out, f32_in};
+  const dnnl::memory::desc ad({m, k}, in, {a.rs, a.cs});
+  const dnnl::memory::desc bd({k, n}, in, {b.rs, b.cs});
   const dnnl::memory::desc cd({m, n}, bf16_out ? dt::bf16 : dt::f32, {ldc, 1});
   const dnnl::memory::desc biasd({1, n}, dt::f32, {n, 1});
   std::shared_ptr<Entry> entry;
@@ -112,9 +159,8 @@ bool run_matmul(int64_t m, int64_t n, int64_t k, const Bf16Matrix& a, const Bf16
           ops.append_sum(1.0f);
           attr.set_post_ops(ops);
         }
-        const dnnl::matmul::desc desc = out == Out::kBf16Bias
-                                            ? dnnl::matmul::desc(ad, bd, biasd, cd)
-                                            : dnnl::matmul::desc(ad, bd, cd);
+        const dnnl::matmul::desc desc =
+            has_bias ? dnnl::matmul::desc(ad, bd, biasd, cd) : dnnl::matmul::desc(ad, bd, cd);
         dnnl::matmul::primitive_desc pd(desc, attr, rt->engine);
         entry = std::make_shared<Entry>(Entry{pd, dnnl::matmul(pd)});
       } catch (const dnnl::error&) {
@@ -126,15 +172,16 @@ bool run_matmul(int64_t m, int64_t n, int64_t k, const Bf16Matrix& a, const Bf16
   }
   if (!entry) return false;
   dnnl::stream stream(rt->engine);
-  dnnl::memory am(ad, rt->engine, const_cast<uint16_t*>(a.data));
-  dnnl::memory bm(bd, rt->engine, const_cast<uint16_t*>(b.data));
+  dnnl::memory am(ad, rt->engine, const_cast<void*>(a.data));
+  dnnl::memory bm(bd, rt->engine, const_cast<void*>(b.data));
   dnnl::memory cm(cd, rt->engine, c);
-  dnnl::memory scratch(entry->pd.scratchpad_desc(), rt->engine);  // this call's own
+  const dnnl::memory::desc sd = entry->pd.scratchpad_desc();
+  dnnl::memory scratch(sd, rt->engine, scratchpad(sd.get_size()));
   std::unordered_map<int, dnnl::memory> args{{DNNL_ARG_SRC, am},
                                              {DNNL_ARG_WEIGHTS, bm},
                                              {DNNL_ARG_DST, cm},
                                              {DNNL_ARG_SCRATCHPAD, scratch}};
-  if (out == Out::kBf16Bias)
+  if (has_bias)
     args.emplace(DNNL_ARG_BIAS, dnnl::memory(biasd, rt->engine, const_cast<float*>(bias)));
   entry->prim.execute(stream, args);
   stream.wait();
@@ -145,18 +192,33 @@ bool run_matmul(int64_t m, int64_t n, int64_t k, const Bf16Matrix& a, const Bf16
 
 bool bf16_gemm(int64_t m, int64_t n, int64_t k, const Bf16Matrix& a, const Bf16Matrix& b, float* c,
                int64_t ldc, bool accumulate) {
-  return run_matmul(m, n, k, a, b, accumulate ? Out::kF32Accumulate : Out::kF32, c, ldc, nullptr);
+  return run_matmul(m, n, k, operand(a), operand(b), false,
+                    accumulate ? Out::kF32Accumulate : Out::kF32, c, ldc, nullptr);
 }
 
 bool bf16_gemm_bf16_out(int64_t m, int64_t n, int64_t k, const Bf16Matrix& a, const Bf16Matrix& b,
                         const float* bias, uint16_t* c, int64_t ldc) {
-  return run_matmul(m, n, k, a, b, bias != nullptr ? Out::kBf16Bias : Out::kBf16, c, ldc, bias);
+  return run_matmul(m, n, k, operand(a), operand(b), false,
+                    bias != nullptr ? Out::kBf16Bias : Out::kBf16, c, ldc, bias);
+}
+
+bool f32_gemm_onednn(int64_t m, int64_t n, int64_t k, const F32Matrix& a, const F32Matrix& b,
+                     const float* bias, float* c, int64_t ldc) {
+  if (!f32_gemm_onednn_enabled()) return false;
+  return run_matmul(m, n, k, operand(a), operand(b), true,
+                    bias != nullptr ? Out::kF32Bias : Out::kF32, c, ldc, bias);
 }
 
 #else  // !LOCKSTEP_HAVE_ONEDNN
 
 bool bf16_gemm_available() { return false; }
 const char* bf16_gemm_impl() { return ""; }
+bool f32_gemm_onednn_enabled() { return false; }
+void set_f32_gemm_onednn(bool) {}
+bool f32_gemm_onednn(int64_t, int64_t, int64_t, const F32Matrix&, const F32Matrix&, const float*,
+                     float*, int64_t) {
+  return false;
+}
 bool bf16_gemm(int64_t, int64_t, int64_t, const Bf16Matrix&, const Bf16Matrix&, float*, int64_t,
                bool) {
   return false;

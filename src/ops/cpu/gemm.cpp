@@ -1,6 +1,7 @@
 // The CPU gemm kernel of matmul and linear: batched products with broadcast batch dims and an
-// optional bias row, through BLAS (f32, f64) or oneDNN (bf16); f16, and bf16 shapes oneDNN
-// declines, are computed in f32 from converted operands.
+// optional bias row, through oneDNN (bf16; f32 where it runs its brgemm, Note [f32 GEMM]) or
+// BLAS (f64, other f32); f16, and bf16 shapes oneDNN declines, are computed in f32 from
+// converted operands.
 #include <algorithm>
 #include <bit>
 #include <climits>
@@ -111,7 +112,25 @@ void fill_rows_with_bias(T* c, int64_t rows, int64_t n, const Tensor& bias) {
                });
 }
 
-// f32 or f64: c = a @ b (+ bias), operands passed to BLAS as views (Note [BLAS operands]).
+// c (m x n, contiguous) = op(a) @ op(b) (+ bias, when defined): oneDNN's f32 matmul where
+// `onednn` and it runs (Note [f32 GEMM] in bf16_gemm.cpp), else the bias rows and BLAS on top.
+// bias_c is bias made contiguous once by the caller.
+template <typename T>
+void product(const Matrix& ma, const Matrix& mb, int64_t m, int64_t n, int64_t k, const T* a,
+             const T* b, const Tensor& bias, const Tensor& bias_c, bool onednn, T* c) {
+  if constexpr (std::is_same_v<T, float>) {
+    auto op = [](const float* p, const Matrix& x) {
+      return F32Matrix{p, x.trans ? 1 : x.ld, x.trans ? x.ld : 1};
+    };
+    const float* pbias = bias_c.defined() ? bias_c.data<float>() : nullptr;
+    if (onednn && f32_gemm_onednn(m, n, k, op(a, ma), op(b, mb), pbias, c, n)) return;
+  }
+  if (bias.defined()) fill_rows_with_bias(c, m, n, bias);
+  gemm<T>(ma.trans, mb.trans, m, n, k, a, ma.ld, b, mb.ld, bias.defined() ? T(1) : T(0), c, n);
+}
+
+// f32 or f64: c = a @ b (+ bias), operands passed to BLAS or oneDNN as views (Note [BLAS
+// operands]).
 template <typename T>
 void gemm_float(const Tensor& c, Tensor a, Tensor b, const Tensor& bias) {
   const int64_t m = c.size(-2), n = c.size(-1), k = a.size(-1);
@@ -120,8 +139,7 @@ void gemm_float(const Tensor& c, Tensor a, Tensor b, const Tensor& bias) {
   a = blas_ready(a).expand(with_matrix(batch, m, k));
   b = blas_ready(b).expand(with_matrix(batch, k, n));
   T* pc = c.data<T>();
-  if (bias.defined()) fill_rows_with_bias(pc, nb * m, n, bias);
-  const T beta = bias.defined() ? T(1) : T(0);
+  const Tensor bias_c = bias.defined() ? bias.contiguous() : bias;
   Matrix mb;
   blas_layout(b, &mb);
 
@@ -148,24 +166,25 @@ void gemm_float(const Tensor& c, Tensor a, Tensor b, const Tensor& bias) {
     }
     Matrix ma;
     if (merge && nb * m <= INT_MAX && blas_layout(nb * m, k, rs, a.stride(-1), &ma)) {
-      gemm<T>(ma.trans, mb.trans, nb * m, n, k, a.data<T>(), ma.ld, b.data<T>(), mb.ld, beta, pc,
-              n);
+      product<T>(ma, mb, nb * m, n, k, a.data<T>(), b.data<T>(), bias, bias_c, true, pc);
       return;
     }
   }
-  // One gemm per batch entry (Note [Batched GEMM threading]).
+  // One gemm per batch entry (Note [Batched GEMM threading]); small ones stay with BLAS, whose
+  // per-call cost is lower.
   Matrix ma;
   blas_layout(a, &ma);
   const T* pa = a.data<T>();
   const T* pb = b.data<T>();
+  const int64_t flops = m * n * k;
+  const bool small = flops < kSmallGemmFlops;
   auto run = [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const auto [oa, ob] = batch_offsets(i, batch, a, b);
-      gemm<T>(ma.trans, mb.trans, m, n, k, pa + oa, ma.ld, pb + ob, mb.ld, beta, pc + i * m * n, n);
+      product<T>(ma, mb, m, n, k, pa + oa, pb + ob, bias, bias_c, !small, pc + i * m * n);
     }
   };
-  const int64_t flops = m * n * k;
-  if (flops < kSmallGemmFlops && blas_runs_serially_in_parallel_regions()) {
+  if (small && blas_runs_serially_in_parallel_regions()) {
     parallel_for(0, nb, std::max<int64_t>(1, kSmallGemmFlops / std::max<int64_t>(flops, 1)), run);
   } else {
     run(0, nb);
