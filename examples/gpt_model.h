@@ -68,8 +68,9 @@ class CausalSelfAttention : public nn::Module {
   Tensor forward(const Tensor& x) override {  // x (B,T,C)
     const int64_t B = x.size(0), T = x.size(1), C = x.size(2), H = n_head_, D = C / H;
     Tensor qkv = c_attn_->forward(x);                                       // (B,T,3C)
-    // Strided views; the attention copies them once into its own layout, and unbind's one
-    // backward node gathers their gradients into qkv's (Note [unbind's backward]).
+    // Strided views, which the attention reads as they are and whose output it lays out as
+    // (B,T,H,D), so the transpose back is contiguous already (Note [Strided attention inputs]);
+    // unbind's one backward node gathers their gradients into qkv's (Note [unbind's backward]).
     std::vector<Tensor> heads = unbind(qkv.view({B, T, 3, H, D}), 2);       // 3 x (B,T,H,D)
     Tensor q = heads[0].transpose(1, 2);                                    // (B,H,T,D)
     Tensor k = heads[1].transpose(1, 2);                                    // (B,H,T,D)

@@ -2,9 +2,12 @@
 // compute it tile by tile (src/ops/cpu/attention.cpp).
 #include "lockstep/ops/attention.h"
 
+#include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "lockstep/autograd/node.h"
 #include "ops/common.h"
@@ -31,6 +34,17 @@ using detail::Kernels;
 // the diagonal, so the causal op does about half the work of the full one. All the tile
 // products go to BLAS, which is what lets the op run near GEMM speed.
 //
+// Note [Strided attention inputs]
+// A GPT's q, k, v are views of one projection: (B, T, 3, H, D) memory read as three (B, H, T, D)
+// tensors (unbind, then transpose), whose rows are 3C apart and whose heads start D apart. The
+// kernels take such views as they are: every head's rows at one stride, each row contiguous,
+// head offsets from the leading dims' strides. (Copying the three contiguous was 3.3% of an f32
+// train_gpt step, with the copy of the output below.) The output, and the gradients of q, k
+// and v, are allocated with their dims in memory in q's order (by stride): for those views that
+// is (B, T, H, D), so the model's transpose back to (B, T, C) is already contiguous and costs
+// no copy, and the gradients reach unbind's backward in rows of C. Inputs whose last dim is not
+// contiguous, or whose rows overlap, are copied first.
+//
 // Under autocast the op is left alone (it is not in the table of src/ops/autocast.cpp, so it
 // takes its inputs as they come): q, k, v from bf16 linears arrive in bf16 and the kernels
 // compute in f32, returning bf16.
@@ -38,9 +52,9 @@ using detail::Kernels;
 namespace {
 
 struct AttentionSaved {
-  Tensor q, k, v, out;  // (N, T, D), contiguous, compute dtype
-  Tensor lse;           // (N, Tq)
-  Dims q_shape, k_shape, v_shape;
+  // (..., T, D) each, rows contiguous (Note [Strided attention inputs]), compute dtype.
+  Tensor q, k, v, out;
+  Tensor lse;  // (N, Tq)
   double scale = 0;
   bool causal = false;
 };
@@ -76,6 +90,40 @@ void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, bool causal
            ": is_causal expects as many queries as keys, got ", q.size(-2), " and ", k.size(-2));
 }
 
+// t detached, in the compute dtype, as the kernels read it: rows of contiguous elements at one
+// stride that does not overlap them; a copy only where t is not such a view.
+Tensor kernel_input(const Tensor& t, DType ct) {
+  Tensor x = t.detach().to(ct);
+  const bool rows_ok = x.stride(-1) == 1 || x.size(-1) <= 1;
+  const bool ld_ok = x.size(-2) <= 1 || (x.stride(-2) >= x.size(-1) && x.stride(-2) <= INT_MAX);
+  return rows_ok && ld_ok ? x : x.contiguous();
+}
+
+// An empty tensor of like's shape but for the last dim, `last`, whose dims lie in memory in the
+// order of like's strides, largest first, the last dim innermost (Note [Strided attention
+// inputs]); contiguous for a contiguous `like`.
+Tensor empty_in_order_of(const Tensor& like, int64_t last, const TensorOptions& o) {
+  const int64_t nd = like.dim();
+  if (like.is_contiguous()) {
+    Dims shape = like.shape();
+    shape[nd - 1] = last;
+    return empty(shape, o);
+  }
+  // Size-1 dims outermost (where they lie does not matter), then the others by stride.
+  std::vector<int64_t> order, rest;
+  for (int64_t d = 0; d < nd - 1; ++d) (like.size(d) == 1 ? order : rest).push_back(d);
+  std::stable_sort(rest.begin(), rest.end(),
+                   [&](int64_t a, int64_t b) { return like.stride(a) > like.stride(b); });
+  order.insert(order.end(), rest.begin(), rest.end());
+  order.push_back(nd - 1);
+  Dims mem_shape, inverse = Dims::filled(nd, 0);
+  for (int64_t j = 0; j < nd; ++j) {
+    mem_shape.push_back(order[j] == nd - 1 ? last : like.size(order[j]));
+    inverse[order[j]] = j;
+  }
+  return empty(mem_shape, o).permute(inverse);
+}
+
 }  // namespace
 
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -87,41 +135,33 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   const int64_t tq = q.size(-2), d = q.size(-1), dv = v.size(-1);
   int64_t heads = 1;  // every leading dim: batch, heads, ...
   for (int64_t i = 0; i < q.dim() - 2; ++i) heads *= q.size(i);
-  auto flat = [ct, heads](const Tensor& t) {
-    return t.detach().to(ct).contiguous().reshape({heads, t.size(-2), t.size(-1)});
-  };
 
   auto s = std::make_shared<AttentionSaved>();
-  s->q = flat(q);
-  s->k = flat(k);
-  s->v = flat(v);
-  s->q_shape = q.shape();
-  s->k_shape = k.shape();
-  s->v_shape = v.shape();
+  s->q = kernel_input(q, ct);
+  s->k = kernel_input(k, ct);
+  s->v = kernel_input(v, ct);
   s->scale = opts.scale != 0.0 ? opts.scale : 1.0 / std::sqrt(static_cast<double>(d));
   s->causal = opts.is_causal;
   const auto o = detail::options_on(q, ct);
-  s->out = empty({heads, tq, dv}, o);
+  s->out = empty_in_order_of(s->q, dv, o);
   s->lse = empty({heads, tq}, o);
   forward(s->out, s->lse, s->q, s->k, s->v, s->scale, s->causal);
-  Dims out_shape = q.shape();
-  out_shape[out_shape.size() - 1] = dv;
-  Tensor y = s->out.view(out_shape).to(dt);
+  // A handle of its own for the result (the closure below must not hold its own output).
+  Tensor y = s->out.detach().to(dt);
 
   record("ScaledDotProductAttentionBackward", {q, k, v}, y,
          [s, dt, rq = q.requires_grad(), rk = k.requires_grad(),
           rv = v.requires_grad()](const TensorList& g) {
            const auto backward = detail::kernel(&Kernels::attention_backward, s->q.device(), kOp);
-           const auto o = detail::options_on(s->q, s->q.dtype());
-           const Tensor gc = g[0].to(s->q.dtype()).contiguous().reshape(s->out.shape());
-           Tensor dq = empty(s->q.shape(), o), dk = empty(s->k.shape(), o),
-                  dv = empty(s->v.shape(), o);
+           const DType ct = s->q.dtype();
+           const auto o = detail::options_on(s->q, ct);
+           const Tensor gc = kernel_input(g[0], ct);
+           Tensor dq = empty_in_order_of(s->q, s->q.size(-1), o),
+                  dk = empty_in_order_of(s->k, s->k.size(-1), o),
+                  dv = empty_in_order_of(s->v, s->v.size(-1), o);
            backward(dq, dk, dv, gc, s->q, s->k, s->v, s->out, s->lse, s->scale, s->causal);
-           auto back = [dt](bool wanted, const Tensor& t, const Dims& shape) {
-             return wanted ? t.view(shape).to(dt) : Tensor();
-           };
-           return TensorList{back(rq, dq, s->q_shape), back(rk, dk, s->k_shape),
-                             back(rv, dv, s->v_shape)};
+           auto back = [dt](bool wanted, const Tensor& t) { return wanted ? t.to(dt) : Tensor(); };
+           return TensorList{back(rq, dq), back(rk, dk), back(rv, dv)};
          });
   return y;
 }

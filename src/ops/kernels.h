@@ -231,13 +231,15 @@ struct Kernels {
                   const Tensor& dbias, const Tensor& g, const Tensor& x, const Tensor& mean,
                   const Tensor& var, const Tensor& weight, double eps, bool training)
   // -- attention (src/ops/attention.cpp) --
-  // Contiguous q (N, Tq, D), k (N, Tk, D), v (N, Tk, Dv), f32/f64, N = batch * heads. Writes
-  // out (N, Tq, Dv) = softmax(q k^T * scale, causal mask when causal) v and each query row's
-  // log-sum-exp of its scaled scores, lse (N, Tq), for the backward.
+  // q (..., Tq, D), k (..., Tk, D), v (..., Tk, Dv), f32/f64, with the same leading (batch,
+  // head) dims, N heads in all; each row contiguous, rows and heads at any strides (Note
+  // [Strided attention inputs] in src/ops/attention.cpp). Writes out (..., Tq, Dv), strided
+  // alike, = softmax(q k^T * scale, causal mask when causal) v and each query row's log-sum-exp
+  // of its scaled scores, lse (N, Tq, contiguous), for the backward.
   LS_KERNEL_ENTRY(attention, const Tensor& out, const Tensor& lse, const Tensor& q,
                   const Tensor& k, const Tensor& v, double scale, bool causal)
-  // Overwrites dq, dk, dv (like q, k, v, contiguous) from g (out's gradient, contiguous) and
-  // the forward's out and lse, recomputing the probabilities tile by tile.
+  // Overwrites dq, dk, dv (shaped like q, k, v) from g (out's gradient) and the forward's out
+  // and lse, recomputing the probabilities tile by tile; all strided as above.
   LS_KERNEL_ENTRY(attention_backward, const Tensor& dq, const Tensor& dk, const Tensor& dv,
                   const Tensor& g, const Tensor& q, const Tensor& k, const Tensor& v,
                   const Tensor& out, const Tensor& lse, double scale, bool causal)

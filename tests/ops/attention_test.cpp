@@ -229,6 +229,47 @@ TEST(Attention, StridedInputsAsAModelMakesThem) {
   expect_close(values(y), values(naive_attention(q, k, v, true)), 2e-5, "strided");
 }
 
+// Note [Strided attention inputs]: q, k, v as unbind's views of one (B, T, 3, H, D) projection
+// are read in place, by both f32 kernels and in f64: the output and the gradients are the same
+// bits as for contiguous copies of the same values (the kernels do the same arithmetic), and
+// the output lies in memory as (B, T, H, D), so transposing it back to (B, T, H * D) needs no
+// copy. Odd sizes: T = 67 (not a multiple of 8, 6 or 64), D = 12 (not a multiple of 8).
+TEST(Attention, UnbindViewsAreReadInPlaceWithTheSameResults) {
+  const int64_t b = 2, t = 67, h = 3, d = 12;
+  std::vector<std::pair<DType, bool>> runs = {{kFloat64, false}};
+  for (bool avx2 : f32_kernels()) runs.push_back({kFloat32, avx2});
+  for (auto [dt, avx2] : runs) {
+    Avx2Kernels kernels(avx2);
+    const std::string what = std::string(dtype_name(dt)) + (avx2 ? " avx2" : " portable");
+    Generator gen(37);
+    const Tensor qkv0 = randn({b, t, 3 * h * d}, gen, dt), gy = randn({b, h, t, d}, gen, dt);
+    Tensor qkv = qkv0.clone().requires_grad_(true);
+    std::vector<Tensor> parts = unbind(qkv.view({b, t, 3, h, d}), 2);  // 3 x (B,T,H,D)
+    Tensor q = parts[0].transpose(1, 2), k = parts[1].transpose(1, 2), v = parts[2].transpose(1, 2);
+    ASSERT_FALSE(q.is_contiguous()) << what;
+    Tensor y = scaled_dot_product_attention(q, k, v, {.is_causal = true});
+    EXPECT_TRUE(y.transpose(1, 2).is_contiguous()) << what << ": the output is (B,T,H,D) memory";
+    sum(mul(y, gy)).backward();
+
+    // The same values, copied contiguous, each its own leaf.
+    Tensor qc = q.detach().contiguous().requires_grad_(true),
+           kc = k.detach().contiguous().requires_grad_(true),
+           vc = v.detach().contiguous().requires_grad_(true);
+    Tensor yc = scaled_dot_product_attention(qc, kc, vc, {.is_causal = true});
+    EXPECT_TRUE(yc.is_contiguous()) << what << ": contiguous inputs give a contiguous output";
+    sum(mul(yc, gy)).backward();
+
+    EXPECT_EQ(values(y), values(yc)) << what;
+    std::vector<Tensor> gparts = unbind(qkv.grad().view({b, t, 3, h, d}), 2);
+    EXPECT_EQ(values(gparts[0].transpose(1, 2)), values(qc.grad())) << what << " dq";
+    EXPECT_EQ(values(gparts[1].transpose(1, 2)), values(kc.grad())) << what << " dk";
+    EXPECT_EQ(values(gparts[2].transpose(1, 2)), values(vc.grad())) << what << " dv";
+    // And against the f64 composition, so that "the same" is also right.
+    expect_close(values(y), values(naive_attention(q.detach(), k.detach(), v.detach(), true)),
+                 dt == kFloat64 ? 1e-12 : 2e-5, what);
+  }
+}
+
 TEST(Attention, LargeScoresStayFinite) {
   // Scores of order 1e4: without the running max, exp would overflow.
   Generator gen(36);

@@ -127,26 +127,24 @@ inline int64_t visible(int64_t i, int64_t j0, int64_t cols, bool causal) {
   return causal ? std::clamp<int64_t>(i - j0 + 1, 0, cols) : cols;
 }
 
-struct Dims3 {
-  int64_t tq, tk, d, dv;
-};
-
-// One head of the forward: o (tq, dv) and lse (tq). s is a kRows x kCols scratch tile, m and l
-// kRows each: the running max and sum of exponentials of the current query tile's rows.
+// One head of the forward: o (tq, dv) and lse (tq), rows at n's strides. s is a kRows x kCols
+// scratch tile, m and l kRows each: the running max and sum of exponentials of the current query
+// tile's rows.
 template <typename T>
-void forward_head(const T* q, const T* k, const T* v, T* o, T* lse, const Dims3& n, T scale,
+void forward_head(const T* q, const T* k, const T* v, T* o, T* lse, const AttentionHead& n, T scale,
                   bool causal, T* s, T* m, T* l) {
   for (int64_t i0 = 0; i0 < n.tq; i0 += kRows) {
     const int64_t rows = std::min(kRows, n.tq - i0);
-    T* oi = o + i0 * n.dv;
-    std::fill(oi, oi + rows * n.dv, T(0));
+    T* oi = o + i0 * n.ldo;
+    for (int64_t r = 0; r < rows; ++r) std::fill(oi + r * n.ldo, oi + r * n.ldo + n.dv, T(0));
     std::fill(m, m + rows, -std::numeric_limits<T>::infinity());
     std::fill(l, l + rows, T(0));
     // Causal: key tiles past this query tile's last row are all masked; skip them.
     const int64_t kend = causal ? std::min(n.tk, i0 + rows) : n.tk;
     for (int64_t j0 = 0; j0 < kend; j0 += kCols) {
       const int64_t cols = std::min(kCols, kend - j0);
-      gemm<T>(false, true, rows, cols, n.d, q + i0 * n.d, n.d, k + j0 * n.d, n.d, T(0), s, kCols);
+      gemm<T>(false, true, rows, cols, n.d, q + i0 * n.ldq, n.ldq, k + j0 * n.ldk, n.ldk, T(0), s,
+              kCols);
       for (int64_t r = 0; r < rows; ++r) {
         T* row = s + r * kCols;
         const int64_t vis = visible(i0 + r, j0, cols, causal);
@@ -161,13 +159,13 @@ void forward_head(const T* q, const T* k, const T* v, T* o, T* lse, const Dims3&
         l[r] = l[r] * alpha + sum;
         m[r] = m_new;
         if (alpha != T(1))
-          for (int64_t c = 0; c < n.dv; ++c) oi[r * n.dv + c] *= alpha;
+          for (int64_t c = 0; c < n.dv; ++c) oi[r * n.ldo + c] *= alpha;
       }
-      gemm<T>(false, false, rows, n.dv, cols, s, kCols, v + j0 * n.dv, n.dv, T(1), oi, n.dv);
+      gemm<T>(false, false, rows, n.dv, cols, s, kCols, v + j0 * n.ldv, n.ldv, T(1), oi, n.ldo);
     }
     for (int64_t r = 0; r < rows; ++r) {
       const T inv = T(1) / l[r];
-      for (int64_t c = 0; c < n.dv; ++c) oi[r * n.dv + c] *= inv;
+      for (int64_t c = 0; c < n.dv; ++c) oi[r * n.ldo + c] *= inv;
       lse[i0 + r] = m[r] + std::log(l[r]);
     }
   }
@@ -178,33 +176,37 @@ void forward_head(const T* q, const T* k, const T* v, T* o, T* lse, const Dims3&
 // scratch tiles; delta (tq) holds rowsum(g * o).
 template <typename T>
 void backward_head(T* dq, T* dk, T* dv, const T* g, const T* q, const T* k, const T* v, const T* o,
-                   const T* lse, const Dims3& n, T scale, bool causal, T* p, T* dp, T* delta) {
+                   const T* lse, const AttentionHead& n, T scale, bool causal, T* p, T* dp,
+                   T* delta) {
   for (int64_t i = 0; i < n.tq; ++i) {
     T acc = 0;
-    for (int64_t c = 0; c < n.dv; ++c) acc += g[i * n.dv + c] * o[i * n.dv + c];
+    for (int64_t c = 0; c < n.dv; ++c) acc += g[i * n.ldg + c] * o[i * n.ldo + c];
     delta[i] = acc;
   }
-  std::fill(dq, dq + n.tq * n.d, T(0));
+  for (int64_t i = 0; i < n.tq; ++i) std::fill(dq + i * n.lddq, dq + i * n.lddq + n.d, T(0));
   for (int64_t j0 = 0; j0 < n.tk; j0 += kCols) {
     const int64_t cols = std::min(kCols, n.tk - j0);
-    T* dkj = dk + j0 * n.d;
-    T* dvj = dv + j0 * n.dv;
-    std::fill(dkj, dkj + cols * n.d, T(0));
-    std::fill(dvj, dvj + cols * n.dv, T(0));
+    T* dkj = dk + j0 * n.lddk;
+    T* dvj = dv + j0 * n.lddv;
+    for (int64_t t = 0; t < cols; ++t) {
+      std::fill(dkj + t * n.lddk, dkj + t * n.lddk + n.d, T(0));
+      std::fill(dvj + t * n.lddv, dvj + t * n.lddv + n.dv, T(0));
+    }
     // Causal (tq == tk): query tiles that end before key j0 see none of this tile's keys.
     for (int64_t i0 = causal ? j0 / kRows * kRows : 0; i0 < n.tq; i0 += kRows) {
       const int64_t rows = std::min(kRows, n.tq - i0);
-      gemm<T>(false, true, rows, cols, n.d, q + i0 * n.d, n.d, k + j0 * n.d, n.d, T(0), p, kCols);
+      gemm<T>(false, true, rows, cols, n.d, q + i0 * n.ldq, n.ldq, k + j0 * n.ldk, n.ldk, T(0), p,
+              kCols);
       for (int64_t r = 0; r < rows; ++r) {
         T* row = p + r * kCols;
         const int64_t vis = visible(i0 + r, j0, cols, causal);
         exp_row(row, vis, scale, lse[i0 + r]);
         std::fill(row + vis, row + cols, T(0));
       }
-      const T* gi = g + i0 * n.dv;
+      const T* gi = g + i0 * n.ldg;
       // dv_j += p^T g_i; dp = g_i v_j^T.
-      gemm<T>(true, false, cols, n.dv, rows, p, kCols, gi, n.dv, T(1), dvj, n.dv);
-      gemm<T>(false, true, rows, cols, n.dv, gi, n.dv, v + j0 * n.dv, n.dv, T(0), dp, kCols);
+      gemm<T>(true, false, cols, n.dv, rows, p, kCols, gi, n.ldg, T(1), dvj, n.lddv);
+      gemm<T>(false, true, rows, cols, n.dv, gi, n.ldg, v + j0 * n.ldv, n.ldv, T(0), dp, kCols);
       // ds = p * (dp - delta) * scale, the gradient of the scaled scores times the scale.
       for (int64_t r = 0; r < rows; ++r) {
         T* ds = dp + r * kCols;
@@ -213,9 +215,9 @@ void backward_head(T* dq, T* dk, T* dv, const T* g, const T* q, const T* k, cons
         for (int64_t c = 0; c < cols; ++c) ds[c] = pr[c] * (ds[c] - di) * scale;
       }
       // dq_i += ds k_j; dk_j += ds^T q_i.
-      gemm<T>(false, false, rows, n.d, cols, dp, kCols, k + j0 * n.d, n.d, T(1), dq + i0 * n.d,
-              n.d);
-      gemm<T>(true, false, cols, n.d, rows, dp, kCols, q + i0 * n.d, n.d, T(1), dkj, n.d);
+      gemm<T>(false, false, rows, n.d, cols, dp, kCols, k + j0 * n.ldk, n.ldk, T(1),
+              dq + i0 * n.lddq, n.lddq);
+      gemm<T>(true, false, cols, n.d, rows, dp, kCols, q + i0 * n.ldq, n.ldq, T(1), dkj, n.lddk);
     }
   }
 }
@@ -231,12 +233,47 @@ void for_each_head(int64_t heads, const F& f) {
   });
 }
 
+// Element offsets of every head of t (..., T, D): row-major over the leading dims, at t's
+// strides (Note [Strided attention inputs] in src/ops/attention.cpp).
+std::vector<int64_t> head_offsets(const Tensor& t) {
+  const int64_t lead = t.dim() - 2;
+  int64_t heads = 1;
+  for (int64_t d = 0; d < lead; ++d) heads *= t.size(d);
+  std::vector<int64_t> out(static_cast<size_t>(heads));
+  for (int64_t h = 0; h < heads; ++h) {
+    int64_t off = 0, rem = h;
+    for (int64_t d = lead - 1; d >= 0; --d) {
+      off += rem % t.size(d) * t.stride(d);
+      rem /= t.size(d);
+    }
+    out[static_cast<size_t>(h)] = off;
+  }
+  return out;
+}
+
+// The row stride of t (..., T, D); a single row's stride is free, so it reads as D.
+int64_t row_stride(const Tensor& t) {
+  return t.size(-2) > 1 ? t.stride(-2) : std::max<int64_t>(1, t.size(-1));
+}
+
+// Sizes and row strides of every head of q, k, v, out (and for the backward g, dq, dk, dv).
+AttentionHead head_sizes(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out) {
+  AttentionHead n{q.size(-2), k.size(-2), q.size(-1), v.size(-1)};
+  n.ldq = row_stride(q);
+  n.ldk = row_stride(k);
+  n.ldv = row_stride(v);
+  n.ldo = row_stride(out);
+  return n;
+}
+
 template <typename T>
 void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
                        const Tensor& v, double scale, bool causal) {
-  const int64_t heads = q.size(0);
-  const Dims3 n{q.size(1), k.size(1), q.size(2), v.size(2)};
+  const AttentionHead n = head_sizes(q, k, v, out);
   check_blas_size(kRows, kCols, std::max(n.d, n.dv), "scaled_dot_product_attention");
+  const std::vector<int64_t> oq = head_offsets(q), ok = head_offsets(k), ov = head_offsets(v),
+                             oo = head_offsets(out);
+  const int64_t heads = static_cast<int64_t>(oq.size());
   const T* pq = q.data<T>();
   const T* pk = k.data<T>();
   const T* pv = v.data<T>();
@@ -244,12 +281,10 @@ void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, co
   T* pl = lse.data<T>();
   if constexpr (std::is_same_v<T, float>) {
     if (attention_avx2_enabled()) {  // Note [Attention micro-kernel] in attention_avx2.cpp
-      const AttentionHead a{n.tq, n.tk, n.d, n.dv};
       parallel_for(0, heads, 1, [&](int64_t b, int64_t e) {
         for (int64_t h = b; h < e; ++h)
-          attention_forward_head_avx2(pq + h * n.tq * n.d, pk + h * n.tk * n.d,
-                                      pv + h * n.tk * n.dv, po + h * n.tq * n.dv, pl + h * n.tq, a,
-                                      static_cast<float>(scale), causal);
+          attention_forward_head_avx2(pq + oq[h], pk + ok[h], pv + ov[h], po + oo[h], pl + h * n.tq,
+                                      n, static_cast<float>(scale), causal);
       });
       return;
     }
@@ -258,9 +293,8 @@ void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, co
     thread_local std::vector<T> scratch;
     scratch.resize(kRows * kCols + 2 * kRows);
     T* s = scratch.data();
-    forward_head<T>(pq + h * n.tq * n.d, pk + h * n.tk * n.d, pv + h * n.tk * n.dv,
-                    po + h * n.tq * n.dv, pl + h * n.tq, n, static_cast<T>(scale), causal, s,
-                    s + kRows * kCols, s + kRows * kCols + kRows);
+    forward_head<T>(pq + oq[h], pk + ok[h], pv + ov[h], po + oo[h], pl + h * n.tq, n,
+                    static_cast<T>(scale), causal, s, s + kRows * kCols, s + kRows * kCols + kRows);
   });
 }
 
@@ -268,20 +302,25 @@ template <typename T>
 void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& g,
                         const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                         const Tensor& lse, double scale, bool causal) {
-  const int64_t heads = q.size(0);
-  const Dims3 n{q.size(1), k.size(1), q.size(2), v.size(2)};
+  AttentionHead n = head_sizes(q, k, v, out);
+  n.ldg = row_stride(g);
+  n.lddq = row_stride(dq);
+  n.lddk = row_stride(dk);
+  n.lddv = row_stride(dv);
+  const std::vector<int64_t> oq = head_offsets(q), ok = head_offsets(k), ov = head_offsets(v),
+                             oo = head_offsets(out), og = head_offsets(g), odq = head_offsets(dq),
+                             odk = head_offsets(dk), odv = head_offsets(dv);
+  const int64_t heads = static_cast<int64_t>(oq.size());
   const T *pq = q.data<T>(), *pk = k.data<T>(), *pv = v.data<T>();
   const T *pg = g.data<T>(), *po = out.data<T>(), *pl = lse.data<T>();
   T *pdq = dq.data<T>(), *pdk = dk.data<T>(), *pdv = dv.data<T>();
   if constexpr (std::is_same_v<T, float>) {
     if (attention_avx2_enabled()) {
-      const AttentionHead a{n.tq, n.tk, n.d, n.dv};
       parallel_for(0, heads, 1, [&](int64_t b, int64_t e) {
         for (int64_t h = b; h < e; ++h)
-          attention_backward_head_avx2(
-              pdq + h * n.tq * n.d, pdk + h * n.tk * n.d, pdv + h * n.tk * n.dv,
-              pg + h * n.tq * n.dv, pq + h * n.tq * n.d, pk + h * n.tk * n.d, pv + h * n.tk * n.dv,
-              po + h * n.tq * n.dv, pl + h * n.tq, a, static_cast<float>(scale), causal);
+          attention_backward_head_avx2(pdq + odq[h], pdk + odk[h], pdv + odv[h], pg + og[h],
+                                       pq + oq[h], pk + ok[h], pv + ov[h], po + oo[h],
+                                       pl + h * n.tq, n, static_cast<float>(scale), causal);
       });
       return;
     }
@@ -290,10 +329,9 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
     thread_local std::vector<T> scratch;
     scratch.resize(2 * kRows * kCols + n.tq);
     T* p = scratch.data();
-    backward_head<T>(pdq + h * n.tq * n.d, pdk + h * n.tk * n.d, pdv + h * n.tk * n.dv,
-                     pg + h * n.tq * n.dv, pq + h * n.tq * n.d, pk + h * n.tk * n.d,
-                     pv + h * n.tk * n.dv, po + h * n.tq * n.dv, pl + h * n.tq, n,
-                     static_cast<T>(scale), causal, p, p + kRows * kCols, p + 2 * kRows * kCols);
+    backward_head<T>(pdq + odq[h], pdk + odk[h], pdv + odv[h], pg + og[h], pq + oq[h], pk + ok[h],
+                     pv + ov[h], po + oo[h], pl + h * n.tq, n, static_cast<T>(scale), causal, p,
+                     p + kRows * kCols, p + 2 * kRows * kCols);
   });
 }
 

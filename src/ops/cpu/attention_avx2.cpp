@@ -188,10 +188,12 @@ inline int64_t visible(int64_t i, int64_t j0, int64_t cols, bool causal) {
   return causal ? std::clamp<int64_t>(i - j0 + 1, 0, cols) : cols;
 }
 
-// dst[r][c] = src[r][c] * mul for r < rows, c < cols; zero for cols <= c < ld.
-void pack_rows(float* dst, int64_t ld, const float* src, int64_t rows, int64_t cols, float mul) {
+// dst[r][c] = src[r][c] * mul for r < rows, c < cols (src rows lds apart); zero for
+// cols <= c < ld.
+void pack_rows(float* dst, int64_t ld, const float* src, int64_t lds, int64_t rows, int64_t cols,
+               float mul) {
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) dst[r * ld + c] = src[r * cols + c] * mul;
+    for (int64_t c = 0; c < cols; ++c) dst[r * ld + c] = src[r * lds + c] * mul;
     std::fill(dst + r * ld + cols, dst + (r + 1) * ld, 0.0f);
   }
 }
@@ -216,15 +218,17 @@ LS_AVX2 void transpose8(const float* src, int64_t lds, float* dst, int64_t ldd) 
   }
 }
 
-// dst[c][r] = src[r][c] (a (cols, ld) panel, zero for rows <= r < ld): 8 x 8 blocks in
-// registers (the scalar strided loop was 8% of the forward), the edges element by element.
-LS_AVX2 void pack_transposed(float* dst, int64_t ld, const float* src, int64_t rows, int64_t cols) {
+// dst[c][r] = src[r][c] (src rows lds apart; a (cols, ld) panel, zero for rows <= r < ld): 8 x 8
+// blocks in registers (the scalar strided loop was 8% of the forward), the edges element by
+// element.
+LS_AVX2 void pack_transposed(float* dst, int64_t ld, const float* src, int64_t lds, int64_t rows,
+                             int64_t cols) {
   const int64_t r8 = rows / 8 * 8, c8 = cols / 8 * 8;
   for (int64_t r = 0; r < r8; r += 8)
-    for (int64_t c = 0; c < c8; c += 8) transpose8(src + r * cols + c, cols, dst + c * ld + r, ld);
+    for (int64_t c = 0; c < c8; c += 8) transpose8(src + r * lds + c, lds, dst + c * ld + r, ld);
   for (int64_t c = 0; c < cols; ++c) {
     const int64_t from = c < c8 ? r8 : 0;
-    for (int64_t r = from; r < rows; ++r) dst[c * ld + r] = src[r * cols + c];
+    for (int64_t r = from; r < rows; ++r) dst[c * ld + r] = src[r * lds + c];
     std::fill(dst + c * ld + rows, dst + (c + 1) * ld, 0.0f);
   }
 }
@@ -254,15 +258,15 @@ LS_AVX2 void attention_forward_head_avx2(const float* q, const float* k, const f
   float* qs = vp + tkp * dvp;
   float* s = qs + kMr * n.d;
   float* acc = s + kMr * kKeyTile;
-  pack_transposed(kt, tkp, k, n.tk, n.d);
-  pack_rows(vp, dvp, v, n.tk, n.dv, 1.0f);
+  pack_transposed(kt, tkp, k, n.ldk, n.tk, n.d);
+  pack_rows(vp, dvp, v, n.ldv, n.tk, n.dv, 1.0f);
   std::fill(vp + n.tk * dvp, vp + tkp * dvp, 0.0f);
 
   float m[kMr], l[kMr];
   for (int64_t i0 = 0; i0 < n.tq; i0 += kMr) {
     const int64_t rows = std::min(kMr, n.tq - i0);
     for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < n.d; ++c) qs[r * n.d + c] = q[(i0 + r) * n.d + c] * scale;
+      for (int64_t c = 0; c < n.d; ++c) qs[r * n.d + c] = q[(i0 + r) * n.ldq + c] * scale;
     std::fill(acc, acc + rows * dvp, 0.0f);
     std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
     std::fill(l, l + rows, 0.0f);
@@ -292,7 +296,7 @@ LS_AVX2 void attention_forward_head_avx2(const float* q, const float* k, const f
     }
     for (int64_t r = 0; r < rows; ++r) {
       const float inv = 1.0f / l[r];
-      for (int64_t c = 0; c < n.dv; ++c) o[(i0 + r) * n.dv + c] = acc[r * dvp + c] * inv;
+      for (int64_t c = 0; c < n.dv; ++c) o[(i0 + r) * n.ldo + c] = acc[r * dvp + c] * inv;
       lse[i0 + r] = m[r] + std::log(l[r]);
     }
   }
@@ -322,16 +326,16 @@ LS_AVX2 void attention_backward_head_avx2(float* dq, float* dk, float* dv, const
   float* p = dva + kBwdKeys * dvp;
   float* ds = p + kBwdRows * kP;
   float* delta = ds + kBwdRows * kP;
-  pack_rows(qs, dp, q, n.tq, n.d, scale);
-  pack_transposed(kt, tkp, k, n.tk, n.d);
-  pack_rows(kp, dp, k, n.tk, n.d, 1.0f);
+  pack_rows(qs, dp, q, n.ldq, n.tq, n.d, scale);
+  pack_transposed(kt, tkp, k, n.ldk, n.tk, n.d);
+  pack_rows(kp, dp, k, n.ldk, n.tk, n.d, 1.0f);
   std::fill(kp + n.tk * dp, kp + tkp * dp, 0.0f);
-  pack_transposed(vt, tkp, v, n.tk, n.dv);
-  pack_rows(gp, dvp, g, n.tq, n.dv, 1.0f);
+  pack_transposed(vt, tkp, v, n.ldv, n.tk, n.dv);
+  pack_rows(gp, dvp, g, n.ldg, n.tq, n.dv, 1.0f);
   std::fill(dqa, dqa + n.tq * dp, 0.0f);
   for (int64_t i = 0; i < n.tq; ++i) {
     float a = 0;
-    for (int64_t c = 0; c < n.dv; ++c) a += g[i * n.dv + c] * o[i * n.dv + c];
+    for (int64_t c = 0; c < n.dv; ++c) a += g[i * n.ldg + c] * o[i * n.ldo + c];
     delta[i] = a;
   }
 
@@ -369,12 +373,12 @@ LS_AVX2 void attention_backward_head_avx2(float* dq, float* dk, float* dv, const
       gemm(most, dp, rows, ds, 1, kP, qs + i0 * dp, dp, dka, dp, true);
     }
     for (int64_t t = 0; t < cols; ++t) {
-      std::memcpy(dk + (j0 + t) * n.d, dka + t * dp, static_cast<size_t>(n.d) * sizeof(float));
-      std::memcpy(dv + (j0 + t) * n.dv, dva + t * dvp, static_cast<size_t>(n.dv) * sizeof(float));
+      std::memcpy(dk + (j0 + t) * n.lddk, dka + t * dp, static_cast<size_t>(n.d) * sizeof(float));
+      std::memcpy(dv + (j0 + t) * n.lddv, dva + t * dvp, static_cast<size_t>(n.dv) * sizeof(float));
     }
   }
   for (int64_t i = 0; i < n.tq; ++i)
-    for (int64_t c = 0; c < n.d; ++c) dq[i * n.d + c] = dqa[i * dp + c] * scale;
+    for (int64_t c = 0; c < n.d; ++c) dq[i * n.lddq + c] = dqa[i * dp + c] * scale;
 }
 
 #else  // not x86-64: the portable kernels only

@@ -6,9 +6,13 @@
 
 namespace lockstep::cpu {
 
-// Sizes of one head: tq queries and tk keys, key dim d, value dim dv.
+// Sizes of one head: tq queries and tk keys, key dim d, value dim dv; and the row strides of its
+// matrices (elements from one row to the next; within a row they are contiguous), so that q, k,
+// v may be strided views of one projection (Note [Strided attention inputs] in
+// src/ops/attention.cpp). The forward reads ldq, ldk, ldv, ldo; the backward all of them.
 struct AttentionHead {
   int64_t tq, tk, d, dv;
+  int64_t ldq = 0, ldk = 0, ldv = 0, ldo = 0, ldg = 0, lddq = 0, lddk = 0, lddv = 0;
 };
 
 // True when this CPU runs AVX2 + FMA and set_attention_avx2(false) was not called.
@@ -16,8 +20,8 @@ bool attention_avx2_enabled();
 // Tests turn the AVX2 kernels off to check the portable ones (BLAS tiles) on the same machine.
 void set_attention_avx2(bool enabled);
 
-// One head's forward: o (tq, dv) and lse (tq) from q (tq, d), k (tk, d), v (tk, dv), all
-// contiguous. Only call when attention_avx2_enabled().
+// One head's forward: o (tq, dv) and lse (tq) from q (tq, d), k (tk, d), v (tk, dv), rows at
+// the strides in n. Only call when attention_avx2_enabled().
 void attention_forward_head_avx2(const float* q, const float* k, const float* v, float* o,
                                  float* lse, const AttentionHead& n, float scale, bool causal);
 
