@@ -146,6 +146,7 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> 
                  " for parameter ", params_.size());
       }
       all.params.push_back(params_.size());
+      index_of_.emplace(p.data_ptr(), params_.size());
       all.offset.push_back(total_);
       total_ += p.numel();
       params_.push_back(p);
@@ -271,14 +272,12 @@ WorkPtr ZeroRedundancyOptimizer::reduce_bucket(ProcessGroup& pg, GradBucket& b) 
   Reduced& r = reduced_[index];
   r.params.clear();
   for (size_t k = 0; k < b.parameters.size(); ++k) {
-    const void* ptr = b.parameters[k].data_ptr();
-    const auto it = std::find_if(params_.begin(), params_.end(),
-                                 [&](const Tensor& p) { return p.data_ptr() == ptr; });
-    LS_CHECK(it != params_.end(), "ZeroRedundancyOptimizer::comm_hook(): DDP's bucket ", b.index,
+    const auto it = index_of_.find(b.parameters[k].data_ptr());
+    LS_CHECK(it != index_of_.end(), "ZeroRedundancyOptimizer::comm_hook(): DDP's bucket ", b.index,
              " holds parameter '", k < b.parameter_names.size() ? b.parameter_names[k] : "?",
              "', which this optimizer does not step; give it all of the DDP model's parameters "
              "that require grad");
-    r.params.push_back(static_cast<size_t>(it - params_.begin()));
+    r.params.push_back(it->second);
   }
   r.numel = b.numel;
   r.done = false;
@@ -372,9 +371,9 @@ double ZeroRedundancyOptimizer::clip_grad_norm(double max_norm) {
     const Tensor g = piece_grad(piece).to(kFloat64);
     part += sum(mul(g, g)).item();
   }
-  Tensor acc = full({1}, part, kFloat64);
+  Tensor acc = full({1}, part, kFloat64).to(params_[0].device());
   pg_->all_reduce(acc, {.op = ReduceOp::sum})->wait();
-  const double total = std::sqrt(acc.item());
+  const double total = std::sqrt(acc.to(Device()).item());
   if (!std::isfinite(total)) return total;
   const double coef = max_norm / (total + 1e-6);
   if (coef < 1.0) {

@@ -8,6 +8,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "lockstep/distributed/ddp.h"
@@ -173,6 +174,7 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
 
   std::vector<Tensor> params_;  // all groups', in order (as in groups_)
   std::vector<size_t> group_of_;
+  std::unordered_map<const void*, size_t> index_of_;  // a parameter's data -> its index
   int64_t total_ = 0;
   std::vector<Segment> segments_;
   int64_t shard_size_ = 0;
