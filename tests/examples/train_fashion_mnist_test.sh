@@ -161,7 +161,8 @@ EOF
     grep -q "^\[rank0\]: model=mlp .* world_size=2 global_batch=128" "$work/out" \
       || fail "no header line from rank 0"
     ! grep -q "^\[rank1\]" "$work/out" || fail "rank 1 printed to stdout"
-    last=$(tail -n 1 "$work/out")
+    # Rank 0's final line (the other ranks' output may come after it).
+    last=$(grep "^\[rank0\]: final " "$work/out" | tail -n 1)
     [[ "$last" =~ ^\[rank0\]:\ final\ test_accuracy=([0-9.]+) ]] || fail "last line: $last"
     awk -v a="${BASH_REMATCH[1]}" 'BEGIN { exit !(a >= 0.70) }' || fail "accuracy ${BASH_REMATCH[1]}"
     ;;
@@ -614,7 +615,8 @@ PY
     done
     ! cat "$work/out" "$work/err" | grep -q "rank [012] ran out of batches" || fail "a rank with 4 batches shadowed"
     grep -q "^\[rank0\]: epoch 0 step 4 loss" "$work/out" || fail "rank 0 did not take step 4"
-    last=$(tail -n 1 "$work/out")
+    # Rank 0's final line (the other ranks' output may come after it).
+    last=$(grep "^\[rank0\]: final " "$work/out" | tail -n 1)
     [[ "$last" =~ ^\[rank0\]:\ final\ test_accuracy=([0-9.]+)\ .*\ steps=4\  ]] || fail "last line: $last"
     awk -v a="${BASH_REMATCH[1]}" 'BEGIN { exit !(a >= 0.20) }' || fail "accuracy ${BASH_REMATCH[1]}"
     # With --zero 1 the ranks out of data also take the last step with the others (Note [Join
@@ -623,7 +625,7 @@ PY
     OMP_NUM_THREADS=1 "$tool" run --standalone --nproc-per-node 7 "$exe" --uneven --zero 1 \
       --batch-size 2857 --threads 1 --log-every 1 > "$work/zout" 2> "$work/zerr" \
       || { cat "$work/zout" "$work/zerr"; fail "--uneven --zero 1 run failed"; }
-    zlast=$(tail -n 1 "$work/zout")
+    zlast=$(grep "^\[rank0\]: final " "$work/zout" | tail -n 1)
     [ "${zlast% samples_per_s=*}" = "${last% samples_per_s=*}" ] \
       || { cat "$work/zout" "$work/zerr"; fail "--zero 1 ended with '$zlast', plain DDP with '$last'"; }
     ;;
