@@ -3,9 +3,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <utility>
 #include <vector>
-#include <cmath>
 
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/base/error.h"
@@ -79,19 +79,15 @@ void GradScaler::unscale_(optim::Optimizer& opt) {
   // Device gradients: one multi-tensor kernel per device does the unscale and the inf check of
   // all of them, and the flag is read once (Note [Multi-tensor kernels]).
   std::vector<std::pair<Device, std::vector<Tensor>>> on_devices;
-  for (auto& group : opt.param_groups()) {
-    for (auto& p : group.params) {
-      Tensor g = p.grad();
-      if (!g.defined()) continue;
-      if (!g.device().is_cpu() && g.is_contiguous()) {
-        auto it = std::find_if(on_devices.begin(), on_devices.end(),
-                               [&](const auto& e) { return e.first == g.device(); });
-        if (it == on_devices.end()) it = on_devices.insert(on_devices.end(), {g.device(), {}});
-        it->second.push_back(g);
-        continue;
-      }
-      found = unscale_and_check(g, inv) || found;
+  for (Tensor g : opt.step_gradients()) {
+    if (!g.device().is_cpu() && g.is_contiguous()) {
+      auto it = std::find_if(on_devices.begin(), on_devices.end(),
+                             [&](const auto& e) { return e.first == g.device(); });
+      if (it == on_devices.end()) it = on_devices.insert(on_devices.end(), {g.device(), {}});
+      it->second.push_back(g);
+      continue;
     }
+    found = unscale_and_check(g, inv) || found;
   }
   for (auto& [device, grads] : on_devices) {
     const Tensor found_inf = zeros({1}, TensorOptions(kFloat32).with_device(device));
@@ -99,7 +95,7 @@ void GradScaler::unscale_(optim::Optimizer& opt) {
     found = found_inf.item() != 0 || found;
   }
   unscaled_ = &opt;
-  found_inf_ = found;
+  found_inf_ = opt.agree_found_inf(found);
 }
 
 bool GradScaler::step(optim::Optimizer& opt) {

@@ -382,6 +382,22 @@ double ZeroRedundancyOptimizer::clip_grad_norm(double max_norm) {
   return total;
 }
 
+std::vector<Tensor> ZeroRedundancyOptimizer::step_gradients() {
+  if (!opts_.reduce_scatter_gradients) return Optimizer::step_gradients();
+  wait_parameters();
+  follow_buckets();
+  std::vector<Tensor> grads;
+  for (const Piece& piece : pieces_) grads.push_back(piece_grad(piece));
+  return grads;
+}
+
+bool ZeroRedundancyOptimizer::agree_found_inf(bool found) {
+  if (!opts_.reduce_scatter_gradients) return found;
+  Tensor flag = full({1}, found ? 1.0 : 0.0, kFloat32).to(params_[0].device());
+  pg_->all_reduce(flag, {.op = ReduceOp::max})->wait();
+  return flag.to(Device()).item() != 0.0;
+}
+
 // Where a piece's averaged gradient is: this rank's reduce-scattered shard of the bucket, or
 // (the tail, and everything without reduce_scatter_gradients) the parameter's .grad().
 Tensor ZeroRedundancyOptimizer::piece_grad(const Piece& piece) const {

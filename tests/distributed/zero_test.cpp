@@ -1,11 +1,13 @@
 // ZeroRedundancyOptimizer with ranks as threads: parameters and optimizer state bitwise those of
 // plain DDP with the same optimizer over 2, 3 and 4 ranks, optimizer state per rank about
 // 1/world of the whole, and checkpoints that move between ZeRO and plain runs of any size.
+#include <cmath>
 #include <cstdio>
 #include <thread>
 
 #include "distributed/ddp_helpers.h"
 #include "distributed/thread_ranks.h"
+#include "lockstep/amp/grad_scaler.h"
 #include "lockstep/distributed/checkpoint.h"
 #include "lockstep/distributed/ddp.h"
 #include "lockstep/distributed/store/hash_store.h"
@@ -338,6 +340,59 @@ TEST(ZeroRedundancyOptimizer, OverlappedAllGatherWritesTheParametersAtTheNextFor
     EXPECT_EQ(param_values(*model), after);
   });
   for (const auto& e : errors) EXPECT_EQ(e, "");
+}
+
+// A GradScaler over bucket shards: it unscales the averaged shards each rank steps, and step 2,
+// whose gradients overflow (rank 1's sample of 1e36), is skipped on every rank: 8 steps, bitwise
+// plain DDP's parameters and scales. An inf found in one rank's shards alone becomes every
+// rank's through agree_found_inf (checked directly: which elements overflow is not ours to pick).
+TEST(ZeroRedundancyOptimizer, GradScalerSkipsOnEveryRankWhenOneShardOverflows) {
+  auto run_scaled = [](bool zero) {
+    std::vector<std::vector<std::vector<double>>> params(3);
+    std::vector<std::vector<double>> scales(3);
+    const auto errors = lockstep::testing::run_ranks_on("shm", 3, [&](int r, ProcessGroupPtr pg) {
+      auto model = mlp(7);
+      DistributedDataParallel ddp(model, pg, {.first_bucket_bytes = 300, .bucket_bytes = 1000});
+      auto factory = [](auto g) { return make_optimizer(Opt::adamw, std::move(g)); };
+      std::unique_ptr<optim::Optimizer> opt;
+      if (zero) {
+        auto z = std::make_unique<ZeroRedundancyOptimizer>(
+            model->parameters(), pg, factory, ZeroOptions{.reduce_scatter_gradients = true});
+        ddp.register_comm_hook(z->comm_hook());
+        opt = std::move(z);
+      } else {
+        opt = factory(std::vector<optim::ParamGroup>{{model->parameters()}});
+      }
+      amp::GradScaler scaler;
+      for (int s = 0; s < 8; ++s) {
+        const Data batch = shard(make_data(3 * kPerRank, 300 + static_cast<uint64_t>(s)), r, 3);
+        if (s == 2 && r == 1) {
+          autograd::NoGradGuard no_grad;
+          batch.x.narrow(0, 0, 1).fill_(1e36);
+        }
+        opt->zero_grad();
+        scaler.scale(cross_entropy(ddp.forward(batch.x), batch.y)).backward();
+        scaler.step(*opt);
+        scaler.update();
+        scales[r].push_back(scaler.get_scale());
+      }
+      params[r] = param_values(*model);
+      // An inf that one rank alone found is every rank's (a collective; plain: as it is).
+      EXPECT_EQ(opt->agree_found_inf(r == 1), zero || r == 1) << "rank " << r;
+      EXPECT_FALSE(opt->agree_found_inf(false)) << "rank " << r;
+    });
+    for (const auto& e : errors) EXPECT_EQ(e, "");
+    for (int r = 1; r < 3; ++r) EXPECT_EQ(params[r], params[0]) << "rank " << r;
+    return std::make_pair(params[0], scales[0]);
+  };
+  const auto plain = run_scaled(false);
+  const auto zero = run_scaled(true);
+  EXPECT_EQ(zero.second, plain.second);
+  EXPECT_EQ(zero.first, plain.first);
+  // Step 2 was skipped (the scale backed off), and the others stepped (the parameters moved).
+  ASSERT_EQ(plain.second.size(), 8u);
+  EXPECT_LT(plain.second[2], plain.second[1]);
+  EXPECT_NE(plain.first, param_values(*mlp(7)));
 }
 
 // The mistakes the bucket-sharded mode can meet, each an Error that says what to do.

@@ -27,8 +27,9 @@ struct ZeroOptions {
   // Note [ZeRO-1], Reduce-scatter: DDP's buckets are reduce-scattered during the backward pass
   // instead of all-reduced, each rank receiving the average of its shard of every bucket only.
   // Register comm_hook() with the DDP model (DistributedDataParallel::register_comm_hook, before
-  // the first backward). .grad() then holds this rank's own gradient after backward (clipping
-  // and a GradScaler's unscale_ would see local values; clip with clip_grad_norm() below).
+  // the first backward). .grad() then holds this rank's own gradient after backward (anything
+  // that reads gradients before step() sees local values: clip with clip_grad_norm() below; a
+  // GradScaler goes through step_gradients() and agree_found_inf(), so it works as usual).
   // Bitwise equal to plain DDP where the backend's reduce_scatter adds like its all_reduce: shm
   // and Gloo (both in rank order, any number of ranks) and any backend with 2 ranks.
   bool reduce_scatter_gradients = false;
@@ -104,6 +105,12 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
   // gradient (the shards this rank holds, the tails counted once) to total 2-norm max_norm as
   // optim::clip_grad_norm does the whole gradient, and returns the norm before clipping.
   double clip_grad_norm(double max_norm);
+
+  // With reduce_scatter_gradients a GradScaler unscales and checks the averaged shards (and the
+  // tails) this rank steps, and the ranks agree on an inf by a one-element all-reduce
+  // (collective); otherwise the plain optimizer's behaviour.
+  std::vector<Tensor> step_gradients() override;
+  bool agree_found_inf(bool found) override;
 
  protected:
   std::vector<std::string> state_fields() const override { return {}; }

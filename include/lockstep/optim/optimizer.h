@@ -46,6 +46,20 @@ class Optimizer {
   virtual void load_state_dict(const NamedTensors& state);
   int64_t steps() const { return steps_; }
 
+  // For a GradScaler: the gradients the next step() reads (unscale_ and the inf check go over
+  // these), and its inf decision, the same on every rank that steps together. By default every
+  // parameter's .grad() and the decision as it is; dist::ZeroRedundancyOptimizer with
+  // reduce_scatter_gradients gives its averaged shards and all-reduces the decision.
+  virtual std::vector<Tensor> step_gradients() {
+    std::vector<Tensor> grads;
+    for (const auto& group : groups_) {
+      for (const auto& p : group.params)
+        if (p.grad().defined()) grads.push_back(p.grad());
+    }
+    return grads;
+  }
+  virtual bool agree_found_inf(bool found) { return found; }
+
  protected:
   Optimizer(std::vector<ParamGroup> groups, double default_lr, double default_weight_decay,
             const char* name);
@@ -90,7 +104,8 @@ struct AdamWOptions {
   double weight_decay = 1e-2;
 };
 
-// torch.optim.AdamW: p *= 1 - lr wd; m, v moments with bias correction; p -= lr m^ / (sqrt(v^)+eps).
+// torch.optim.AdamW: p *= 1 - lr wd; m, v moments with bias correction; p -= lr m^ /
+// (sqrt(v^)+eps).
 class AdamW : public Optimizer {
  public:
   AdamW(std::vector<ParamGroup> groups, AdamWOptions opts);
