@@ -544,6 +544,12 @@ void Trainer::report_memory() {
     opt += buf;
   }
   std::printf("%s MiB\n%s bytes\n", rss.c_str(), opt.c_str());
+  // Note [ZeRO-1], Overlap: what the parameters' all-gathers cost rank 0's steps.
+  if (zero && pos_.step > 0)
+    std::printf("zero: %lld segments, all-gathers %.3f ms per step%s\n",
+                static_cast<long long>(zero->stats().segments),
+                1e3 * zero->stats().gather_seconds / static_cast<double>(pos_.step),
+                zero_scatter_ ? " (launch, wait in the next forward, copy)" : "");
 }
 
 void Trainer::finish() {

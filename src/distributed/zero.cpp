@@ -3,6 +3,7 @@
 #include "lockstep/distributed/zero.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -432,12 +433,14 @@ void ZeroRedundancyOptimizer::step() {
   for (Reduced& r : reduced_) r.done = false;
   // Note [ZeRO-1], Overlap: the segment the next forward needs first (DDP's last bucket holds
   // the first layers) goes first.
+  const auto t0 = std::chrono::steady_clock::now();
   for (size_t k = segments_.size(); k-- > 0;) {
     Segment& s = segments_[k];
     if (s.per_rank > 0)
       s.gather = pg_->all_gather(s.gathered, shard_.narrow(0, s.own_at, s.per_rank));
   }
   gathering_ = true;
+  gather_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (!opts_.overlap_all_gather) wait_parameters();
 }
 
@@ -445,6 +448,7 @@ void ZeroRedundancyOptimizer::wait_parameters() {
   if (!gathering_) return;
   gathering_ = false;
   autograd::NoGradGuard no_grad;
+  const auto t0 = std::chrono::steady_clock::now();
   const int64_t world = pg_->size();
   for (size_t k = segments_.size(); k-- > 0;) {
     Segment& s = segments_[k];
@@ -467,6 +471,7 @@ void ZeroRedundancyOptimizer::wait_parameters() {
       }
     }
   }
+  gather_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 ZeroStats ZeroRedundancyOptimizer::stats() const {
@@ -476,6 +481,7 @@ ZeroStats ZeroRedundancyOptimizer::stats() const {
   for (const Segment& seg : segments_)
     s.replicated_elements += seg.numel - pg_->size() * seg.per_rank;
   s.segments = static_cast<int64_t>(segments_.size());
+  s.gather_seconds = gather_seconds_;
   size_t index = 0;
   std::string field;
   for (const auto& [name, t] : local_->state_dict()) {

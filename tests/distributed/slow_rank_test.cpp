@@ -162,12 +162,12 @@ std::vector<DDPStats> train(const std::vector<std::chrono::milliseconds>& delays
 }
 
 // The injected delay is a lower bound on the slow rank's time (sleep_for sleeps at least that
-// long); the others sleep a quarter of it, so the slow rank stays above 1.5x the median unless
-// the machine holds a fast rank back by half the delay in every one of the steps.
+// long); the others sleep an eighth of it, so the slow rank stays above 1.5x the median unless
+// the machine holds a fast rank back by more than half the delay in any one of the steps.
 class SlowRankDDP : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(SlowRankDDP, TheSleepingRankIsNamedOnEveryRankAndRankZeroWarns) {
-  constexpr auto kSlow = 60ms, kOthers = 15ms;
+  constexpr auto kSlow = 120ms, kOthers = 15ms;  // 8x: robust to a loaded machine
   constexpr int kWarnAfter = 4, kSteps = 5;
   DDPOptions o;
   o.slow_rank_steps = kWarnAfter;

@@ -48,6 +48,10 @@ struct ZeroStats {
   int64_t replicated_elements = 0;  // of those, stepped on every rank (< world per segment)
   int64_t segments = 0;             // 1, or DDP's buckets with reduce_scatter_gradients
   int64_t state_bytes = 0;          // this rank's optimizer state (all fields, scalars included)
+  // Seconds step() and the waits spent on the parameters' all-gathers (launching, blocked in
+  // wait, writing the parameters), over all steps: with overlap_all_gather, what was left
+  // exposed after the work between a step and the next forward.
+  double gather_seconds = 0;
 };
 
 // Note [ZeRO-1] (src/distributed/zero.cpp): the parameters are cut into segments (all of
@@ -190,6 +194,7 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
   std::unique_ptr<optim::Optimizer> local_;
   std::vector<Reduced> reduced_;  // by bucket index
   bool gathering_ = false;        // all-gathers left running (overlap_all_gather)
+  double gather_seconds_ = 0;     // ZeroStats::gather_seconds
   std::shared_ptr<HookLink> link_;
 };
 
