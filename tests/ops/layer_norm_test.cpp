@@ -5,12 +5,13 @@
 #include <vector>
 
 #include "lockstep/tensor/cuda.h"
+#include "ops/cpu/norm_avx2.h"
 #include "testing.h"
 
 using namespace lockstep;
-using lockstep::testing::expect_near_all;
 using lockstep::testing::expect_error;
 using lockstep::testing::expect_gradcheck;
+using lockstep::testing::expect_near_all;
 using lockstep::testing::non_contiguous;
 using lockstep::testing::values;
 
@@ -133,6 +134,68 @@ TEST(LayerNorm, ParameterGradientsOverManyRows) {
     }
   expect_near_all(w.grad(), dw, 1e-9, "dweight");
   expect_near_all(b.grad(), db, 1e-9, "dbias");
+}
+
+// Note [layer_norm on AVX2]: the f32 rows on AVX2 give the bits of the portable loops, forward
+// and backward (dx, dweight, dbias), at row lengths below, at and past 4 and 8 with tails, with
+// and without the affine parameters; a NaN in one row stays in that row's output and dx (and
+// in dweight, dbias, which sum over rows). Also right: against the f64 layer norm.
+TEST(LayerNorm, Float32Avx2RowsHaveThePortableBits) {
+  struct Run {
+    std::vector<float> y, dx, dw, db;
+  };
+  for (int64_t n : {1, 3, 4, 7, 8, 13, 128, 133}) {
+    for (bool affine : {true, false}) {
+      Generator gen(static_cast<uint64_t>(n) + (affine ? 100 : 0));
+      const int64_t rows = 37;
+      std::vector<float> xv = add(mul(randn({rows, n}, gen), 2.0), 0.5).to_vector<float>();
+      if (n > 2) xv[5 * n + 2] = NAN;
+      const Tensor x0 = from_vector<float>(xv, {rows, n});
+      const Tensor w0 = randn({n}, gen), b0 = randn({n}, gen), gy = randn({rows, n}, gen);
+      auto run = [&](bool avx2) {
+        cpu::set_layer_norm_avx2(avx2);
+        Tensor x = x0.clone().requires_grad_(), w = w0.clone().requires_grad_(),
+               b = b0.clone().requires_grad_();
+        Tensor y = affine ? layer_norm(x, {n}, w, b) : layer_norm(x, {n});
+        sum(mul(y, gy)).backward();
+        cpu::set_layer_norm_avx2(true);
+        Run r{y.to_vector<float>(), x.grad().to_vector<float>(), {}, {}};
+        if (affine) {
+          r.dw = w.grad().to_vector<float>();
+          r.db = b.grad().to_vector<float>();
+        }
+        return r;
+      };
+      const Run portable = run(false);
+      cpu::set_layer_norm_avx2(true);
+      if (!cpu::layer_norm_avx2_enabled()) GTEST_SKIP() << "no AVX2 here";
+      const Run avx2 = run(true);
+      const std::string what = "n " + std::to_string(n) + (affine ? " affine" : "");
+      auto same = [&](const std::vector<float>& a, const std::vector<float>& b, const char* name) {
+        ASSERT_EQ(a.size(), b.size()) << what << " " << name;
+        for (size_t i = 0; i < a.size(); ++i) {
+          if (std::isnan(a[i])) {
+            ASSERT_TRUE(std::isnan(b[i])) << what << " " << name << " " << i;
+          } else {
+            ASSERT_EQ(a[i], b[i]) << what << " " << name << " " << i;
+          }
+        }
+      };
+      same(portable.y, avx2.y, "y");
+      same(portable.dx, avx2.dx, "dx");
+      same(portable.dw, avx2.dw, "dweight");
+      same(portable.db, avx2.db, "dbias");
+      // The NaN stays in row 5; row 0 is right against f64.
+      for (int64_t i = 0; i < rows * n; ++i)
+        ASSERT_EQ(std::isnan(avx2.y[i]), n > 2 && i / n == 5) << what << " y " << i;
+      const Tensor x64 = x0.narrow(0, 0, 1).to(kFloat64);
+      const Tensor want =
+          affine ? layer_norm(x64, {n}, w0.to(kFloat64), b0.to(kFloat64)) : layer_norm(x64, {n});
+      const std::vector<double> wv = want.to_vector<double>();
+      for (int64_t i = 0; i < n; ++i)
+        ASSERT_NEAR(avx2.y[i], wv[i], 1e-5 * (1 + std::abs(wv[i]))) << what << " row 0, " << i;
+    }
+  }
 }
 
 TEST(LayerNorm, Errors) {

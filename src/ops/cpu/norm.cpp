@@ -3,9 +3,11 @@
 // (one-pass channel statistics, the affine map, and the closed-form backward).
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "ops/cpu/kernels.h"
+#include "ops/cpu/norm_avx2.h"
 #include "ops/cpu/rows.h"
 #include "tensor/dispatch.h"
 #include "tensor/parallel.h"
@@ -47,6 +49,14 @@ void layer_norm_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd,
   T* py = y.data<T>();
   T* pmean = mean.data<T>();
   T* prstd = rstd.data<T>();
+  if constexpr (std::is_same_v<T, float>) {
+    if (layer_norm_avx2_enabled()) {  // Note [layer_norm on AVX2] in norm_avx2.cpp
+      parallel_rows(m, n, [&](int64_t r) {
+        layer_norm_row_f32_avx2(py + r * n, pmean + r, prstd + r, px + r * n, pw, pb, n, eps);
+      });
+      return;
+    }
+  }
   parallel_rows(m, n, [&](int64_t r) {
     const T* xr = px + r * n;
     T* yr = py + r * n;
@@ -85,6 +95,7 @@ void layer_norm_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, c
   const T* prstd = rstd.data<T>();
   T* pdx = dx.defined() ? dx.data<T>() : nullptr;
   const bool need_wb = dw.defined() || db.defined();
+  const bool avx2 = std::is_same_v<T, float> && layer_norm_avx2_enabled();
 
   const int64_t blocks = std::clamp<int64_t>(
       m * n / kElementwiseGrain, 1, std::min<int64_t>(kMaxRowBlocks, std::max<int64_t>(m, 1)));
@@ -100,6 +111,13 @@ void layer_norm_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, c
         const T* xr = px + r * n;
         const T* gr = pg + r * n;
         const T mu = pmean[r], rs = prstd[r];
+        if constexpr (std::is_same_v<T, float>) {
+          if (avx2) {  // Note [layer_norm on AVX2] in norm_avx2.cpp
+            layer_norm_backward_row_f32_avx2(pdx ? pdx + r * n : nullptr, pdw, pdb, gr, xr, pw, mu,
+                                             rs, n);
+            continue;
+          }
+        }
         if (need_wb) {
           for (int64_t i = 0; i < n; ++i) {
             const T xhat = (xr[i] - mu) * rs;
