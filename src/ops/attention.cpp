@@ -7,9 +7,11 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "lockstep/autograd/node.h"
+#include "lockstep/tensor/tensor_impl.h"
 #include "ops/common.h"
 #include "ops/kernels.h"
 
@@ -43,7 +45,11 @@ using detail::Kernels;
 // and v, are allocated with their dims in memory in q's order (by stride): for those views that
 // is (B, T, H, D), so the model's transpose back to (B, T, C) is already contiguous and costs
 // no copy, and the gradients reach unbind's backward in rows of C. Inputs whose last dim is not
-// contiguous, or whose rows overlap, are copied first.
+// contiguous, or whose rows overlap, are copied first. When q, k and v are such sibling views
+// (one storage, one shape and strides, k and v at equal steps past q) and all three need a
+// gradient, dq, dk and dv are the same views of one new buffer laid out like the projection, so
+// unbind's backward finds its input's whole gradient already in place and copies nothing (Note
+// [unbind's backward]).
 //
 // Under autocast the op is left alone (it is not in the table of src/ops/autocast.cpp, so it
 // takes its inputs as they come): q, k, v from bf16 linears arrive in bf16 and the kernels
@@ -124,6 +130,40 @@ Tensor empty_in_order_of(const Tensor& like, int64_t last, const TensorOptions& 
   return empty(mem_shape, o).permute(inverse);
 }
 
+// dq, dk, dv as views of one new buffer with q's, k's and v's strides and relative offsets,
+// when q, k, v are sibling views of one storage (Note [Strided attention inputs]); false (and
+// nothing set) otherwise.
+bool sibling_gradients(const Tensor& q, const Tensor& k, const Tensor& v, Tensor* dq, Tensor* dk,
+                       Tensor* dv) {
+  if (q.storage() != k.storage() || q.storage() != v.storage()) return false;
+  if (k.shape() != q.shape() || v.shape() != q.shape()) return false;
+  if (k.strides() != q.strides() || v.strides() != q.strides()) return false;
+  const int64_t step = k.offset() - q.offset();
+  if (step <= 0 || v.offset() - k.offset() != step) return false;
+  // The three views must not share an element: (size, stride) of q's dims and of a dim of 3
+  // at `step`, sorted by stride, each stride past the extent of the one before (unbind's views
+  // of one tensor are so).
+  std::vector<std::pair<int64_t, int64_t>> dims{{3, step}};
+  int64_t last = 0;  // the offset of q's last element from its first
+  for (int64_t d = 0; d < q.dim(); ++d) {
+    if (q.size(d) == 0 || q.stride(d) < 0) return false;
+    if (q.size(d) > 1) dims.push_back({q.size(d), q.stride(d)});
+    last += (q.size(d) - 1) * q.stride(d);
+  }
+  std::sort(dims.begin(), dims.end(), [](auto& a, auto& b) { return a.second < b.second; });
+  for (size_t i = 1; i < dims.size(); ++i)
+    if (dims[i].second < dims[i - 1].first * dims[i - 1].second) return false;
+  const Tensor buf = empty({2 * step + last + 1}, detail::options_on(q, q.dtype()));
+  auto view = [&](int64_t at) {
+    return Tensor(std::make_shared<TensorImpl>(buf.storage(), q.shape(), q.strides(),
+                                               buf.offset() + at, q.dtype()));
+  };
+  *dq = view(0);
+  *dk = view(step);
+  *dv = view(2 * step);
+  return true;
+}
+
 }  // namespace
 
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -156,9 +196,12 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
            const DType ct = s->q.dtype();
            const auto o = detail::options_on(s->q, ct);
            const Tensor gc = kernel_input(g[0], ct);
-           Tensor dq = empty_in_order_of(s->q, s->q.size(-1), o),
-                  dk = empty_in_order_of(s->k, s->k.size(-1), o),
-                  dv = empty_in_order_of(s->v, s->v.size(-1), o);
+           Tensor dq, dk, dv;
+           if (!(rq && rk && rv && sibling_gradients(s->q, s->k, s->v, &dq, &dk, &dv))) {
+             dq = empty_in_order_of(s->q, s->q.size(-1), o);
+             dk = empty_in_order_of(s->k, s->k.size(-1), o);
+             dv = empty_in_order_of(s->v, s->v.size(-1), o);
+           }
            backward(dq, dk, dv, gc, s->q, s->k, s->v, s->out, s->lse, s->scale, s->causal);
            auto back = [dt](bool wanted, const Tensor& t) { return wanted ? t.to(dt) : Tensor(); };
            return TensorList{back(rq, dq), back(rk, dk), back(rv, dv)};

@@ -8,6 +8,7 @@
 
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/autograd/node.h"
+#include "lockstep/tensor/tensor_impl.h"
 #include "ops/common.h"
 #include "ops/kernels.h"
 
@@ -165,12 +166,38 @@ std::vector<Tensor> split(const Tensor& t, const std::vector<int64_t>& sizes, in
   return out;
 }
 
+namespace {
+
+// The contiguous tensor of `shape` whose slices along d are g[0], g[1], ... (same storage,
+// its strides, offsets one slice apart), or an undefined tensor when they are not.
+Tensor slices_of_one_tensor(const TensorList& g, const Dims& shape, int64_t d) {
+  Dims strides = Dims::filled(shape.size(), 1);
+  for (int64_t i = shape.size() - 2; i >= 0; --i) strides[i] = strides[i + 1] * shape[i + 1];
+  Dims slice_strides;
+  for (int64_t i = 0; i < shape.size(); ++i)
+    if (i != d) slice_strides.push_back(strides[i]);
+  const Tensor& g0 = g[0];
+  for (size_t i = 0; i < g.size(); ++i) {
+    const Tensor& gi = g[i];
+    if (gi.storage() != g0.storage() || gi.dtype() != g0.dtype()) return Tensor();
+    if (gi.offset() != g0.offset() + static_cast<int64_t>(i) * strides[d]) return Tensor();
+    for (int64_t k = 0; k < gi.dim(); ++k)  // a size-1 dim's stride is free
+      if (gi.size(k) != 1 && gi.stride(k) != slice_strides[k]) return Tensor();
+  }
+  return Tensor(
+      std::make_shared<TensorImpl>(g0.storage(), shape, strides, g0.offset(), g0.dtype()));
+}
+
+}  // namespace
+
 // Note [unbind's backward]
 // Slicing a tensor k ways through select() gives k SliceBackward nodes, each returning a
 // zero-filled gradient of the whole input with its slice copied in, which the engine then adds
 // up: k memsets, k copies and k - 1 additions of the whole input. One node for all k views
 // writes each slice once (GPT's q, k, v out of one qkv projection: the copies and additions
-// cost about as much as the attention's own backward).
+// cost about as much as the attention's own backward). When the k gradients are themselves the k
+// slices of one contiguous tensor of the input's shape (the attention writes them so, Note
+// [Strided attention inputs] in src/ops/attention.cpp), that tensor is the gradient, no copy.
 std::vector<Tensor> unbind(const Tensor& t, int64_t dim) {
   detail::check_defined(t, "unbind");
   LS_CHECK(t.dim() > 0, "unbind: cannot unbind a zero-dimensional tensor");
@@ -191,6 +218,10 @@ std::vector<Tensor> unbind(const Tensor& t, int64_t dim) {
         for (const Tensor& gi : g) {
           if (gi.defined() && any == nullptr) any = &gi;
           all = all && gi.defined();
+        }
+        if (all) {
+          if (Tensor whole = slices_of_one_tensor(g, shape, d); whole.defined())
+            return TensorList{whole};
         }
         const auto o = detail::options_on(*any, any->dtype());
         Tensor grad = all ? empty(shape, o) : zeros(shape, o);  // (Note [unbind's backward])

@@ -61,6 +61,15 @@ struct Avx2Kernels {
   ~Avx2Kernels() { cpu::set_attention_avx2(true); }
 };
 
+// t (..., n) placed at columns [before, before + n) of zeros (..., before + n + after).
+Tensor pad_last(const Tensor& t, int64_t before, int64_t after) {
+  Dims shape = t.shape();
+  shape[shape.size() - 1] += before + after;
+  Tensor out = zeros(shape, t.dtype());
+  out.narrow(-1, before, t.size(-1)).copy_(t);
+  return out;
+}
+
 }  // namespace
 
 TEST(Attention, ValuesMatchTheNaiveComposition) {
@@ -268,6 +277,26 @@ TEST(Attention, UnbindViewsAreReadInPlaceWithTheSameResults) {
     expect_close(values(y), values(naive_attention(q.detach(), k.detach(), v.detach(), true)),
                  dt == kFloat64 ? 1e-12 : 2e-5, what);
   }
+}
+
+// Sibling views that overlap (k and v one element past q in the same rows) must not get their
+// gradients in one shared buffer: each view's gradient is its own, as for contiguous copies.
+TEST(Attention, OverlappingSiblingViewsGetTheirOwnGradients) {
+  Generator gen(38);
+  const int64_t b = 2, h = 2, t = 19, d = 8;
+  const Tensor x0 = randn({b, h, t, d + 2}, gen), gy = randn({b, h, t, d}, gen);
+  Tensor x = x0.clone().requires_grad_(true);
+  Tensor q = x.narrow(-1, 0, d), k = x.narrow(-1, 1, d), v = x.narrow(-1, 2, d);
+  sum(mul(scaled_dot_product_attention(q, k, v, {.is_causal = true}), gy)).backward();
+
+  Tensor qc = x0.narrow(-1, 0, d).contiguous().requires_grad_(true),
+         kc = x0.narrow(-1, 1, d).contiguous().requires_grad_(true),
+         vc = x0.narrow(-1, 2, d).contiguous().requires_grad_(true);
+  sum(mul(scaled_dot_product_attention(qc, kc, vc, {.is_causal = true}), gy)).backward();
+  // x's gradient is the three shifted gradients added up.
+  const Tensor want = add(add(pad_last(qc.grad(), 0, 2), pad_last(kc.grad(), 1, 1)),
+                          pad_last(vc.grad(), 2, 0));
+  expect_close(values(x.grad()), values(want), 1e-6, "overlapping views");
 }
 
 TEST(Attention, LargeScoresStayFinite) {
