@@ -15,9 +15,9 @@
 // Note [f32 GEMM]
 // f32 products go to oneDNN too where its matmul is its brgemm kernel (the AVX-512 CPUs):
 // train_gpt's products are small-K or small-N (n_embd 128: K or N of 128-512 against 2048
-// rows), where OpenBLAS 0.3.21's Cooperlake sgemm reaches 85-90% of oneDNN's rate at every one
-// of its 15 shapes (forward, input and weight gradients), and spends another 7% of the step
-// packing operands that oneDNN's brgemm reads in place. The bias rides along as oneDNN's bias
+// rows), where OpenBLAS 0.3.21's Cooperlake sgemm reaches 84-94% of oneDNN's rate at each of
+// its 15 shapes (forward, input and weight gradients; docs/PERFORMANCE.md, 2026-12-04 15:00),
+// its operand packing included (7% of the step). The bias rides along as oneDNN's bias
 // argument instead of a pass that first fills the output with it. Elsewhere (AVX2 only, where
 // oneDNN would use its own jit sgemm, not measured) and for f64, OpenBLAS stays. The sums are
 // ordered differently from OpenBLAS's, so results differ from it in the last bits.
