@@ -21,7 +21,7 @@ CommHook allreduce_hook() {
           [](ProcessGroup& pg, GradBucket& b) {
             return pg.all_reduce(b.buffer, {.op = ReduceOp::avg});
           },
-          nullptr, nullptr};
+          nullptr, nullptr, nullptr};
 }
 
 namespace {
@@ -38,7 +38,7 @@ CommHook compress_hook(std::string name, DType wire) {
             b.buffer.copy_(b.scratch);
             b.scratch = Tensor();
           },
-          nullptr};
+          nullptr, nullptr};
 }
 
 }  // namespace

@@ -63,7 +63,22 @@ void Reducer::set_comm_hook(CommHook hook) {
            "') after a synchronized backward; register the hook before the first one");
   LS_CHECK(hook.start != nullptr, "DistributedDataParallel: the comm hook '", hook.name,
            "' has no start function");
+  announce_buckets(hook);  // first: a hook that refuses the buckets is not set
   opts_.comm_hook = std::move(hook);
+}
+
+void Reducer::announce_buckets(const CommHook& hook) {
+  if (!hook.on_buckets) return;
+  std::vector<GradBucket> layout;
+  for (const auto& b : buckets_) {
+    GradBucket g;
+    g.index = b.handle.index;
+    g.numel = b.numel;
+    g.parameter_names = b.handle.parameter_names;
+    g.parameters = b.handle.parameters;
+    layout.push_back(std::move(g));
+  }
+  hook.on_buckets(layout, rebuilt_);
 }
 
 void Reducer::build_buckets(const std::vector<size_t>& order) {
@@ -119,6 +134,7 @@ void Reducer::build_buckets(const std::vector<size_t>& order) {
     stats_.bucket_bytes.push_back(b.numel * dtype_size(b.dtype));
     stats_.bucket_params.push_back(static_cast<int64_t>(b.params.size()));
   }
+  announce_buckets(opts_.comm_hook);
 }
 
 // Note [First gradient copied in]

@@ -59,6 +59,8 @@ class Reducer {
 
   // Lays the buckets out, parameters in `order`; current gradients are copied into the views.
   void build_buckets(const std::vector<size_t>& order);
+  // hook.on_buckets, with the buckets as they are.
+  void announce_buckets(const CommHook& hook);
   void on_grad_ready(size_t i);
   void ensure_view(size_t i);
   void launch_ready();

@@ -256,6 +256,30 @@ void ZeroRedundancyOptimizer::lay_out(std::vector<Segment> segments) {
   LS_CHECK(local_ != nullptr, "ZeroRedundancyOptimizer: the optimizer factory returned null");
 }
 
+// The indices of a bucket's parameters.
+std::vector<size_t> ZeroRedundancyOptimizer::params_of(const GradBucket& b) const {
+  std::vector<size_t> out;
+  for (size_t k = 0; k < b.parameters.size(); ++k) {
+    const auto it = index_of_.find(b.parameters[k].data_ptr());
+    LS_CHECK(it != index_of_.end(), "ZeroRedundancyOptimizer::comm_hook(): DDP's bucket ", b.index,
+             " holds parameter '", k < b.parameter_names.size() ? b.parameter_names[k] : "?",
+             "', which this optimizer does not step; give it all of the DDP model's parameters "
+             "that require grad");
+    out.push_back(it->second);
+  }
+  return out;
+}
+
+void ZeroRedundancyOptimizer::take_buckets(const std::vector<GradBucket>& buckets, bool final) {
+  std::vector<Reduced> layout(buckets.size());
+  for (size_t k = 0; k < buckets.size(); ++k) {
+    layout[k].params = params_of(buckets[k]);
+    layout[k].numel = buckets[k].numel;
+  }
+  announced_ = std::move(layout);
+  announced_final_ = final;
+}
+
 // Note [ZeRO-1], Reduce-scatter: the bucket's first world * q gradient elements (q = numel /
 // world) are reduce-scattered into this rank's shard of the bucket; the rest of the buffer, the
 // tail of fewer than world gradients and the reducer's own elements, is all-reduced in place.
@@ -271,21 +295,16 @@ WorkPtr ZeroRedundancyOptimizer::reduce_bucket(ProcessGroup& pg, GradBucket& b) 
   const size_t index = static_cast<size_t>(b.index);
   if (reduced_.size() <= index) reduced_.resize(index + 1);
   Reduced& r = reduced_[index];
-  r.params.clear();
-  for (size_t k = 0; k < b.parameters.size(); ++k) {
-    const auto it = index_of_.find(b.parameters[k].data_ptr());
-    LS_CHECK(it != index_of_.end(), "ZeroRedundancyOptimizer::comm_hook(): DDP's bucket ", b.index,
-             " holds parameter '", k < b.parameter_names.size() ? b.parameter_names[k] : "?",
-             "', which this optimizer does not step; give it all of the DDP model's parameters "
-             "that require grad");
-    r.params.push_back(it->second);
-  }
+  r.params = params_of(b);
   r.numel = b.numel;
   r.done = false;
+  r.scatter.reset();
+  // Note [ZeRO-1], Buckets: before DDP's layout is final, whole buckets, as DDP would.
+  full_grads_ = !announced_final_;
+  if (full_grads_) return pg.all_reduce(b.buffer, {.op = ReduceOp::avg});
   const int64_t q = b.numel / world;
   if (!r.own.defined() || r.own.numel() != q)
     r.own = empty({q}, TensorOptions(b.buffer.dtype()).with_device(b.buffer.device()));
-  r.scatter.reset();
   if (q > 0) {
     r.scatter = pg.reduce_scatter(r.own, b.buffer.narrow(0, 0, world * q), {.op = ReduceOp::avg});
   }
@@ -321,6 +340,9 @@ CommHook ZeroRedundancyOptimizer::comm_hook() {
       [zero](GradBucket& b) { zero("a backward")->finish_bucket(b); },
       [link] {
         if (link->zero != nullptr) link->zero->wait_parameters();
+      },
+      [zero](const std::vector<GradBucket>& buckets, bool final) {
+        zero("DDP laid its buckets out")->take_buckets(buckets, final);
       }};
 }
 
@@ -331,23 +353,26 @@ void ZeroRedundancyOptimizer::follow_buckets() {
            "backward of the DDP model since the last step, with comm_hook() registered "
            "(DistributedDataParallel::register_comm_hook); ",
            reduced_.empty() ? "no bucket was reduced by it" : "some buckets were not");
-  bool same = reduced_.size() == segments_.size();
-  for (size_t b = 0; same && b < reduced_.size(); ++b)
-    same = reduced_[b].params == segments_[b].params && reduced_[b].numel == segments_[b].numel;
+  // A reduce-scattering backward fixes the layout (its shards); whole buckets fit any, so then
+  // the segments become DDP's buckets as they are now (rebuilt after the first backward).
+  const std::vector<Reduced>& buckets = full_grads_ && !announced_.empty() ? announced_ : reduced_;
+  bool same = buckets.size() == segments_.size();
+  for (size_t b = 0; same && b < buckets.size(); ++b)
+    same = buckets[b].params == segments_[b].params && buckets[b].numel == segments_[b].numel;
   if (same) return;
-  std::vector<Segment> segments(reduced_.size());
+  std::vector<Segment> segments(buckets.size());
   std::vector<bool> seen(params_.size(), false);
-  for (size_t b = 0; b < reduced_.size(); ++b) {
+  for (size_t b = 0; b < buckets.size(); ++b) {
     Segment& s = segments[b];
-    s.params = reduced_[b].params;
+    s.params = buckets[b].params;
     for (size_t i : s.params) {
       LS_CHECK(!seen[i], "ZeroRedundancyOptimizer: parameter ", i, " is in two DDP buckets");
       seen[i] = true;
       s.offset.push_back(s.numel);
       s.numel += params_[i].numel();
     }
-    LS_CHECK(s.numel == reduced_[b].numel, "ZeroRedundancyOptimizer: DDP's bucket ", b, " holds ",
-             reduced_[b].numel, " gradient elements, its parameters ", s.numel);
+    LS_CHECK(s.numel == buckets[b].numel, "ZeroRedundancyOptimizer: DDP's bucket ", b, " holds ",
+             buckets[b].numel, " gradient elements, its parameters ", s.numel);
   }
   for (size_t i = 0; i < params_.size(); ++i) {
     LS_CHECK(seen[i], "ZeroRedundancyOptimizer: parameter ", i, " (shape ",
@@ -403,7 +428,7 @@ bool ZeroRedundancyOptimizer::agree_found_inf(bool found) {
 // (the tail, and everything without reduce_scatter_gradients) the parameter's .grad().
 Tensor ZeroRedundancyOptimizer::piece_grad(const Piece& piece) const {
   const Tensor& p = params_[piece.param];
-  if (opts_.reduce_scatter_gradients && !piece.tail) {
+  if (opts_.reduce_scatter_gradients && !full_grads_ && !piece.tail) {
     const Segment& s = segments_[piece.segment];
     return reduced_[piece.segment].own.narrow(0, piece.shard_offset - s.own_at, piece.numel);
   }

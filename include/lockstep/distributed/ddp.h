@@ -48,11 +48,15 @@ struct GradBucket {
 // ZeroRedundancyOptimizer::comm_hook() does, its own elements: those after `numel`).
 // before_forward (may be empty) runs at the start of every forward of the DDP model, before
 // anything reads the parameters (ZeRO waits there for the all-gathers it left running).
+// on_buckets (may be empty) is told the buckets (index, numel, parameters; no buffers) whenever
+// DDP lays them out: when the hook is set, and after the first synchronized backward, which
+// rebuilds them in the order gradients became ready (`final` is true from then on).
 struct CommHook {
   std::string name;
   std::function<WorkPtr(ProcessGroup&, GradBucket&)> start;
   std::function<void(GradBucket&)> finish;
   std::function<void()> before_forward;
+  std::function<void(const std::vector<GradBucket>&, bool final)> on_buckets;
 };
 // all_reduce with avg (the default).
 CommHook allreduce_hook();

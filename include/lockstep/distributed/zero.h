@@ -193,8 +193,16 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
   std::vector<Piece> pieces_;  // in the wrapped optimizer's order (group, then parameter)
   std::unique_ptr<optim::Optimizer> local_;
   std::vector<Reduced> reduced_;  // by bucket index
-  bool gathering_ = false;        // all-gathers left running (overlap_all_gather)
-  double gather_seconds_ = 0;     // ZeroStats::gather_seconds
+  // CommHook::on_buckets: DDP's buckets as it last laid them out (params and numel of each), and
+  // whether that layout is final (rebuilt after the first backward). Until it is, the hook
+  // all-reduces whole buckets and step() reads .grad() (full_grads_): Note [ZeRO-1], Buckets.
+  std::vector<Reduced> announced_;
+  bool announced_final_ = false;
+  bool full_grads_ = false;
+  void take_buckets(const std::vector<GradBucket>& buckets, bool final);
+  std::vector<size_t> params_of(const GradBucket& b) const;
+  bool gathering_ = false;     // all-gathers left running (overlap_all_gather)
+  double gather_seconds_ = 0;  // ZeroStats::gather_seconds
   std::shared_ptr<HookLink> link_;
 };
 
