@@ -66,13 +66,15 @@ namespace lockstep::dist {
 // supported in that mode).
 //
 // Buckets. DDP lays its buckets out at construction and again after the first backward (in the
-// order gradients became ready, Note [Bucket order]), so the segments are known only from the
-// hooks: a step() that sees buckets other than its segments (the first, and the second after
-// a rebuild that changed them) lays the new segments out and moves the optimizer state into them
-// (reshard): one old segment at a time, its shards all-gathered, so the memory it takes for a
-// moment is one bucket's state, not the whole state on every rank. At the first step there is no
-// state yet unless a checkpoint was loaded. Every rank sees rank 0's layout, so every rank does
-// it at the same step.
+// order gradients became ready, Note [Bucket order]); CommHook::on_buckets tells the hook each
+// time. Until the layout is final, the hook all-reduces whole buckets (as DDP would), so step 1
+// reads whole averaged gradients from .grad() and can lay the segments out by the rebuilt
+// buckets before any optimizer state exists: nothing moves after it. From the second backward
+// on, buckets are reduce-scattered into the segments. When the segments change while there is
+// state (a checkpoint loaded before step 1, whose state sits in the one flat segment of
+// construction), reshard() moves it one old segment at a time, its shards all-gathered, so the
+// memory it takes for a moment is one bucket's state, not the whole state on every rank. Every
+// rank sees rank 0's layout, so every rank does it at the same step.
 //
 // Overlap. step() launches one all-gather per segment, the one the next forward needs first
 // (DDP's last bucket holds the first layers) first. Without overlap_all_gather it waits for them
