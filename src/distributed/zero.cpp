@@ -62,8 +62,9 @@ namespace lockstep::dist {
 // and the rest of the bucket's buffer (the tail, the unused-parameter status and the slow-rank
 // slots of Note [Slow rank]) is all-reduced in place; both overlap the rest of the backward as
 // DDP's all-reduces do. .grad() keeps local gradients but for the tails, so gradient clipping
-// goes through clip_grad_norm() here, and a GradScaler's inf check would see local values (not
-// supported in that mode).
+// goes through clip_grad_norm() here, and a GradScaler through step_gradients() (the averaged
+// shards) and agree_found_inf() (an inf one rank found is every rank's: a one-element
+// all-reduce, so the scaler's step is then collective).
 //
 // Buckets. DDP lays its buckets out at construction and again after the first backward (in the
 // order gradients became ready, Note [Bucket order]); CommHook::on_buckets tells the hook each
@@ -149,7 +150,9 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> 
                  " for parameter ", params_.size());
       }
       all.params.push_back(params_.size());
-      index_of_.emplace(p.data_ptr(), params_.size());
+      LS_CHECK(index_of_.emplace(p.impl(), params_.size()).second,
+               "ZeroRedundancyOptimizer: parameter ", params_.size(),
+               " is given twice (it is parameter ", index_of_[p.impl()], " already)");
       all.offset.push_back(total_);
       total_ += p.numel();
       params_.push_back(p);
@@ -262,7 +265,7 @@ void ZeroRedundancyOptimizer::lay_out(std::vector<Segment> segments) {
 std::vector<size_t> ZeroRedundancyOptimizer::params_of(const GradBucket& b) const {
   std::vector<size_t> out;
   for (size_t k = 0; k < b.parameters.size(); ++k) {
-    const auto it = index_of_.find(b.parameters[k].data_ptr());
+    const auto it = index_of_.find(b.parameters[k].impl());
     LS_CHECK(it != index_of_.end(), "ZeroRedundancyOptimizer::comm_hook(): DDP's bucket ", b.index,
              " holds parameter '", k < b.parameter_names.size() ? b.parameter_names[k] : "?",
              "', which this optimizer does not step; give it all of the DDP model's parameters "
@@ -280,6 +283,8 @@ void ZeroRedundancyOptimizer::take_buckets(const std::vector<GradBucket>& bucket
   }
   announced_ = std::move(layout);
   announced_final_ = final;
+  // The next backward reduces these buckets only (a rebuild may make fewer).
+  reduced_.resize(announced_.size());
 }
 
 // Note [ZeRO-1], Reduce-scatter: the bucket's first world * q gradient elements (q = numel /
@@ -299,11 +304,12 @@ WorkPtr ZeroRedundancyOptimizer::reduce_bucket(ProcessGroup& pg, GradBucket& b) 
   Reduced& r = reduced_[index];
   r.params = params_of(b);
   r.numel = b.numel;
-  r.done = false;
+  ++launched_;
   r.scatter.reset();
   // Note [ZeRO-1], Buckets: before DDP's layout is final, whole buckets, as DDP would.
   full_grads_ = !announced_final_;
-  if (full_grads_) return pg.all_reduce(b.buffer, {.op = ReduceOp::avg});
+  r.whole = full_grads_;
+  if (r.whole) return pg.all_reduce(b.buffer, {.op = ReduceOp::avg});
   const int64_t q = b.numel / world;
   if (!r.own.defined() || r.own.numel() != q)
     r.own = empty({q}, TensorOptions(b.buffer.dtype()).with_device(b.buffer.device()));
@@ -316,6 +322,8 @@ WorkPtr ZeroRedundancyOptimizer::reduce_bucket(ProcessGroup& pg, GradBucket& b) 
 
 void ZeroRedundancyOptimizer::finish_bucket(GradBucket& b) {
   Reduced& r = reduced_.at(static_cast<size_t>(b.index));
+  ++finished_;
+  if (r.whole) return;  // the reducer rescales the buffer itself
   if (r.scatter) r.scatter->wait();
   // Note [Join]: the reducer rescales the buffer (the tail) after finish(); the shard here.
   const int world = pg_->size();
@@ -323,7 +331,6 @@ void ZeroRedundancyOptimizer::finish_bucket(GradBucket& b) {
     autograd::NoGradGuard no_grad;
     r.own.mul_(static_cast<double>(world) / b.contributors);
   }
-  r.done = true;
 }
 
 CommHook ZeroRedundancyOptimizer::comm_hook() {
@@ -349,12 +356,11 @@ CommHook ZeroRedundancyOptimizer::comm_hook() {
 }
 
 void ZeroRedundancyOptimizer::follow_buckets() {
-  LS_CHECK(!reduced_.empty() && std::all_of(reduced_.begin(), reduced_.end(),
-                                            [](const Reduced& r) { return r.done; }),
+  LS_CHECK(launched_ > 0 && finished_ == launched_,
            "ZeroRedundancyOptimizer: step() with reduce_scatter_gradients needs a synchronized "
            "backward of the DDP model since the last step, with comm_hook() registered "
            "(DistributedDataParallel::register_comm_hook); ",
-           reduced_.empty() ? "no bucket was reduced by it" : "some buckets were not");
+           launched_ == 0 ? "no bucket was reduced by it" : "some buckets were not");
   // A reduce-scattering backward fixes the layout (its shards); whole buckets fit any, so then
   // the segments become DDP's buckets as they are now (rebuilt after the first backward).
   const std::vector<Reduced>& buckets = full_grads_ && !announced_.empty() ? announced_ : reduced_;
@@ -396,8 +402,10 @@ double ZeroRedundancyOptimizer::clip_grad_norm(double max_norm) {
   double part = 0;
   for (const Piece& piece : pieces_) {
     if (piece.tail && pg_->rank() != 0) continue;  // every rank holds the tails: count them once
-    const Tensor g = piece_grad(piece).to(kFloat64);
-    part += sum(mul(g, g)).item();
+    const Tensor g = piece_grad(piece);
+    if (!g.defined()) continue;
+    const Tensor g64 = g.to(kFloat64);
+    part += sum(mul(g64, g64)).item();
   }
   Tensor acc = full({1}, part, kFloat64).to(params_[0].device());
   pg_->all_reduce(acc, {.op = ReduceOp::sum})->wait();
@@ -405,7 +413,10 @@ double ZeroRedundancyOptimizer::clip_grad_norm(double max_norm) {
   if (!std::isfinite(total)) return total;
   const double coef = max_norm / (total + 1e-6);
   if (coef < 1.0) {
-    for (const Piece& piece : pieces_) piece_grad(piece).mul_(coef);
+    for (const Piece& piece : pieces_) {
+      Tensor g = piece_grad(piece);
+      if (g.defined()) g.mul_(coef);
+    }
   }
   return total;
 }
@@ -415,7 +426,10 @@ std::vector<Tensor> ZeroRedundancyOptimizer::step_gradients() {
   wait_parameters();
   follow_buckets();
   std::vector<Tensor> grads;
-  for (const Piece& piece : pieces_) grads.push_back(piece_grad(piece));
+  for (const Piece& piece : pieces_) {
+    Tensor g = piece_grad(piece);
+    if (g.defined()) grads.push_back(std::move(g));
+  }
   return grads;
 }
 
@@ -457,7 +471,7 @@ void ZeroRedundancyOptimizer::step() {
     local_->param_groups()[g].weight_decay = groups_[g].weight_decay;
   }
   local_->step();
-  for (Reduced& r : reduced_) r.done = false;
+  launched_ = finished_ = 0;
   // Note [ZeRO-1], Overlap: the segment the next forward needs first (DDP's last bucket holds
   // the first layers) goes first.
   const auto t0 = std::chrono::steady_clock::now();
@@ -698,6 +712,8 @@ optim::NamedTensors ZeroRedundancyOptimizer::state_dict() const {
 
 void ZeroRedundancyOptimizer::load_state_dict(const optim::NamedTensors& state) {
   autograd::NoGradGuard no_grad;
+  // Note [ZeRO-1], Overlap: all-gathers still running would overwrite parameters loaded next.
+  wait_parameters();
   optim::NamedTensors local;
   std::map<size_t, std::vector<size_t>> pieces_of;  // parameter -> its pieces here
   for (size_t k = 0; k < pieces_.size(); ++k) pieces_of[pieces_[k].param].push_back(k);

@@ -44,6 +44,9 @@ Scenario scenario(const std::string& mode) {
   if (mode == "zero1-uneven") return {{{3, 5, 8}, {8, 3, 5}}, 1, false, 1};
   if (mode == "zero1-accumulate") return {{{3, 5, 8}}, 2, true, 1};
   if (mode == "zero1-reduce-scatter") return {{{3, 5, 8}, {0, 3, 5}}, 1, false, 2};
+  // A rank of zero batches from the first step: the first backward all-reduces whole buckets
+  // (Note [ZeRO-1], Buckets) under Join's rescale.
+  if (mode == "zero1-reduce-scatter-first") return {{{0, 2, 3}, {3, 0, 2}}, 1, false, 2};
   LS_THROW("unknown mode ", mode);
 }
 
@@ -233,6 +236,12 @@ TEST(JoinProcesses, ZeroWithNoSyncAccumulationAndGradScalerEqualsTheReference) {
 TEST(JoinProcesses, ZeroReduceScatterModeWithARankOfZeroBatchesEqualsTheReference) {
   const auto results = run("zero1-reduce-scatter");
   EXPECT_EQ(results[0].report, "epoch 0: taken 3, shadowed 5; epoch 1: taken 0, shadowed 5; ");
+}
+
+TEST(JoinProcesses, ZeroReduceScatterModeWithARankOfZeroBatchesAtTheFirstStep) {
+  const auto results = run("zero1-reduce-scatter-first");
+  EXPECT_EQ(results[0].report, "epoch 0: taken 0, shadowed 3; epoch 1: taken 3, shadowed 0; ");
+  EXPECT_EQ(results[1].report, "epoch 0: taken 2, shadowed 1; epoch 1: taken 0, shadowed 3; ");
 }
 
 }  // namespace

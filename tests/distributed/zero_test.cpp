@@ -395,6 +395,69 @@ TEST(ZeroRedundancyOptimizer, GradScalerSkipsOnEveryRankWhenOneShardOverflows) {
   EXPECT_NE(plain.first, param_values(*mlp(7)));
 }
 
+// Parameters registered big first, used big last: the gradients become ready big first, and
+// DDP's rebuild (first bucket 300 bytes, later ones 1000) turns its 3 buckets (small | small |
+// big, registration order reversed) into 2 (big | small small).
+class ReorderedNet : public nn::Module {
+ public:
+  ReorderedNet() : nn::Module("ReorderedNet") {
+    Generator gen(11);
+    big_ = register_parameter("big", mul(randn({kIn, 250 / kIn}, gen), 0.3).requires_grad_(true));
+    b_ = register_parameter("b", add(mul(randn({50}, gen), 0.1), 1.0).requires_grad_(true));
+    c_ = register_parameter("c", add(mul(randn({50}, gen), 0.1), 1.0).requires_grad_(true));
+  }
+  Tensor forward(const Tensor& x) override {
+    // (N, kIn) -> scaled by c then b (their first kIn entries), then the big product.
+    const Tensor h = mul(mul(x, c_.narrow(0, 0, kIn)), b_.narrow(0, 0, kIn));
+    return matmul(h, big_).narrow(1, 0, kClasses);
+  }
+
+ private:
+  Tensor big_, b_, c_;
+};
+
+TEST(ZeroReduceScatter, BucketsThatTheRebuildMakesFewerEqualPlainDDP) {
+  for (int world : {2, 3}) {
+    std::vector<std::vector<std::vector<double>>> got(2);
+    for (bool zero : {false, true}) {
+      std::vector<std::vector<std::vector<double>>> params(world);
+      const auto errors =
+          lockstep::testing::run_ranks_on("shm", world, [&](int r, ProcessGroupPtr pg) {
+            auto model = std::make_shared<ReorderedNet>();
+            DistributedDataParallel ddp(model, pg,
+                                        {.first_bucket_bytes = 300, .bucket_bytes = 1000});
+            EXPECT_EQ(ddp.stats().bucket_bytes.size(), 3u);
+            auto factory = [](auto g) { return make_optimizer(Opt::adamw, std::move(g)); };
+            std::unique_ptr<optim::Optimizer> opt;
+            if (zero) {
+              auto z = std::make_unique<ZeroRedundancyOptimizer>(
+                  model->parameters(), pg, factory,
+                  ZeroOptions{.reduce_scatter_gradients = true, .overlap_all_gather = true});
+              ddp.register_comm_hook(z->comm_hook());
+              opt = std::move(z);
+            } else {
+              opt = factory(std::vector<optim::ParamGroup>{{model->parameters()}});
+            }
+            for (int s = 0; s < 6; ++s) {
+              const Data batch =
+                  shard(make_data(world * kPerRank, 500 + static_cast<uint64_t>(s)), r, world);
+              opt->zero_grad();
+              cross_entropy(ddp.forward(batch.x), batch.y).backward();
+              opt->step();
+            }
+            if (zero) static_cast<ZeroRedundancyOptimizer&>(*opt).wait_parameters();
+            EXPECT_EQ(ddp.stats().bucket_bytes.size(), 2u);
+            params[r] = param_values(*model);
+          });
+      for (const auto& e : errors) EXPECT_EQ(e, "") << world << " ranks";
+      for (int r = 1; r < world; ++r) EXPECT_EQ(params[r], params[0]);
+      got[zero] = params[0];
+    }
+    EXPECT_EQ(got[1], got[0]) << world << " ranks";
+    EXPECT_NE(got[0], param_values(ReorderedNet())) << world << " ranks";
+  }
+}
+
 // The mistakes the bucket-sharded mode can meet, each an Error that says what to do.
 TEST(ZeroRedundancyOptimizer, BucketShardingMisuseIsAClearError) {
   const auto errors = lockstep::testing::run_ranks(2, [&](int r, ProcessGroupPtr pg) {

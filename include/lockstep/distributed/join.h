@@ -67,8 +67,9 @@ struct JoinOptions {
 // the others would wait in the all-gather. Given as JoinOptions::optimizer, a joined rank takes
 // the step with the others after each synchronized backward it shadows, over the gradients that
 // backward left in its .grad() (the average over the ranks with data, as on those ranks; in
-// ZeroOptions::reduce_scatter_gradients mode zeros, and every rank's share is scaled to the
-// contributors' mean before the reduce-scatter), running JoinOptions::step, which must do what
+// ZeroOptions::reduce_scatter_gradients mode zeros in .grad(), and the comm hook scales each
+// rank's reduce-scattered shard to the contributors' mean), running JoinOptions::step, which
+// must do what
 // the ranks with data do (the same clipping, scaler and schedule), or the default step. Every
 // rank's optimizer and scaler state then moves as if it had data, and at the end only the
 // parameters and buffers are copied (the optimizer state is each rank's shard).

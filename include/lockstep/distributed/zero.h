@@ -35,9 +35,10 @@ struct ZeroOptions {
   bool reduce_scatter_gradients = false;
   // Note [ZeRO-1], Overlap: step() leaves the parameters' all-gathers running and returns; the
   // next forward of the DDP model (comm_hook()'s before_forward), the next step(),
-  // state_dict() and wait_parameters() wait for them and write the parameters. Anything else
-  // that reads the parameters in between (an evaluation through the inner module, saving the
-  // model) must call wait_parameters() first. Needs reduce_scatter_gradients.
+  // clip_grad_norm(), step_gradients() (a GradScaler), load_state_dict() and wait_parameters()
+  // wait for them and write the parameters. Anything else that reads or writes the parameters in
+  // between (an evaluation through the inner module, saving or loading the model) must call
+  // wait_parameters() first: a write would be overwritten. Needs reduce_scatter_gradients.
   bool overlap_all_gather = false;
 };
 
@@ -95,7 +96,8 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
   void load_state_dict(const optim::NamedTensors& state) override;
 
   ZeroStats stats() const;
-  // The wrapped optimizer over this rank's pieces.
+  // The wrapped optimizer over this rank's pieces; replaced when the pieces change (with
+  // reduce_scatter_gradients, at the first step), so do not keep the pointer.
   optim::Optimizer* local_optimizer() { return local_.get(); }
 
   // ZeroOptions::reduce_scatter_gradients: DDP's comm hook that reduce-scatters each bucket into
@@ -147,7 +149,7 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
     int64_t numel = 0;
     Tensor own;  // (numel / world): this rank's shard of the average
     WorkPtr scatter;
-    bool done = false;
+    bool whole = false;  // all-reduced whole (before DDP's layout was final)
   };
   struct HookLink;
   // What the ranks' wrapped optimizers hold (index_state, collective): per-element fields and
@@ -185,14 +187,15 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
 
   std::vector<Tensor> params_;  // all groups', in order (as in groups_)
   std::vector<size_t> group_of_;
-  std::unordered_map<const void*, size_t> index_of_;  // a parameter's data -> its index
+  std::unordered_map<const TensorImpl*, size_t> index_of_;  // a parameter -> its index
   int64_t total_ = 0;
   std::vector<Segment> segments_;
   int64_t shard_size_ = 0;
   Tensor shard_;  // (shard_size_): this rank's shards and the tails, segment by segment
   std::vector<Piece> pieces_;  // in the wrapped optimizer's order (group, then parameter)
   std::unique_ptr<optim::Optimizer> local_;
-  std::vector<Reduced> reduced_;  // by bucket index
+  std::vector<Reduced> reduced_;         // by bucket index
+  int64_t launched_ = 0, finished_ = 0;  // bucket reductions since the last step
   // CommHook::on_buckets: DDP's buckets as it last laid them out (params and numel of each), and
   // whether that layout is final (rebuilt after the first backward). Until it is, the hook
   // all-reduces whole buckets and step() reads .grad() (full_grads_): Note [ZeRO-1], Buckets.
