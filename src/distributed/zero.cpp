@@ -83,7 +83,9 @@ namespace lockstep::dist {
 // on its communication thread; shm has already finished them on the caller's), and the next
 // forward of the DDP model waits and writes the parameters (CommHook::before_forward), so the
 // all-gathers overlap whatever the loop does in between: zero_grad, loading the next batch,
-// logging. Anything else that reads the parameters first must call wait_parameters().
+// logging. step(), clip_grad_norm(), step_gradients(), load_state_dict() and Join's end wait
+// too; anything else that reads or writes the parameters first must call wait_parameters() (a
+// write would be overwritten when the all-gathers land).
 //
 // Checkpoints. state_dict() rebuilds the full state in the plain optimizer's own format: for each
 // per-element field, every rank writes its pieces' state into a shard_-sized buffer (the same
