@@ -79,7 +79,13 @@ Tensor zeros(const Dims& shape, TensorOptions opts) {
   bool rg = opts.requires_grad;
   opts.requires_grad = false;
   Tensor t = empty(shape, opts);
-  std::memset(t.data_ptr(), 0, static_cast<size_t>(t.nbytes()));
+  // A device's memory is not the host's to memset (the GPU check crashed here, in the backward
+  // of slice and wherever else zeros of a CUDA tensor were made): its fill kernel zeroes it.
+  if (t.device().is_cpu()) {
+    std::memset(t.data_ptr(), 0, static_cast<size_t>(t.nbytes()));
+  } else {
+    t.zero_();
+  }
   if (rg) t.requires_grad_(true);
   return t;
 }
