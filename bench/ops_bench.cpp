@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "lockstep/lockstep.h"
+#include "ops/cpu/attention_avx2.h"
 
 using namespace lockstep;
 
@@ -119,13 +120,15 @@ void BM_SquareSgemm(benchmark::State& state) {
 // those of the math, not of what a kernel executes: 2 products of 2 T^2 D each per head in the
 // forward, 4 more in the backward (the fused backward's recomputed q k^T is not counted), and
 // only the pairs (i, j <= i) when causal. args: T, causal, fused (1) or naive composition (0),
-// backward too (1).
+// backward too (1), and zmm: the fused kernel's products on the AVX-512 micro-kernel where the CPU
+// has it (1) or on the AVX2 one (0) (Note [Attention micro-kernel on AVX-512]).
 constexpr int64_t kAttnBatch = 8, kAttnHeads = 4, kAttnDim = 32;
 
 void BM_Attention(benchmark::State& state) {
   const int64_t t = state.range(0);
   const bool causal = state.range(1) != 0, fused = state.range(2) != 0,
              backward = state.range(3) != 0;
+  cpu::set_attention_avx512(state.range(4) != 0);
   Generator g(0);
   const Dims shape{kAttnBatch, kAttnHeads, t, kAttnDim};
   Tensor q = randn(shape, g), k = randn(shape, g), v = randn(shape, g);
@@ -153,6 +156,7 @@ void BM_Attention(benchmark::State& state) {
   }
   const double pairs = causal ? t * (t + 1) / 2.0 : double(t) * t;
   set_gflops(state, (backward ? 6.0 : 2.0) * 2.0 * kAttnBatch * kAttnHeads * pairs * kAttnDim);
+  cpu::set_attention_avx512(true);
 }
 
 // Bandwidth is bytes read plus bytes written, for memcpy as for the ops.
@@ -212,10 +216,11 @@ BENCHMARK(BM_CrossEntropy)->Args({64, 10})->Args({512, 1000})->Unit(benchmark::k
 BENCHMARK(BM_LayerNorm)->Args({64, 1024})->Args({4096, 768})->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK(BM_SquareSgemm)->Arg(1024)->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK(BM_Attention)
-    ->ArgNames({"T", "causal", "fused", "bwd"})
-    ->Args({128, 1, 1, 0})->Args({128, 0, 1, 0})->Args({128, 1, 0, 0})
-    ->Args({128, 1, 1, 1})->Args({128, 1, 0, 1})
-    ->Args({1024, 1, 1, 0})->Args({1024, 1, 0, 0})
+    ->ArgNames({"T", "causal", "fused", "bwd", "zmm"})
+    ->Args({128, 1, 1, 0, 1})->Args({128, 1, 1, 0, 0})->Args({128, 0, 1, 0, 1})
+    ->Args({128, 1, 0, 0, 1})->Args({128, 1, 1, 1, 1})->Args({128, 1, 1, 1, 0})
+    ->Args({128, 1, 0, 1, 1})->Args({1024, 1, 1, 0, 1})->Args({1024, 1, 1, 0, 0})
+    ->Args({1024, 1, 0, 0, 1})
     ->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK(BM_Memcpy)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_MulScalarLarge)->Unit(benchmark::kMillisecond)->UseRealTime();

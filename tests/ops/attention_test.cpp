@@ -1,8 +1,9 @@
 // scaled_dot_product_attention against the naive composition matmul, mask, softmax, matmul:
 // values and gradients for several sequence lengths (one not a multiple of the 64-row tile),
 // heads and head dims, causal or not; finite-difference gradients; strided and 16-bit inputs;
-// errors. The f32 kernels are checked twice against the f64 composition: the AVX2 micro-kernel
-// (where the CPU has it) and the portable BLAS-tile kernels, switched with set_attention_avx2.
+// errors. The f32 kernels are checked against the f64 composition each: the AVX2 and AVX-512
+// micro-kernels (where the CPU has them) and the portable BLAS-tile kernels, switched with
+// set_attention_avx2 and set_attention_avx512; the two micro-kernels give the same bits.
 #include <cmath>
 #include <limits>
 #include <string>
@@ -46,19 +47,36 @@ struct Case {
 const std::vector<Case> kCases = {{2, 3, 1, 8},    {2, 3, 7, 8},    {1, 2, 64, 32},
                                   {2, 1, 130, 16}, {1, 4, 130, 32}, {3, 2, 65, 5}};
 
-// The f32 kernels to check on this machine: the AVX2 one where the CPU runs it, the portable one
-// always.
-std::vector<bool> f32_kernels() {
-  std::vector<bool> avx2{false};
-  cpu::set_attention_avx2(true);
-  if (cpu::attention_avx2_enabled()) avx2.push_back(true);
-  return avx2;
+// The f32 kernels: the portable one (BLAS tiles), the AVX2 micro-kernel and the AVX-512 one
+// (Note [Attention micro-kernel on AVX-512]).
+enum class Kernel { kPortable, kAvx2, kAvx512 };
+
+const char* kernel_name(Kernel k) {
+  return k == Kernel::kPortable ? "portable" : k == Kernel::kAvx2 ? "avx2" : "avx512";
 }
 
-// Turns the AVX2 kernels on or off for one scope and back on after it.
+// The f32 kernels to check on this machine: the portable one always, the others where the CPU
+// runs them.
+std::vector<Kernel> f32_kernels() {
+  std::vector<Kernel> kernels{Kernel::kPortable};
+  cpu::set_attention_avx2(true);
+  cpu::set_attention_avx512(true);
+  if (cpu::attention_avx2_enabled()) kernels.push_back(Kernel::kAvx2);
+  if (cpu::attention_avx2_enabled() && cpu::attention_avx512_enabled())
+    kernels.push_back(Kernel::kAvx512);
+  return kernels;
+}
+
+// Selects one f32 kernel for a scope and turns the fastest back on after it.
 struct Avx2Kernels {
-  explicit Avx2Kernels(bool on) { cpu::set_attention_avx2(on); }
-  ~Avx2Kernels() { cpu::set_attention_avx2(true); }
+  explicit Avx2Kernels(Kernel k) {
+    cpu::set_attention_avx2(k != Kernel::kPortable);
+    cpu::set_attention_avx512(k == Kernel::kAvx512);
+  }
+  ~Avx2Kernels() {
+    cpu::set_attention_avx2(true);
+    cpu::set_attention_avx512(true);
+  }
 };
 
 // t (..., n) placed at columns [before, before + n) of zeros (..., before + n + after).
@@ -133,11 +151,11 @@ TEST(Attention, Float32KernelsMatchTheFloat64Composition) {
   shapes.push_back({{1, 1, 300, 8}, {1, 1, 300, 8}, {1, 1, 300, 8}, false});
   shapes.push_back({{2, 3, 9, 4}, {2, 3, 70, 4}, {2, 3, 70, 6}, false});
   shapes.push_back({{1, 2, 130, 12}, {1, 2, 67, 12}, {1, 2, 67, 20}, false});
-  for (bool avx2 : f32_kernels()) {
+  for (Kernel avx2 : f32_kernels()) {
     Avx2Kernels kernels(avx2);
     Generator gen(40);
     for (const Shape& s : shapes) {
-      const std::string what = std::string(avx2 ? "avx2" : "portable") + " q" + s.q.str() + " k" +
+      const std::string what = std::string(kernel_name(avx2)) + " q" + s.q.str() + " k" +
                                s.k.str() + " v" + s.v.str() + (s.causal ? " causal" : "");
       Tensor q0 = randn(s.q, gen, kFloat64), k0 = randn(s.k, gen, kFloat64),
              v0 = randn(s.v, gen, kFloat64);
@@ -174,14 +192,14 @@ TEST(Attention, Float32KernelsMatchTheFloat64Composition) {
 // probability 0 times NaN, as in the naive composition.)
 TEST(Attention, NaNPropagates) {
   const double nan = std::numeric_limits<double>::quiet_NaN();
-  for (bool avx2 : f32_kernels()) {
+  for (Kernel avx2 : f32_kernels()) {
     Avx2Kernels kernels(avx2);
     for (int which = 0; which < 3; ++which) {
       Generator gen(41);
       Tensor in[3] = {randn({1, 1, 20, 8}, gen), randn({1, 1, 20, 8}, gen),
                       randn({1, 1, 20, 8}, gen)};
       in[which].set_at({0, 0, 10, 3}, nan);
-      const std::string what = std::string(avx2 ? "avx2" : "portable") + " NaN in " + "qkv"[which];
+      const std::string what = std::string(kernel_name(avx2)) + " NaN in " + "qkv"[which];
       Tensor y = scaled_dot_product_attention(in[0], in[1], in[2], {.is_causal = true});
       const int64_t c = which == 2 ? 3 : 0;
       for (int64_t row = 0; row < 20; ++row) {
@@ -245,11 +263,11 @@ TEST(Attention, StridedInputsAsAModelMakesThem) {
 // copy. Odd sizes: T = 67 (not a multiple of 8, 6 or 64), D = 12 (not a multiple of 8).
 TEST(Attention, UnbindViewsAreReadInPlaceWithTheSameResults) {
   const int64_t b = 2, t = 67, h = 3, d = 12;
-  std::vector<std::pair<DType, bool>> runs = {{kFloat64, false}};
-  for (bool avx2 : f32_kernels()) runs.push_back({kFloat32, avx2});
+  std::vector<std::pair<DType, Kernel>> runs = {{kFloat64, Kernel::kPortable}};
+  for (Kernel avx2 : f32_kernels()) runs.push_back({kFloat32, avx2});
   for (auto [dt, avx2] : runs) {
     Avx2Kernels kernels(avx2);
-    const std::string what = std::string(dtype_name(dt)) + (avx2 ? " avx2" : " portable");
+    const std::string what = std::string(dtype_name(dt)) + " " + kernel_name(avx2);
     Generator gen(37);
     const Tensor qkv0 = randn({b, t, 3 * h * d}, gen, dt), gy = randn({b, h, t, d}, gen, dt);
     Tensor qkv = qkv0.clone().requires_grad_(true);
@@ -315,7 +333,7 @@ TEST(Attention, LargeScoresStayFinite) {
 // f32 forward's 256-key tile and the portable one's 64) must discard what the earlier keys added:
 // the output is the last value, in both f32 kernels, and the gradients match the f64 composition.
 TEST(Attention, ALateLargeScoreWins) {
-  for (bool avx2 : f32_kernels()) {
+  for (Kernel avx2 : f32_kernels()) {
     Avx2Kernels kernels(avx2);
     const int64_t tk = 257;
     Tensor q = full({1, 1, 1, 1}, 1.0, kFloat32);
@@ -323,7 +341,7 @@ TEST(Attention, ALateLargeScoreWins) {
     k.set_at({0, 0, tk - 1, 0}, 200.0);
     Tensor v = add(arange(0.0, static_cast<double>(tk), 1.0, kFloat32).view({1, 1, tk, 1}), 1.0);
     Tensor y = scaled_dot_product_attention(q, k, v, {.scale = 1.0});
-    EXPECT_NEAR(y.at({0, 0, 0, 0}), static_cast<double>(tk), 1e-3) << (avx2 ? "avx2" : "portable");
+    EXPECT_NEAR(y.at({0, 0, 0, 0}), static_cast<double>(tk), 1e-3) << kernel_name(avx2);
     Generator gen(42);
     Tensor w = randn({1, 1, 1, 1}, gen, kFloat64);
     std::vector<double> got[3], want[3];
@@ -342,6 +360,48 @@ TEST(Attention, ALateLargeScoreWins) {
     expect_close(got[0], want[0], 1e-4, "dq");
     expect_close(got[1], want[1], 1e-4, "dk");
     expect_close(got[2], want[2], 1e-4, "dv");
+  }
+}
+
+// Note [Attention micro-kernel on AVX-512]: the zmm kernel sums every element's k terms in the
+// order of the ymm one with the same FMAs, so values and gradients are the same bits, at the
+// model's head shape (T = 128, D = 32, causal), at sizes that leave partial row blocks and column
+// masks (T = 67, D = 12; T = 300 past the forward's key tile; D = 20, a 16 + 4 column tail), and
+// for cross-attention. Skipped only where the CPU lacks AVX-512F.
+TEST(Attention, Avx512KernelGivesTheAvx2Bits) {
+  const std::vector<Kernel> kernels = f32_kernels();
+  if (kernels.back() != Kernel::kAvx512) GTEST_SKIP() << "this CPU has no AVX-512F";
+  struct Shape {
+    Dims q, k, v;
+    bool causal;
+  };
+  const std::vector<Shape> shapes = {
+      {{2, 4, 128, 32}, {2, 4, 128, 32}, {2, 4, 128, 32}, true},
+      {{1, 3, 67, 12}, {1, 3, 67, 12}, {1, 3, 67, 12}, true},
+      {{1, 2, 300, 16}, {1, 2, 300, 16}, {1, 2, 300, 16}, false},
+      {{1, 2, 300, 20}, {1, 2, 300, 20}, {1, 2, 300, 20}, true},
+      {{2, 1, 9, 4}, {2, 1, 70, 4}, {2, 1, 70, 6}, false}};
+  for (const Shape& s : shapes) {
+    Generator gen(43);
+    const Tensor q0 = randn(s.q, gen), k0 = randn(s.k, gen), v0 = randn(s.v, gen);
+    Dims oshape = s.q;
+    oshape[oshape.size() - 1] = s.v.back();
+    const Tensor w = randn(oshape, gen);
+    std::vector<double> out[2][4];
+    for (int zmm = 0; zmm < 2; ++zmm) {
+      Avx2Kernels use(zmm ? Kernel::kAvx512 : Kernel::kAvx2);
+      Tensor q = q0.clone().requires_grad_(), k = k0.clone().requires_grad_(),
+             v = v0.clone().requires_grad_();
+      Tensor y = scaled_dot_product_attention(q, k, v, {.is_causal = s.causal});
+      sum(mul(y, w)).backward();
+      out[zmm][0] = values(y);
+      out[zmm][1] = values(q.grad());
+      out[zmm][2] = values(k.grad());
+      out[zmm][3] = values(v.grad());
+    }
+    const char* names[] = {"values", "dq", "dk", "dv"};
+    for (int i = 0; i < 4; ++i)
+      EXPECT_EQ(out[1][i], out[0][i]) << names[i] << " q" << s.q.str() << " k" << s.k.str();
   }
 }
 

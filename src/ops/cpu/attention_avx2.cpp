@@ -35,10 +35,17 @@ namespace lockstep::cpu {
 namespace {
 
 std::atomic<bool> g_enabled{true};
+std::atomic<bool> g_avx512{true};
 
 }  // namespace
 
 void set_attention_avx2(bool enabled) { g_enabled.store(enabled, std::memory_order_relaxed); }
+
+void set_attention_avx512(bool enabled) { g_avx512.store(enabled, std::memory_order_relaxed); }
+
+bool attention_avx512_enabled() {
+  return cpu_has_avx512() && g_avx512.load(std::memory_order_relaxed);
+}
 
 #if LS_HAVE_AVX2
 
@@ -47,7 +54,11 @@ namespace {
 constexpr int64_t kMr = 6;         // rows of C per micro-kernel call
 constexpr int64_t kKeyTile = 256;  // keys per tile of the forward (one tile up to T = 256)
 constexpr int64_t kBwdKeys = 64;   // keys per tile of the backward
-constexpr int64_t kBwdRows = 64;   // queries per block of the backward
+// Queries per block of the backward. Causal blocks on the diagonal compute only up to the last
+// key their last query sees, so small blocks skip most of the masked half: with 16 (64 before)
+// a 64-key diagonal tile computes 10 of its 16 cells of 16 x 16, not all 16, and the p and ds
+// tiles (16 x 64 floats each) stay in L1. docs/PERFORMANCE.md has the measurement.
+constexpr int64_t kBwdRows = 16;
 
 int64_t round8(int64_t n) { return (n + 7) / 8 * 8; }
 
@@ -117,10 +128,107 @@ MicroFn micro_for(int64_t rows) {
   }
 }
 
+// Note [Attention micro-kernel on AVX-512]
+// Where the CPU has AVX-512F the same products run on a C[R x 32] kernel of zmm registers: per
+// k, two loads of B and R broadcasts of A feed 2R FMAs of 16 lanes, against 2 loads and R
+// broadcasts for 2R FMAs of 8 lanes in the AVX2 kernel, so the loads and the loop cost half as
+// much per flop. On the 2-core AMD EPYC (Zen 4, which splits a zmm FMA over its two 256-bit
+// units, so the peak is the same) a 6 x 32 tile ran 101-111 GFLOP/s on L1-resident operands
+// against 92-97 for the 6 x 16 AVX2 tile (k = 32-128, /tmp experiment; docs/PERFORMANCE.md). The
+// column tail (the panels are padded to 8, not 16) is a lane mask on B's loads and C's loads and
+// stores. Every element of C sums its k terms in the same order with the same FMAs, so the two
+// kernels give the same bits (tests/ops/attention_test.cpp compares them).
+
+#if LS_HAVE_AVX512
+template <int R, int NV>
+LS_AVX512 void micro512(int64_t kn, const float* a, int64_t ars, int64_t aks, const float* b,
+                        int64_t ldb, float* c, int64_t ldc, bool acc, __mmask16 tail) {
+  static_assert(R >= 1 && R <= 6 && (NV == 1 || NV == 2));
+  // The last vector of the row is masked; with NV == 2 the first is whole.
+  const __mmask16 m0 = NV == 1 ? tail : __mmask16(0xffff), m1 = tail;
+  __m512 x00, x01, x10, x11, x20, x21, x30, x31, x40, x41, x50, x51;
+  x00 = x01 = x10 = x11 = x20 = x21 = x30 = x31 = x40 = x41 = x50 = x51 = _mm512_setzero_ps();
+#define LS_LOAD(r, v, x) \
+  if constexpr (R > r && NV > v) x = _mm512_maskz_loadu_ps(v ? m1 : m0, c + r * ldc + 16 * v);
+  // clang-format off
+  if (acc) {
+    LS_LOAD(0, 0, x00) LS_LOAD(0, 1, x01) LS_LOAD(1, 0, x10) LS_LOAD(1, 1, x11)
+    LS_LOAD(2, 0, x20) LS_LOAD(2, 1, x21) LS_LOAD(3, 0, x30) LS_LOAD(3, 1, x31)
+    LS_LOAD(4, 0, x40) LS_LOAD(4, 1, x41) LS_LOAD(5, 0, x50) LS_LOAD(5, 1, x51)
+  }
+  // clang-format on
+#undef LS_LOAD
+  const float* a0 = a;
+  for (int64_t k = 0; k < kn; ++k, a0 += aks, b += ldb) {
+    const __m512 b0 = _mm512_maskz_loadu_ps(m0, b);
+    const __m512 b1 = NV > 1 ? _mm512_maskz_loadu_ps(m1, b + 16) : b0;
+#define LS_ROW(r, x0, x1)                                   \
+  if constexpr (R > r) {                                    \
+    const __m512 av = _mm512_set1_ps(a0[r * ars]);          \
+    x0 = _mm512_fmadd_ps(av, b0, x0);                       \
+    if constexpr (NV > 1) x1 = _mm512_fmadd_ps(av, b1, x1); \
+  }
+    // clang-format off
+    LS_ROW(0, x00, x01) LS_ROW(1, x10, x11) LS_ROW(2, x20, x21)
+    LS_ROW(3, x30, x31) LS_ROW(4, x40, x41) LS_ROW(5, x50, x51)
+    // clang-format on
+#undef LS_ROW
+  }
+#define LS_STORE(r, v, x) \
+  if constexpr (R > r && NV > v) _mm512_mask_storeu_ps(c + r * ldc + 16 * v, v ? m1 : m0, x);
+  // clang-format off
+  LS_STORE(0, 0, x00) LS_STORE(0, 1, x01) LS_STORE(1, 0, x10) LS_STORE(1, 1, x11)
+  LS_STORE(2, 0, x20) LS_STORE(2, 1, x21) LS_STORE(3, 0, x30) LS_STORE(3, 1, x31)
+  LS_STORE(4, 0, x40) LS_STORE(4, 1, x41) LS_STORE(5, 0, x50) LS_STORE(5, 1, x51)
+  // clang-format on
+#undef LS_STORE
+}
+
+using Micro512Fn = void (*)(int64_t, const float*, int64_t, int64_t, const float*, int64_t, float*,
+                            int64_t, bool, __mmask16);
+
+template <int NV>
+Micro512Fn micro512_for(int64_t rows) {
+  switch (rows) {
+    case 1:
+      return micro512<1, NV>;
+    case 2:
+      return micro512<2, NV>;
+    case 3:
+      return micro512<3, NV>;
+    case 4:
+      return micro512<4, NV>;
+    case 5:
+      return micro512<5, NV>;
+    default:
+      return micro512<6, NV>;
+  }
+}
+
+// gemm below on the AVX-512 kernel: column panels of 32, the last one masked.
+LS_AVX512 void gemm512(int64_t m, int64_t n, int64_t kn, const float* a, int64_t ars,
+                       int64_t aks, const float* b, int64_t ldb, float* c, int64_t ldc, bool acc) {
+  for (int64_t j = 0; j < n; j += 32) {
+    const int64_t cols = std::min<int64_t>(32, n - j);
+    const bool two = cols > 16;
+    const int64_t last = two ? cols - 16 : cols;  // lanes of the last vector, 1..16
+    const __mmask16 tail = static_cast<__mmask16>((1u << last) - 1u);
+    for (int64_t i = 0; i < m; i += kMr) {
+      const int64_t rows = std::min(kMr, m - i);
+      const Micro512Fn f = two ? micro512_for<2>(rows) : micro512_for<1>(rows);
+      f(kn, a + i * ars, ars, aks, b + j, ldb, c + i * ldc + j, ldc, acc, tail);
+    }
+  }
+}
+#endif
+
 // C[m x n] (+)= A B over kn, n a multiple of 8 (the panels' padding makes it one); column
 // panels of 16 outside, so a panel of B stays in L1 while the row blocks pass over it.
 LS_AVX2 void gemm(int64_t m, int64_t n, int64_t kn, const float* a, int64_t ars, int64_t aks,
                   const float* b, int64_t ldb, float* c, int64_t ldc, bool acc) {
+#if LS_HAVE_AVX512
+  if (attention_avx512_enabled()) return gemm512(m, n, kn, a, ars, aks, b, ldb, c, ldc, acc);
+#endif
   for (int64_t j = 0; j < n; j += 16) {
     const bool two = n - j >= 16;
     for (int64_t i = 0; i < m; i += kMr) {
@@ -188,14 +296,34 @@ inline int64_t visible(int64_t i, int64_t j0, int64_t cols, bool causal) {
   return causal ? std::clamp<int64_t>(i - j0 + 1, 0, cols) : cols;
 }
 
+// dst[c] = src[c] * mul for c < n: 8 lanes at a time, the tail element by element (the same
+// rounding either way).
+LS_AVX2 void scale_copy(float* dst, const float* src, int64_t n, float mul) {
+  const __m256 m = _mm256_set1_ps(mul);
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) _mm256_storeu_ps(dst + c, _mm256_mul_ps(_mm256_loadu_ps(src + c), m));
+  for (; c < n; ++c) dst[c] = src[c] * mul;
+}
+
 // dst[r][c] = src[r][c] * mul for r < rows, c < cols (src rows lds apart); zero for
 // cols <= c < ld.
-void pack_rows(float* dst, int64_t ld, const float* src, int64_t lds, int64_t rows, int64_t cols,
-               float mul) {
+LS_AVX2 void pack_rows(float* dst, int64_t ld, const float* src, int64_t lds, int64_t rows,
+                       int64_t cols, float mul) {
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) dst[r * ld + c] = src[r * lds + c] * mul;
+    scale_copy(dst + r * ld, src + r * lds, cols, mul);
     std::fill(dst + r * ld + cols, dst + (r + 1) * ld, 0.0f);
   }
+}
+
+// sum over c < n of a[c] b[c], in 8 lanes then across them.
+LS_AVX2 float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8)
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), acc);
+  float s = hsum(acc);
+  for (; c < n; ++c) s += a[c] * b[c];
+  return s;
 }
 
 // dst[8 x 8] = src[8 x 8]^T: unpack pairs of rows, shuffle pairs of pairs, swap 128-bit halves.
@@ -266,7 +394,7 @@ LS_AVX2 void attention_forward_head_avx2(const float* q, const float* k, const f
   for (int64_t i0 = 0; i0 < n.tq; i0 += kMr) {
     const int64_t rows = std::min(kMr, n.tq - i0);
     for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < n.d; ++c) qs[r * n.d + c] = q[(i0 + r) * n.ldq + c] * scale;
+      scale_copy(qs + r * n.d, q + (i0 + r) * n.ldq, n.d, scale);
     std::fill(acc, acc + rows * dvp, 0.0f);
     std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
     std::fill(l, l + rows, 0.0f);
@@ -290,13 +418,13 @@ LS_AVX2 void attention_forward_head_avx2(const float* q, const float* k, const f
         // alpha is 0 on the first tile (acc is still zero) and also when a later tile raises
         // the max by more than ~103 (exp underflows): then the old acc must go, so multiply.
         if (alpha != 1.0f)
-          for (int64_t c = 0; c < dvp; ++c) acc[r * dvp + c] *= alpha;
+          scale_copy(acc + r * dvp, acc + r * dvp, dvp, alpha);
       }
       gemm(rows, dvp, most, s, kKeyTile, 1, vp + j0 * dvp, dvp, acc, dvp, true);
     }
     for (int64_t r = 0; r < rows; ++r) {
       const float inv = 1.0f / l[r];
-      for (int64_t c = 0; c < n.dv; ++c) o[(i0 + r) * n.ldo + c] = acc[r * dvp + c] * inv;
+      scale_copy(o + (i0 + r) * n.ldo, acc + r * dvp, n.dv, inv);
       lse[i0 + r] = m[r] + std::log(l[r]);
     }
   }
@@ -333,11 +461,7 @@ LS_AVX2 void attention_backward_head_avx2(float* dq, float* dk, float* dv, const
   pack_transposed(vt, tkp, v, n.ldv, n.tk, n.dv);
   pack_rows(gp, dvp, g, n.ldg, n.tq, n.dv, 1.0f);
   std::fill(dqa, dqa + n.tq * dp, 0.0f);
-  for (int64_t i = 0; i < n.tq; ++i) {
-    float a = 0;
-    for (int64_t c = 0; c < n.dv; ++c) a += g[i * n.ldg + c] * o[i * n.ldo + c];
-    delta[i] = a;
-  }
+  for (int64_t i = 0; i < n.tq; ++i) delta[i] = dot(g + i * n.ldg, o + i * n.ldo, n.dv);
 
   for (int64_t j0 = 0; j0 < n.tk; j0 += kBwdKeys) {
     const int64_t cols = std::min(kBwdKeys, n.tk - j0), width = round8(cols);
@@ -346,12 +470,14 @@ LS_AVX2 void attention_backward_head_avx2(float* dq, float* dk, float* dv, const
     // Causal: queries before j0 see none of these keys.
     for (int64_t i0 = causal ? std::min(j0, n.tq) : 0; i0 < n.tq; i0 += kBwdRows) {
       const int64_t rows = std::min(kBwdRows, n.tq - i0);
-      gemm(rows, width, n.d, qs + i0 * dp, dp, 1, kt + j0, tkp, p, kP, false);
+      // Causal: this block's last query sees keys up to i0 + rows - 1 and no further.
+      const int64_t bw = causal ? round8(visible(i0 + rows - 1, j0, cols, true)) : width;
+      gemm(rows, bw, n.d, qs + i0 * dp, dp, 1, kt + j0, tkp, p, kP, false);
       int64_t most = 0;
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t vis = visible(i0 + r, j0, cols, causal);
         most = std::max(most, vis);
-        row_exp(p + r * kP, vis, width, lse[i0 + r]);
+        row_exp(p + r * kP, vis, bw, lse[i0 + r]);
       }
       if (most == 0) continue;
       const int64_t most8 = round8(most);
@@ -378,7 +504,7 @@ LS_AVX2 void attention_backward_head_avx2(float* dq, float* dk, float* dv, const
     }
   }
   for (int64_t i = 0; i < n.tq; ++i)
-    for (int64_t c = 0; c < n.d; ++c) dq[i * n.lddq + c] = dqa[i * dp + c] * scale;
+    scale_copy(dq + i * n.lddq, dqa + i * dp, n.d, scale);
 }
 
 #else  // not x86-64: the portable kernels only

@@ -19,6 +19,11 @@ struct AttentionHead {
 bool attention_avx2_enabled();
 // Tests turn the AVX2 kernels off to check the portable ones (BLAS tiles) on the same machine.
 void set_attention_avx2(bool enabled);
+// True when the AVX2 kernels' products run on the AVX-512 micro-kernel (Note [Attention
+// micro-kernel on AVX-512]): the CPU has AVX-512F and set_attention_avx512(false) was not called.
+// Tests turn it off to compare the two kernels' bits on the same machine.
+bool attention_avx512_enabled();
+void set_attention_avx512(bool enabled);
 
 // One head's forward: o (tq, dv) and lse (tq) from q (tq, d), k (tk, d), v (tk, dv), rows at
 // the strides in n. Only call when attention_avx2_enabled().

@@ -9,8 +9,11 @@
 #define LS_HAVE_AVX2 1
 #include <immintrin.h>
 #define LS_AVX2 __attribute__((target("avx2,fma")))
+#define LS_HAVE_AVX512 1
+#define LS_AVX512 __attribute__((target("avx512f,avx2,fma")))
 #else
 #define LS_HAVE_AVX2 0
+#define LS_HAVE_AVX512 0
 #endif
 
 namespace lockstep::cpu {
@@ -20,6 +23,13 @@ namespace lockstep::cpu {
 // True when this CPU runs AVX2 and FMA.
 inline bool cpu_has_avx2() {
   static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok;
+}
+
+// True when this CPU runs AVX-512F (and so AVX2 and FMA) and the OS saves the zmm registers
+// (__builtin_cpu_supports checks the XCR0 bits too).
+inline bool cpu_has_avx512() {
+  static const bool ok = cpu_has_avx2() && __builtin_cpu_supports("avx512f");
   return ok;
 }
 
@@ -76,6 +86,7 @@ LS_AVX2 inline void f32_to_bf16_8(uint16_t* p, __m256 v) {
 #else
 
 inline bool cpu_has_avx2() { return false; }
+inline bool cpu_has_avx512() { return false; }
 
 #endif
 
