@@ -1,7 +1,9 @@
 // Elementwise ops against naive references: broadcasting, layouts, odd sizes, dtypes, gradients.
 #include <cmath>
+#include <cstring>
 #include <functional>
 
+#include "ops/cpu/gelu_avx2.h"
 #include "testing.h"
 
 using namespace lockstep;
@@ -182,6 +184,52 @@ TEST(Elementwise, GeluTanhBf16IsTheRoundedFloat32Kernel) {
     sum(mul(y32, w.to(kFloat32))).backward();
     expect_same_bits(yb, y32.to(kBFloat16), "gelu");
     expect_same_bits(xb.grad(), x32.grad().to(kBFloat16), "gelu gradient");
+  }
+}
+
+// Note [GELU on AVX-512]: the 16-lane f32 kernel computes each lane as the 8-lane one does, so
+// values and gradients are the same bits (NaN where it is NaN), at sizes that are not a multiple
+// of 16 (the masked tail) and over several threads' chunks, with NaN, infinities, huge and
+// subnormal inputs. Skipped only where the CPU lacks AVX-512F.
+TEST(Elementwise, GeluTanhOn16LanesGivesThe8LaneBits) {
+  cpu::set_gelu_avx512(true);
+  if (!cpu::gelu_avx512_enabled()) GTEST_SKIP() << "this CPU has no AVX-512F";
+  for (int64_t n : {13, 1003, 70001}) {
+    Tensor x = arange(0.0, static_cast<double>(n), 1.0, kFloat32);
+    x = add(mul(x, 24.0 / static_cast<double>(n - 1)), -12.0);
+    const double specials[] = {std::nan(""), INFINITY, -INFINITY, -1e5, -3e38, 3e38, 1e-40, -1e-40,
+                               0.0, -0.0};
+    for (size_t i = 0; i < std::size(specials) && 7 * i + 3 < static_cast<size_t>(n); ++i)
+      x.set_at({static_cast<int64_t>(7 * i + 3)}, specials[i]);
+    Generator gen(9);
+    const Tensor w = randn({n}, gen);
+    std::vector<float> y[2], dx[2];
+    for (int wide = 0; wide < 2; ++wide) {
+      cpu::set_gelu_avx512(wide == 1);
+      Tensor xi = x.detach().requires_grad_();
+      Tensor yi = gelu(xi, GeluApprox::tanh);
+      sum(mul(yi, w)).backward();
+      y[wide] = yi.to_vector<float>();
+      dx[wide] = xi.grad().to_vector<float>();
+    }
+    cpu::set_gelu_avx512(true);
+    for (int64_t i = 0; i < n; ++i) {
+      uint32_t a, b, ga, gb;
+      std::memcpy(&a, &y[1][i], 4);
+      std::memcpy(&b, &y[0][i], 4);
+      std::memcpy(&ga, &dx[1][i], 4);
+      std::memcpy(&gb, &dx[0][i], 4);
+      if (std::isnan(y[0][i])) {
+        ASSERT_TRUE(std::isnan(y[1][i])) << "n=" << n << " element " << i;
+      } else {
+        ASSERT_EQ(a, b) << "gelu n=" << n << " element " << i << " x=" << x.at({i});
+      }
+      if (std::isnan(dx[0][i])) {
+        ASSERT_TRUE(std::isnan(dx[1][i])) << "n=" << n << " element " << i;
+      } else {
+        ASSERT_EQ(ga, gb) << "gelu gradient n=" << n << " element " << i << " x=" << x.at({i});
+      }
+    }
   }
 }
 

@@ -57,6 +57,31 @@ LS_AVX2 inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(er, _mm256_castsi256_ps(e));
 }
 
+#if LS_HAVE_AVX512
+// exp8 on 16 lanes: the same operations in the same order, so each lane's result is exp8's bits
+// (vrndscaleps to nearest is vroundps's rounding; vcvtps2dq rounds to nearest in both).
+LS_AVX512 inline __m512 exp16(__m512 x) {
+  const __m512 kLog2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 kLn2Hi = _mm512_set1_ps(0.693359375f), kLn2Lo = _mm512_set1_ps(-2.12194440e-4f);
+  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);  // NaN stays NaN (the second operand)
+  x = _mm512_min_ps(_mm512_set1_ps(88.0f), x);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, kLog2e),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, kLn2Hi, x);
+  r = _mm512_fnmadd_ps(n, kLn2Lo, r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 er = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i e =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(er, _mm512_castsi512_ps(e));
+}
+#endif
+
 // 8 bf16 (bit patterns) -> f32, exact.
 LS_AVX2 inline __m256 bf16_to_f32_8(const uint16_t* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));

@@ -7,6 +7,11 @@
 
 namespace lockstep::cpu {
 
+// True when the f32 kernels run 16 lanes at a time (Note [GELU on AVX-512]): the CPU has
+// AVX-512F and set_gelu_avx512(false) was not called. Tests turn it off to compare the bits.
+bool gelu_avx512_enabled();
+void set_gelu_avx512(bool enabled);
+
 // y[i] = 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) for i < n.
 bool gelu_tanh_f32_avx2(float* y, const float* x, int64_t n);
 // dx[i] = g[i] * d gelu_tanh / dx at x[i] for i < n.
