@@ -137,7 +137,8 @@ MicroFn micro_for(int64_t rows) {
 // against 92-97 for the 6 x 16 AVX2 tile (k = 32-128, /tmp experiment; docs/PERFORMANCE.md). The
 // column tail (the panels are padded to 8, not 16) is a lane mask on B's loads and C's loads and
 // stores. Every element of C sums its k terms in the same order with the same FMAs, so the two
-// kernels give the same bits (tests/ops/attention_test.cpp compares them).
+// kernels give the same bits (tests/ops/attention_test.cpp compares them). The softmax's exps
+// take 16 lanes too (row_exp512), their row sum added 8 lanes at a time as row_exp adds it.
 
 #if LS_HAVE_AVX512
 template <int R, int NV>
@@ -292,6 +293,53 @@ LS_AVX2 float row_exp(float* row, int64_t vis, int64_t width, float sub) {
   return hsum(acc);
 }
 
+#if LS_HAVE_AVX512
+// GCC 12 warns of its intrinsics' _mm512_undefined_ps() placeholders when inlined here (GCC
+// bug 105593, fixed in 13); they are not read.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// row_exp with the exps 16 lanes at a time (exp16, the same bits per lane as exp8) and the
+// sum kept as row_exp keeps it: each 16-lane vector's low then high 8 lanes added into one
+// 8-lane accumulator, the order row_exp adds its 8-lane vectors in, so the same sum.
+LS_AVX512 inline __m256 add_halves(__m256 acc, __m512 p) {
+  acc = _mm256_add_ps(acc, _mm512_castps512_ps256(p));
+  return _mm256_add_ps(acc, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1)));
+}
+
+LS_AVX512 float row_exp512(float* row, int64_t vis, int64_t width, float sub) {
+  const __m512 s = _mm512_set1_ps(sub);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 16 <= vis; c += 16) {
+    const __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + c), s));
+    _mm512_storeu_ps(row + c, p);
+    acc = add_halves(acc, p);
+  }
+  if (c < vis) {
+    // The last vis - c lanes, and up to 16 - (vis - c) zeros: whole 8-lane groups of zeros
+    // added to acc change nothing (x + 0 = x, and -0 cannot arise: the exps are positive).
+    const __mmask16 m = static_cast<__mmask16>((1u << (vis - c)) - 1u);
+    const __m512 p =
+        _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + c), s)));
+    const int64_t lanes = std::min<int64_t>(16, width - c);  // width is a multiple of 8
+    _mm512_mask_storeu_ps(row + c, static_cast<__mmask16>((1u << lanes) - 1u), p);
+    acc = add_halves(acc, p);
+    c += lanes;
+  }
+  for (; c < width; c += 8) _mm256_storeu_ps(row + c, _mm256_setzero_ps());
+  return hsum(acc);
+}
+#pragma GCC diagnostic pop
+#endif
+
+// row_exp on the CPU's widest lanes.
+LS_AVX2 float exp_row(float* row, int64_t vis, int64_t width, float sub) {
+#if LS_HAVE_AVX512
+  if (attention_avx512_enabled()) return row_exp512(row, vis, width, sub);
+#endif
+  return row_exp(row, vis, width, sub);
+}
+
 inline int64_t visible(int64_t i, int64_t j0, int64_t cols, bool causal) {
   return causal ? std::clamp<int64_t>(i - j0 + 1, 0, cols) : cols;
 }
@@ -413,7 +461,7 @@ LS_AVX2 void attention_forward_head_avx2(const float* q, const float* k, const f
         }
         const float m_new = std::max(m[r], row_max(row, vis));
         const float alpha = std::exp(m[r] - m_new);  // 0 for the first tile (m = -inf)
-        l[r] = l[r] * alpha + row_exp(row, vis, width, m_new);
+        l[r] = l[r] * alpha + exp_row(row, vis, width, m_new);
         m[r] = m_new;
         // alpha is 0 on the first tile (acc is still zero) and also when a later tile raises
         // the max by more than ~103 (exp underflows): then the old acc must go, so multiply.
@@ -477,7 +525,7 @@ LS_AVX2 void attention_backward_head_avx2(float* dq, float* dk, float* dv, const
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t vis = visible(i0 + r, j0, cols, causal);
         most = std::max(most, vis);
-        row_exp(p + r * kP, vis, bw, lse[i0 + r]);
+        exp_row(p + r * kP, vis, bw, lse[i0 + r]);
       }
       if (most == 0) continue;
       const int64_t most8 = round8(most);
