@@ -284,45 +284,6 @@ LS_AVX2 void add_row_f32_to_f64(double* acc, const float* row, int64_t n) {
   }
   for (; j < n; ++j) acc[j] += static_cast<double>(row[j]);
 }
-
-// Note [Bias gradient in registers]
-// out[j] = sum over i < rows of p[i * rs + j], j < n, in f64: W columns at a time held in
-// registers over all the rows, so each row costs loads and adds only, not add_row's load and
-// store of every f64 sum per row (that loop was 1.0-1.4% of an f32 train_gpt step, the
-// linear layers' bias gradients). Each column still adds its rows in row order, so the same
-// bits as add_row's sums. Returns the columns done (a multiple of W); the caller sums the rest.
-template <int W>
-LS_AVX2 int64_t sum_columns_f32_to_f64(double* out, const float* p, int64_t rs, int64_t rows,
-                                       int64_t n) {
-  static_assert(W == 32);
-  int64_t j = 0;
-  for (; j + W <= n; j += W) {
-    __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
-            a7 = a0;
-    const float* q = p + j;
-    for (int64_t i = 0; i < rows; ++i, q += rs) {
-      const __m256 v0 = _mm256_loadu_ps(q), v1 = _mm256_loadu_ps(q + 8),
-                   v2 = _mm256_loadu_ps(q + 16), v3 = _mm256_loadu_ps(q + 24);
-      a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(v0)));
-      a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(v0, 1)));
-      a2 = _mm256_add_pd(a2, _mm256_cvtps_pd(_mm256_castps256_ps128(v1)));
-      a3 = _mm256_add_pd(a3, _mm256_cvtps_pd(_mm256_extractf128_ps(v1, 1)));
-      a4 = _mm256_add_pd(a4, _mm256_cvtps_pd(_mm256_castps256_ps128(v2)));
-      a5 = _mm256_add_pd(a5, _mm256_cvtps_pd(_mm256_extractf128_ps(v2, 1)));
-      a6 = _mm256_add_pd(a6, _mm256_cvtps_pd(_mm256_castps256_ps128(v3)));
-      a7 = _mm256_add_pd(a7, _mm256_cvtps_pd(_mm256_extractf128_ps(v3, 1)));
-    }
-    _mm256_storeu_pd(out + j, a0);
-    _mm256_storeu_pd(out + j + 4, a1);
-    _mm256_storeu_pd(out + j + 8, a2);
-    _mm256_storeu_pd(out + j + 12, a3);
-    _mm256_storeu_pd(out + j + 16, a4);
-    _mm256_storeu_pd(out + j + 20, a5);
-    _mm256_storeu_pd(out + j + 24, a6);
-    _mm256_storeu_pd(out + j + 28, a7);
-  }
-  return j;
-}
 #endif
 
 // Parallel over column blocks, each summing all rows in row order, so the result does not
@@ -340,9 +301,7 @@ void sum_rows_kernel(const Tensor& out, const Tensor& g) {
 #if LS_HAVE_AVX2
       if constexpr (std::is_same_v<In, float>) {
         if (cs == 1 && cpu_has_avx2()) {
-          const int64_t done = sum_columns_f32_to_f64<32>(acc.data(), p + b, rs, rows, e - b);
-          for (int64_t i = 0; i < rows; ++i)
-            add_row_f32_to_f64(acc.data() + done, p + i * rs + b + done, e - b - done);
+          for (int64_t i = 0; i < rows; ++i) add_row_f32_to_f64(acc.data(), p + i * rs + b, e - b);
           for (int64_t j = b; j < e; ++j) o[j] = static_cast<Out>(acc[j - b]);
           return;
         }
