@@ -282,9 +282,15 @@ void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, co
   if constexpr (std::is_same_v<T, float>) {
     if (attention_avx2_enabled()) {  // Note [Attention micro-kernel] in attention_avx2.cpp
       parallel_for(0, heads, 1, [&](int64_t b, int64_t e) {
-        for (int64_t h = b; h < e; ++h)
+        for (int64_t h = b; h < e; ++h) {
+          if (h + 1 < e) {  // Note [Prefetching the next head]
+            attention_prefetch_rows(pq + oq[h + 1], n.tq, n.ldq, n.d);
+            attention_prefetch_rows(pk + ok[h + 1], n.tk, n.ldk, n.d);
+            attention_prefetch_rows(pv + ov[h + 1], n.tk, n.ldv, n.dv);
+          }
           attention_forward_head_avx2(pq + oq[h], pk + ok[h], pv + ov[h], po + oo[h], pl + h * n.tq,
                                       n, static_cast<float>(scale), causal);
+        }
       });
       return;
     }
@@ -317,10 +323,18 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
   if constexpr (std::is_same_v<T, float>) {
     if (attention_avx2_enabled()) {
       parallel_for(0, heads, 1, [&](int64_t b, int64_t e) {
-        for (int64_t h = b; h < e; ++h)
+        for (int64_t h = b; h < e; ++h) {
+          if (h + 1 < e) {  // Note [Prefetching the next head]
+            attention_prefetch_rows(pq + oq[h + 1], n.tq, n.ldq, n.d);
+            attention_prefetch_rows(pk + ok[h + 1], n.tk, n.ldk, n.d);
+            attention_prefetch_rows(pv + ov[h + 1], n.tk, n.ldv, n.dv);
+            attention_prefetch_rows(pg + og[h + 1], n.tq, n.ldg, n.dv);
+            attention_prefetch_rows(po + oo[h + 1], n.tq, n.ldo, n.dv);
+          }
           attention_backward_head_avx2(pdq + odq[h], pdk + odk[h], pdv + odv[h], pg + og[h],
                                        pq + oq[h], pk + ok[h], pv + ov[h], po + oo[h],
                                        pl + h * n.tq, n, static_cast<float>(scale), causal);
+        }
       });
       return;
     }

@@ -422,6 +422,22 @@ bool attention_avx2_enabled() {
   return cpu_has_avx2() && g_enabled.load(std::memory_order_relaxed);
 }
 
+// Note [Prefetching the next head]
+// In a training step a head's q, k, v (and in the backward g and o) are strided rows of tensors
+// other layers have pushed out of the caches, and packing them into the kernels' panels waited
+// on those misses (packing was 2.6% of an f32 train_gpt step). The head loops in attention.cpp
+// ask for the next head's rows before computing this one, which takes far longer than the
+// loads: with the operands flushed from the caches first (as in a step), the forward of
+// (16, 4, 128, 32) took 5% less time and the backward 2% less (/tmp experiment, interleaved).
+void attention_prefetch_rows(const float* p, int64_t rows, int64_t ld, int64_t cols) {
+  const int64_t bytes = cols * static_cast<int64_t>(sizeof(float));
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* row = reinterpret_cast<const char*>(p + r * ld);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
+    _mm_prefetch(row + bytes - 1, _MM_HINT_T1);
+  }
+}
+
 LS_AVX2 void attention_forward_head_avx2(const float* q, const float* k, const float* v, float* o,
                                          float* lse, const AttentionHead& n, float scale,
                                          bool causal) {
@@ -556,6 +572,8 @@ LS_AVX2 void attention_backward_head_avx2(float* dq, float* dk, float* dv, const
 }
 
 #else  // not x86-64: the portable kernels only
+
+void attention_prefetch_rows(const float*, int64_t, int64_t, int64_t) {}
 
 bool attention_avx2_enabled() { return false; }
 void attention_forward_head_avx2(const float*, const float*, const float*, float*, float*,

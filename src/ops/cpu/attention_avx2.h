@@ -25,6 +25,10 @@ void set_attention_avx2(bool enabled);
 bool attention_avx512_enabled();
 void set_attention_avx512(bool enabled);
 
+// Asks the caches for rows x cols floats at p, rows ld apart (into L2): the next head's
+// operands while this one computes (Note [Prefetching the next head]).
+void attention_prefetch_rows(const float* p, int64_t rows, int64_t ld, int64_t cols);
+
 // One head's forward: o (tq, dv) and lse (tq) from q (tq, d), k (tk, d), v (tk, dv), rows at
 // the strides in n. Only call when attention_avx2_enabled().
 void attention_forward_head_avx2(const float* q, const float* k, const float* v, float* o,
