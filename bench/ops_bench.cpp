@@ -120,8 +120,8 @@ void BM_SquareSgemm(benchmark::State& state) {
 // those of the math, not of what a kernel executes: 2 products of 2 T^2 D each per head in the
 // forward, 4 more in the backward (the fused backward's recomputed q k^T is not counted), and
 // only the pairs (i, j <= i) when causal. args: T, causal, fused (1) or naive composition (0),
-// backward too (1), and zmm: the fused kernel's products on the AVX-512 micro-kernel where the CPU
-// has it (1) or on the AVX2 one (0) (Note [Attention micro-kernel on AVX-512]).
+// backward too (1), and zmm: the fused kernel's softmax exps on AVX-512 lanes where the CPU has
+// them (1) or on AVX2 ones (0) (Note [Attention exps on AVX-512]).
 constexpr int64_t kAttnBatch = 8, kAttnHeads = 4, kAttnDim = 32;
 
 void BM_Attention(benchmark::State& state) {

@@ -128,108 +128,20 @@ MicroFn micro_for(int64_t rows) {
   }
 }
 
-// Note [Attention micro-kernel on AVX-512]
-// Where the CPU has AVX-512F the same products run on a C[R x 32] kernel of zmm registers: per
-// k, two loads of B and R broadcasts of A feed 2R FMAs of 16 lanes, against 2 loads and R
-// broadcasts for 2R FMAs of 8 lanes in the AVX2 kernel, so the loads and the loop cost half as
-// much per flop. On the 2-core AMD EPYC (Zen 4, which splits a zmm FMA over its two 256-bit
-// units, so the peak is the same) a 6 x 32 tile ran 101-111 GFLOP/s on L1-resident operands
-// against 92-97 for the 6 x 16 AVX2 tile (k = 32-128, /tmp experiment; docs/PERFORMANCE.md). The
-// column tail (the panels are padded to 8, not 16) is a lane mask on B's loads and C's loads and
-// stores. Every element of C sums its k terms in the same order with the same FMAs, so the two
-// kernels give the same bits (tests/ops/attention_test.cpp compares them). The softmax's exps
-// take 16 lanes too (row_exp512), their row sum added 8 lanes at a time as row_exp adds it.
-
-#if LS_HAVE_AVX512
-template <int R, int NV>
-LS_AVX512 void micro512(int64_t kn, const float* a, int64_t ars, int64_t aks, const float* b,
-                        int64_t ldb, float* c, int64_t ldc, bool acc, __mmask16 tail) {
-  static_assert(R >= 1 && R <= 6 && (NV == 1 || NV == 2));
-  // The last vector of the row is masked; with NV == 2 the first is whole.
-  const __mmask16 m0 = NV == 1 ? tail : __mmask16(0xffff), m1 = tail;
-  __m512 x00, x01, x10, x11, x20, x21, x30, x31, x40, x41, x50, x51;
-  x00 = x01 = x10 = x11 = x20 = x21 = x30 = x31 = x40 = x41 = x50 = x51 = _mm512_setzero_ps();
-#define LS_LOAD(r, v, x) \
-  if constexpr (R > r && NV > v) x = _mm512_maskz_loadu_ps(v ? m1 : m0, c + r * ldc + 16 * v);
-  // clang-format off
-  if (acc) {
-    LS_LOAD(0, 0, x00) LS_LOAD(0, 1, x01) LS_LOAD(1, 0, x10) LS_LOAD(1, 1, x11)
-    LS_LOAD(2, 0, x20) LS_LOAD(2, 1, x21) LS_LOAD(3, 0, x30) LS_LOAD(3, 1, x31)
-    LS_LOAD(4, 0, x40) LS_LOAD(4, 1, x41) LS_LOAD(5, 0, x50) LS_LOAD(5, 1, x51)
-  }
-  // clang-format on
-#undef LS_LOAD
-  const float* a0 = a;
-  for (int64_t k = 0; k < kn; ++k, a0 += aks, b += ldb) {
-    const __m512 b0 = _mm512_maskz_loadu_ps(m0, b);
-    const __m512 b1 = NV > 1 ? _mm512_maskz_loadu_ps(m1, b + 16) : b0;
-#define LS_ROW(r, x0, x1)                                   \
-  if constexpr (R > r) {                                    \
-    const __m512 av = _mm512_set1_ps(a0[r * ars]);          \
-    x0 = _mm512_fmadd_ps(av, b0, x0);                       \
-    if constexpr (NV > 1) x1 = _mm512_fmadd_ps(av, b1, x1); \
-  }
-    // clang-format off
-    LS_ROW(0, x00, x01) LS_ROW(1, x10, x11) LS_ROW(2, x20, x21)
-    LS_ROW(3, x30, x31) LS_ROW(4, x40, x41) LS_ROW(5, x50, x51)
-    // clang-format on
-#undef LS_ROW
-  }
-#define LS_STORE(r, v, x) \
-  if constexpr (R > r && NV > v) _mm512_mask_storeu_ps(c + r * ldc + 16 * v, v ? m1 : m0, x);
-  // clang-format off
-  LS_STORE(0, 0, x00) LS_STORE(0, 1, x01) LS_STORE(1, 0, x10) LS_STORE(1, 1, x11)
-  LS_STORE(2, 0, x20) LS_STORE(2, 1, x21) LS_STORE(3, 0, x30) LS_STORE(3, 1, x31)
-  LS_STORE(4, 0, x40) LS_STORE(4, 1, x41) LS_STORE(5, 0, x50) LS_STORE(5, 1, x51)
-  // clang-format on
-#undef LS_STORE
-}
-
-using Micro512Fn = void (*)(int64_t, const float*, int64_t, int64_t, const float*, int64_t, float*,
-                            int64_t, bool, __mmask16);
-
-template <int NV>
-Micro512Fn micro512_for(int64_t rows) {
-  switch (rows) {
-    case 1:
-      return micro512<1, NV>;
-    case 2:
-      return micro512<2, NV>;
-    case 3:
-      return micro512<3, NV>;
-    case 4:
-      return micro512<4, NV>;
-    case 5:
-      return micro512<5, NV>;
-    default:
-      return micro512<6, NV>;
-  }
-}
-
-// gemm below on the AVX-512 kernel: column panels of 32, the last one masked.
-LS_AVX512 void gemm512(int64_t m, int64_t n, int64_t kn, const float* a, int64_t ars,
-                       int64_t aks, const float* b, int64_t ldb, float* c, int64_t ldc, bool acc) {
-  for (int64_t j = 0; j < n; j += 32) {
-    const int64_t cols = std::min<int64_t>(32, n - j);
-    const bool two = cols > 16;
-    const int64_t last = two ? cols - 16 : cols;  // lanes of the last vector, 1..16
-    const __mmask16 tail = static_cast<__mmask16>((1u << last) - 1u);
-    for (int64_t i = 0; i < m; i += kMr) {
-      const int64_t rows = std::min(kMr, m - i);
-      const Micro512Fn f = two ? micro512_for<2>(rows) : micro512_for<1>(rows);
-      f(kn, a + i * ars, ars, aks, b + j, ldb, c + i * ldc + j, ldc, acc, tail);
-    }
-  }
-}
-#endif
+// Note [Attention exps on AVX-512]
+// Where the CPU has AVX-512F, the softmax's exps run 16 lanes at a time (row_exp512: exp16, the
+// same bits per lane as exp8, the row sum added 8 lanes at a time in row_exp's order), so the
+// results are the same bits as on AVX2 (tests/ops/attention_test.cpp compares them). The
+// products stay on the 8-lane micro-kernel: a 6 x 32 zmm tile (masked column tail) ran 101-111
+// GFLOP/s on L1-resident operands against 92-97 for the 6 x 16 ymm tile, but inside the
+// attention, after the backward's 16-query blocks (k = 16 for dv and dk), it made the forward
+// and the backward 2-3% slower (interleaved, (16, 4, 128, 32), operands in and out of cache), so
+// it was taken out again (docs/PERFORMANCE.md).
 
 // C[m x n] (+)= A B over kn, n a multiple of 8 (the panels' padding makes it one); column
 // panels of 16 outside, so a panel of B stays in L1 while the row blocks pass over it.
 LS_AVX2 void gemm(int64_t m, int64_t n, int64_t kn, const float* a, int64_t ars, int64_t aks,
                   const float* b, int64_t ldb, float* c, int64_t ldc, bool acc) {
-#if LS_HAVE_AVX512
-  if (attention_avx512_enabled()) return gemm512(m, n, kn, a, ars, aks, b, ldb, c, ldc, acc);
-#endif
   for (int64_t j = 0; j < n; j += 16) {
     const bool two = n - j >= 16;
     for (int64_t i = 0; i < m; i += kMr) {

@@ -19,9 +19,9 @@ struct AttentionHead {
 bool attention_avx2_enabled();
 // Tests turn the AVX2 kernels off to check the portable ones (BLAS tiles) on the same machine.
 void set_attention_avx2(bool enabled);
-// True when the AVX2 kernels' products run on the AVX-512 micro-kernel (Note [Attention
-// micro-kernel on AVX-512]): the CPU has AVX-512F and set_attention_avx512(false) was not called.
-// Tests turn it off to compare the two kernels' bits on the same machine.
+// True when the AVX2 kernels' softmax exps run 16 lanes at a time (Note [Attention exps on
+// AVX-512]): the CPU has AVX-512F and set_attention_avx512(false) was not called. Tests turn it
+// off to compare the bits on the same machine.
 bool attention_avx512_enabled();
 void set_attention_avx512(bool enabled);
 
