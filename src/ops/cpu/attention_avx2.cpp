@@ -244,10 +244,10 @@ LS_AVX512 float row_exp512(float* row, int64_t vis, int64_t width, float sub) {
 #pragma GCC diagnostic pop
 #endif
 
-// row_exp on the CPU's widest lanes.
-LS_AVX2 float exp_row(float* row, int64_t vis, int64_t width, float sub) {
+// row_exp on 16 lanes where `wide` (attention_avx512_enabled(), read once per head).
+LS_AVX2 float row_exp_widest(bool wide, float* row, int64_t vis, int64_t width, float sub) {
 #if LS_HAVE_AVX512
-  if (attention_avx512_enabled()) return row_exp512(row, vis, width, sub);
+  if (wide) return row_exp512(row, vis, width, sub);
 #endif
   return row_exp(row, vis, width, sub);
 }
@@ -353,6 +353,7 @@ void attention_prefetch_rows(const float* p, int64_t rows, int64_t ld, int64_t c
 LS_AVX2 void attention_forward_head_avx2(const float* q, const float* k, const float* v, float* o,
                                          float* lse, const AttentionHead& n, float scale,
                                          bool causal) {
+  const bool wide = attention_avx512_enabled();
   const int64_t tkp = round8(n.tk), dvp = round8(n.dv);
   // Panels: k^T (d, tkp), v (tkp, dvp); per query block: q scaled (kMr, d), scores
   // (kMr, kKeyTile), output (kMr, dvp).
@@ -389,7 +390,7 @@ LS_AVX2 void attention_forward_head_avx2(const float* q, const float* k, const f
         }
         const float m_new = std::max(m[r], row_max(row, vis));
         const float alpha = std::exp(m[r] - m_new);  // 0 for the first tile (m = -inf)
-        l[r] = l[r] * alpha + exp_row(row, vis, width, m_new);
+        l[r] = l[r] * alpha + row_exp_widest(wide, row, vis, width, m_new);
         m[r] = m_new;
         // alpha is 0 on the first tile (acc is still zero) and also when a later tile raises
         // the max by more than ~103 (exp underflows): then the old acc must go, so multiply.
@@ -413,6 +414,7 @@ LS_AVX2 void attention_backward_head_avx2(float* dq, float* dk, float* dv, const
                                           const float* q, const float* k, const float* v,
                                           const float* o, const float* lse, const AttentionHead& n,
                                           float scale, bool causal) {
+  const bool wide = attention_avx512_enabled();
   const int64_t tkp = round8(n.tk), dp = round8(n.d), dvp = round8(n.dv);
   constexpr int64_t kP = kBwdKeys;  // row stride of the p and ds tiles
   // Panels: qs (tq, dp), k^T (d, tkp), k (tkp, dp), v^T (dv, tkp), g (tq, dvp); accumulators
@@ -453,7 +455,7 @@ LS_AVX2 void attention_backward_head_avx2(float* dq, float* dk, float* dv, const
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t vis = visible(i0 + r, j0, cols, causal);
         most = std::max(most, vis);
-        exp_row(p + r * kP, vis, bw, lse[i0 + r]);
+        row_exp_widest(wide, p + r * kP, vis, bw, lse[i0 + r]);
       }
       if (most == 0) continue;
       const int64_t most8 = round8(most);

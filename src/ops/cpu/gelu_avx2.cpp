@@ -36,6 +36,18 @@ namespace lockstep::cpu {
 // 0.59 on 8 lanes, at 64K and at 1M elements alike (a /tmp experiment; docs/PERFORMANCE.md).
 // Half as many instructions, and the division in particular, are the saving.
 
+namespace {
+
+std::atomic<bool> g_avx512{true};
+
+}  // namespace
+
+bool gelu_avx512_enabled() {
+  return cpu_has_avx512() && g_avx512.load(std::memory_order_relaxed);
+}
+
+void set_gelu_avx512(bool enabled) { g_avx512.store(enabled, std::memory_order_relaxed); }
+
 #if LS_HAVE_AVX2
 
 namespace {
@@ -111,10 +123,6 @@ LS_AVX2 void backward_range(T* dx, const T* g, const T* x, int64_t b, int64_t e)
 // uninitialized when inlined here (GCC bug 105593, fixed in 13); they are not read.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-std::atomic<bool> g_avx512{true};
-
-bool use_avx512() { return cpu_has_avx512() && g_avx512.load(std::memory_order_relaxed); }
-
 // gelu_lanes on 16 lanes.
 template <bool kBackward>
 LS_AVX512 inline void gelu_lanes16(__m512 x, __m512* s, __m512* du) {
@@ -177,18 +185,10 @@ void for_chunks(int64_t n, const F& f) {
 
 }  // namespace
 
-#if LS_HAVE_AVX512
-bool gelu_avx512_enabled() { return use_avx512(); }
-void set_gelu_avx512(bool enabled) { g_avx512.store(enabled, std::memory_order_relaxed); }
-#else
-bool gelu_avx512_enabled() { return false; }
-void set_gelu_avx512(bool) {}
-#endif
-
 bool gelu_tanh_f32_avx2(float* y, const float* x, int64_t n) {
   if (!cpu_has_avx2()) return false;
 #if LS_HAVE_AVX512
-  if (use_avx512()) {
+  if (gelu_avx512_enabled()) {
     for_chunks(n, [&](int64_t b, int64_t e) { forward_range16(y, x, b, e); });
     return true;
   }
@@ -200,7 +200,7 @@ bool gelu_tanh_f32_avx2(float* y, const float* x, int64_t n) {
 bool gelu_tanh_backward_f32_avx2(float* dx, const float* g, const float* x, int64_t n) {
   if (!cpu_has_avx2()) return false;
 #if LS_HAVE_AVX512
-  if (use_avx512()) {
+  if (gelu_avx512_enabled()) {
     for_chunks(n, [&](int64_t b, int64_t e) { backward_range16(dx, g, x, b, e); });
     return true;
   }
@@ -223,8 +223,6 @@ bool gelu_tanh_backward_bf16_avx2(uint16_t* dx, const uint16_t* g, const uint16_
 
 #else
 
-bool gelu_avx512_enabled() { return false; }
-void set_gelu_avx512(bool) {}
 bool gelu_tanh_f32_avx2(float*, const float*, int64_t) { return false; }
 bool gelu_tanh_backward_f32_avx2(float*, const float*, const float*, int64_t) { return false; }
 bool gelu_tanh_bf16_avx2(uint16_t*, const uint16_t*, int64_t) { return false; }
