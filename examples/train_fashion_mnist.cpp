@@ -425,7 +425,7 @@ double test_accuracy(nn::Module& model, const data::MnistDataset& test, dist::Pr
   }
   counts.set_at({0}, static_cast<double>(correct));
   counts.set_at({1}, static_cast<double>(idx.size()));
-  pg.all_reduce(counts)->wait();
+  pg.all_reduce_host(counts);
   model.train();
   return counts.at({0}) / counts.at({1});
 }
@@ -817,7 +817,7 @@ void Trainer::finish_uneven_epoch(dist::Join& join) {
     log_info("--uneven: rank ", pg_->rank(), " ran out of batches after ", join.steps_taken(),
              " forwards and shadowed ", join.steps_shadowed(), " of the others'");
   Tensor steps = full({1}, static_cast<double>(pos_.step), kFloat64);
-  pg_->all_reduce(steps, {.op = dist::ReduceOp::max})->wait();
+  pg_->all_reduce_host(steps, {.op = dist::ReduceOp::max});
   pos_.step = static_cast<int64_t>(steps.item());
   scheduler_.set_step(pos_.step);
 }
@@ -922,7 +922,7 @@ void Trainer::print_step(const StepResult& s) const {
 io::TrainingCheckpoint Trainer::checkpoint(const Position& at) {
   Tensor sums = zeros({world_}, kFloat64);
   sums.set_at({pg_->rank()}, at.epoch_loss_sum);
-  pg_->all_reduce(sums)->wait();
+  pg_->all_reduce_host(sums);
   io::TrainingCheckpoint ckpt;
   ckpt.model = model_.params->state_dict();
   ckpt.optimizer = opt_->state_dict();
@@ -953,7 +953,7 @@ io::TrainingCheckpoint Trainer::checkpoint(const Position& at) {
 double Trainer::mean_loss() {
   const double steps = static_cast<double>(pos_.epoch_loss_steps);
   Tensor mean = full({1}, steps > 0 ? pos_.epoch_loss_sum / steps : 0.0, kFloat64);
-  pg_->all_reduce(mean, {.op = dist::ReduceOp::avg})->wait();
+  pg_->all_reduce_host(mean, {.op = dist::ReduceOp::avg});
   return mean.item();
 }
 
@@ -1063,8 +1063,8 @@ int main(int argc, char** argv) {
   // Line by line even into a pipe (`lockstep run`), so a killed run loses no printed line.
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   Config cfg;
-  if (const int rc = examples::parse_flags(argc, argv, cfg); rc >= 0) return rc;
   try {
+    if (const int rc = examples::parse_flags(argc, argv, cfg); rc >= 0) return rc;
     return run(cfg);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());

@@ -145,6 +145,29 @@ inline int usage_error(const std::string& what) {
 }
 
 // Reads the command line into `cfg`. Returns -1 when the program should run, else the exit code
+// --device and --backend together, for both examples: -1 when they make sense, else the usage
+// error printed (nccl without cuda; cuda where no GPU is visible or the build has no CUDA).
+inline int check_device_flags(const std::string& device, const std::string& backend) {
+  if (backend == "nccl" && device != "cuda") {
+    return usage_error(
+        "--backend nccl reduces CUDA tensors only: add --device cuda (on CPUs "
+        "use gloo, shm or hier)");
+  }
+  bool available = false;
+  try {
+    available = cuda::is_available();
+  } catch (const Error& e) {  // a malformed LOCKSTEP_TEST_EMULATE_GPUS
+    return usage_error(e.message());
+  }
+  if (device == "cuda" && !available) {
+    return usage_error(cuda::compiled_with_cuda()
+                           ? "--device cuda: no GPU is visible to this process"
+                           : "--device cuda: this build of lockstep has no CUDA support "
+                             "(build it where the CUDA toolkit is installed)");
+  }
+  return -1;
+}
+
 // (0 after --help; kUsageError with the reason printed).
 inline int parse_flags(int argc, char** argv, Config& cfg) {
   using I = Range<int64_t>;
@@ -264,17 +287,7 @@ inline int parse_flags(int argc, char** argv, Config& cfg) {
         "threads have none, so --amp cannot be combined with --dp " +
         std::to_string(cfg.dp));
   }
-  if (cfg.backend == "nccl" && cfg.device != "cuda") {
-    return usage_error(
-        "--backend nccl reduces CUDA tensors only: add --device cuda (on CPUs "
-        "use gloo, shm or hier)");
-  }
-  if (cfg.device == "cuda" && !cuda::is_available()) {
-    return usage_error(cuda::compiled_with_cuda()
-                           ? "--device cuda: no GPU is visible to this process"
-                           : "--device cuda: this build of lockstep has no CUDA support "
-                             "(build it where the CUDA toolkit is installed)");
-  }
+  if (const int rc = check_device_flags(cfg.device, cfg.backend); rc >= 0) return rc;
   if (cfg.device == "cuda" && cfg.dp > cuda::device_count()) {
     return usage_error("--dp " + std::to_string(cfg.dp) + " with --device cuda needs " +
                        std::to_string(cfg.dp) + " GPUs, but " +

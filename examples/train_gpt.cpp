@@ -112,21 +112,45 @@ double unigram_entropy_nats(const data::TokenFile& tokens) {
 // from a data sheet: the best of a few (n, n) x (n, n) matmuls in the training dtype (bf16 under
 // --amp bf16, else f32) on this process's threads, so MFU says how close the whole step comes
 // to this machine's own best GEMM. Under DDP every rank runs its own GEMMs, so the job's peak
-// is world times a rank's; the ranks share the CPU's cores here, so that overstates the peak
-// and understates MFU when ranks outnumber cores.
-double measure_gemm_peak_flops(DType dtype) {
-  constexpr int64_t n = 512;
+// is world times a rank's; on CPUs the ranks share the cores, so that overstates the peak and
+// understates MFU when ranks outnumber cores. With --device cuda the matmuls run on the rank's
+// GPU, (8192, 8192) ones there (smaller ones leave a large GPU's tensor cores part idle), so MFU
+// is against the GPU's own GEMM peak; f32 products use TF32 only where the training does.
+double measure_gemm_peak_flops(DType dtype, Device device) {
+  const bool gpu = device.is_cuda() && !cuda::emulated();  // emulated GPUs compute on the CPU
+  const int64_t n = gpu ? 8192 : 512;
   Generator gen(1);
-  Tensor a = randn({n, n}, gen).to(dtype), b = randn({n, n}, gen).to(dtype);
+  Tensor a = randn({n, n}, gen).to(dtype).to(device), b = randn({n, n}, gen).to(dtype).to(device);
   NoGradGuard no_grad;
   double best = 1e30;
   for (int i = 0; i < 5; ++i) {
     const auto t = Clock::now();
     Tensor c = matmul(a, b);
-    (void)c.at({0, 0});  // finished (a device result is copied back)
+    (void)c.select(0, 0).select(0, 0).item();  // finished (a device result is copied back)
     best = std::min(best, seconds_since(t));
   }
   return 2.0 * n * n * n / best;
+}
+
+// The device this rank trains on: the CPU, or with --device cuda the GPU init_process_group made
+// current (cuda:LOCAL_RANK under the launcher).
+Device train_device(const GptConfig& cfg) {
+  return cfg.device == "cuda" ? cuda_device(cuda::current_device()) : kCPU;
+}
+
+// The model, initialized on the CPU from `gen` (the same values on any device), then moved to
+// `device` before DDP and the optimizer see its parameters.
+std::shared_ptr<examples::Gpt> build_gpt(const GptConfig& cfg, int64_t vocab_size, Generator& gen,
+                                         Device device) {
+  auto gpt = std::make_shared<examples::Gpt>(
+      examples::GptModelConfig{.vocab_size = vocab_size,
+                               .block_size = cfg.block_size,
+                               .n_layer = cfg.n_layer,
+                               .n_head = cfg.n_head,
+                               .n_embd = cfg.n_embd},
+      gen);
+  if (!device.is_cpu()) gpt->to(device);
+  return gpt;
 }
 
 std::optional<std::chrono::milliseconds> timeout_of(const GptConfig& cfg) {
@@ -190,14 +214,9 @@ class Trainer {
         pg_(dist::init_process_group({.backend = cfg.backend, .timeout = timeout_of(cfg)})),
         world_(pg_->size()),
         main_rank_(pg_->rank() == 0),
+        device_(train_device(cfg)),
         gen_(cfg.seed),
-        gpt_(std::make_shared<examples::Gpt>(
-            examples::GptModelConfig{.vocab_size = train_data_->tokens().vocab_size(),
-                                     .block_size = cfg.block_size,
-                                     .n_layer = cfg.n_layer,
-                                     .n_head = cfg.n_head,
-                                     .n_embd = cfg.n_embd},
-            gen_)),
+        gpt_(build_gpt(cfg, train_data_->tokens().vocab_size(), gen_, device_)),
         // Several ranks: DDP averages the gradients across them during the last backward of
         // each step (its constructor broadcasts rank 0's parameters).
         ddp_(world_ > 1 ? std::make_shared<dist::DistributedDataParallel>(gpt_, pg_) : nullptr),
@@ -242,6 +261,7 @@ class Trainer {
   std::shared_ptr<dist::ProcessGroup> pg_;
   const int world_;
   const bool main_rank_;
+  const Device device_;  // where the model, its batches and its gradients live
   Generator gen_;
   std::shared_ptr<examples::Gpt> gpt_;
   std::shared_ptr<dist::DistributedDataParallel> ddp_;
@@ -295,16 +315,16 @@ void Trainer::resume() {
 
 void Trainer::start() {
   entropy_nats_ = unigram_entropy_nats(train_data_->tokens());
-  peak_flops_ = world_ * measure_gemm_peak_flops(amp_dtype_);
+  peak_flops_ = world_ * measure_gemm_peak_flops(amp_dtype_, device_);
   if (!main_rank_) return;
   std::printf(
       "gpt n_layer=%lld n_head=%lld n_embd=%lld block_size=%lld vocab=%lld params=%lld "
-      "world_size=%d backend=%s threads=%d\n",
+      "world_size=%d backend=%s threads=%d device=%s\n",
       static_cast<long long>(cfg_.n_layer), static_cast<long long>(cfg_.n_head),
       static_cast<long long>(cfg_.n_embd), static_cast<long long>(cfg_.block_size),
       static_cast<long long>(gpt_->config().vocab_size),
       static_cast<long long>(gpt_->num_parameters()), world_, std::string(pg_->backend()).c_str(),
-      get_num_threads());
+      get_num_threads(), device_.str().c_str());
   std::printf(
       "data train_windows=%lld val_windows=%lld batch=%lld accum_steps=%lld tokens_per_step=%lld "
       "amp=%s lr=%g warmup_steps=%lld max_steps=%lld weight_decay=%g grad_clip=%g\n",
@@ -348,8 +368,8 @@ void Trainer::train() {
         Tensor l;
         {
           amp::autocast ac(amp_dtype_, cfg_.amp == "bf16");
-          Tensor logits = net.forward((*it).input);      // (B,T,V)
-          l = examples::gpt_loss(logits, (*it).target);  // () f32
+          Tensor logits = net.forward((*it).input.to(device_));      // (B,T,V)
+          l = examples::gpt_loss(logits, (*it).target.to(device_));  // () f32
         }
         // Each micro-batch holds as many windows: the step's loss is their mean.
         mul(l, 1.0 / static_cast<double>(cfg_.accum_steps)).backward();
@@ -395,7 +415,7 @@ void Trainer::train() {
 // its share), tokens/s over the whole run so far and MFU (Note [MFU]).
 void Trainer::log_step(double loss, double grad_norm, double tokens_per_s) {
   Tensor mean = full({1}, loss, kFloat64);  // this rank's; the line shows all ranks' mean
-  pg_->all_reduce(mean, {.op = dist::ReduceOp::avg})->wait();
+  pg_->all_reduce_host(mean, {.op = dist::ReduceOp::avg});
   loss = last_train_loss_ = mean.item();
   last_val_loss_ = evaluate();
   if (!main_rank_) return;
@@ -435,11 +455,12 @@ double Trainer::evaluate() {
     for (size_t i = start; i < start + n; ++i) rows.push_back(val_data_->get(idx[i]));
     data::Batch b = data::collate(rows);
     amp::autocast ac(amp_dtype_, cfg_.amp == "bf16");
-    loss_sum += examples::gpt_loss(gpt_->forward(b.input), b.target).item() * n;
+    loss_sum +=
+        examples::gpt_loss(gpt_->forward(b.input.to(device_)), b.target.to(device_)).item() * n;
   }
   sums.set_at({0}, loss_sum);
   sums.set_at({1}, static_cast<double>(limit));
-  pg_->all_reduce(sums)->wait();
+  pg_->all_reduce_host(sums);
   gpt_->train();
   if (metrics_)
     metrics_->write(io::EvalRecord{.step = pos_.step,
@@ -463,8 +484,8 @@ void Trainer::sample() {
   for (int64_t i = 0; i < cfg_.sample; ++i) {
     const int64_t T = std::min<int64_t>(static_cast<int64_t>(context.size()), cfg_.block_size);
     std::vector<int64_t> window(context.end() - T, context.end());
-    Tensor logits = gpt_->forward(from_vector(window, {1, T}));           // (1,T,V)
-    std::vector<double> z = logits.select(1, T - 1).to_vector<double>();  // (V)
+    Tensor logits = gpt_->forward(from_vector(window, {1, T}).to(device_));  // (1,T,V)
+    std::vector<double> z = logits.select(1, T - 1).to(kCPU).to_vector<double>();  // (V)
     std::vector<double> sorted = z;
     const size_t k = std::min<size_t>(static_cast<size_t>(cfg_.top_k), z.size());
     std::nth_element(sorted.begin(), sorted.begin() + (k - 1), sorted.end(),
@@ -520,6 +541,8 @@ void Trainer::save_final() {
 // "optimizer state per rank: 3374816 3374968 bytes": without --zero each rank keeps all of
 // AdamW's state (two f32 moments per parameter element, an 8-byte step count per parameter);
 // under --zero 1 each keeps its 1/world_size shard of the moments and a step count per piece.
+// With --device cuda a third line gives each rank's peak of GPU memory in tensors (the caching
+// allocator's peak_allocated_bytes), which is where the model and activations live then.
 void Trainer::report_memory() {
   const auto* zero = dynamic_cast<const dist::ZeroRedundancyOptimizer*>(opt_.get());
   int64_t state = 0;
@@ -530,20 +553,27 @@ void Trainer::report_memory() {
       if (name.find('.') != std::string::npos && std::isdigit(static_cast<unsigned char>(name[0])))
         state += t.nbytes();
   }
-  Tensor mem = zeros({2, world_}, kFloat64);
+  Tensor mem = zeros({3, world_}, kFloat64);
   mem.set_at({0, pg_->rank()}, io::peak_rss_mib());
   mem.set_at({1, pg_->rank()}, static_cast<double>(state));
-  pg_->all_reduce(mem)->wait();
+  if (device_.is_cuda())
+    mem.set_at({2, pg_->rank()}, cuda::memory_stats(device_.index).peak_allocated_bytes / 1048576.0);
+  pg_->all_reduce_host(mem);
   if (!main_rank_) return;
   std::string rss = "peak RSS per rank:", opt = "optimizer state per rank:";
+  std::string dev = "peak device memory per rank:";
   char buf[48];
   for (int r = 0; r < world_; ++r) {
     std::snprintf(buf, sizeof buf, " %.1f", mem.at({0, r}));
     rss += buf;
     std::snprintf(buf, sizeof buf, " %lld", static_cast<long long>(mem.at({1, r})));
     opt += buf;
+    std::snprintf(buf, sizeof buf, " %.1f", mem.at({2, r}));
+    dev += buf;
   }
   std::printf("%s MiB\n%s bytes\n", rss.c_str(), opt.c_str());
+  // With --device cuda, the caching allocator's peak of memory in tensors on each rank's GPU.
+  if (device_.is_cuda()) std::printf("%s MiB (in tensors)\n", dev.c_str());
   // Note [ZeRO-1], Overlap: what the parameters' all-gathers cost rank 0's steps.
   if (zero && pos_.step > 0)
     std::printf("zero: %lld segments, all-gathers %.3f ms per step%s\n",
@@ -583,8 +613,8 @@ int main(int argc, char** argv) {
   // Line by line even into a pipe (`lockstep run`), so a killed run loses no printed line.
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   GptConfig cfg;
-  if (const int rc = examples::parse_gpt_flags(argc, argv, cfg); rc >= 0) return rc;
   try {
+    if (const int rc = examples::parse_gpt_flags(argc, argv, cfg); rc >= 0) return rc;
     return run(cfg);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "lockstep/base/worker_env.h"
 #include "lockstep/data/text_corpus.h"
 #include "train_fashion_mnist_flags.h"
 
@@ -61,7 +62,8 @@ struct GptConfig {
   // Execution.
   int64_t threads = 0;
   int64_t workers = 1;
-  std::string backend;
+  std::string device = "cpu";  // or "cuda": each rank on its local GPU (cuda:LOCAL_RANK)
+  std::string backend;         // empty: LOCKSTEP_BACKEND, else nccl with --device cuda, else auto
   double timeout = 0;
 };
 
@@ -138,7 +140,14 @@ inline int parse_gpt_flags(int argc, char** argv, GptConfig& cfg) {
   add_number(app, "--threads", cfg.threads, I{0, kMaxThreads},
              "Intra-op threads (0 = OMP_NUM_THREADS or all cores)");
   add_number(app, "--workers", cfg.workers, I{0, kMaxThreads}, "DataLoader worker threads");
-  app.add_option("--backend", cfg.backend, "DDP's process group backend")
+  app.add_option("--device", cfg.device,
+                 "Where the model trains: cpu, or cuda (each rank on its local GPU, "
+                 "cuda:LOCAL_RANK)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
+  app.add_option("--backend", cfg.backend,
+                 "DDP's process group backend (default: LOCKSTEP_BACKEND, else nccl with "
+                 "--device cuda, else auto)")
       ->check(CLI::IsMember(dist::backend_names()));
   add_number(app, "--timeout", cfg.timeout, R{0, dist::kMaxTimeoutS, true},
              "Seconds a collective waits for the other ranks");
@@ -161,6 +170,12 @@ inline int parse_gpt_flags(int argc, char** argv, GptConfig& cfg) {
                        " must be divisible by --n-head " + std::to_string(cfg.n_head));
   if (cfg.warmup_steps >= cfg.max_steps)
     return usage_error("--warmup-steps must be below --max-steps");
+  if (cfg.prepare) return -1;
+  if (const int rc = check_device_flags(cfg.device, cfg.backend); rc >= 0) return rc;
+  // CUDA tensors go through NCCL unless the user says otherwise, as in PyTorch.
+  const char* env_backend = std::getenv(env::kBackend);
+  if (cfg.device == "cuda" && cfg.backend.empty() && (env_backend == nullptr || *env_backend == '\0'))
+    cfg.backend = "nccl";
   return -1;
 }
 

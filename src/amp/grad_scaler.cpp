@@ -80,7 +80,7 @@ void GradScaler::unscale_(optim::Optimizer& opt) {
   // all of them, and the flag is read once (Note [Multi-tensor kernels]).
   std::vector<std::pair<Device, std::vector<Tensor>>> on_devices;
   for (Tensor g : opt.step_gradients()) {
-    if (!g.device().is_cpu() && g.is_contiguous()) {
+    if (detail::has_kernel(&detail::Kernels::unscale_check, g.device()) && g.is_contiguous()) {
       auto it = std::find_if(on_devices.begin(), on_devices.end(),
                              [&](const auto& e) { return e.first == g.device(); });
       if (it == on_devices.end()) it = on_devices.insert(on_devices.end(), {g.device(), {}});

@@ -1,9 +1,11 @@
 // The backends built into the library: the one place above the registry that names them.
 #include "distributed/builtin_backends.h"
 
+#include "distributed/emulated_nccl/register.h"
 #include "distributed/gloo/register.h"
 #include "distributed/hier/register.h"
 #include "distributed/shm/register.h"
+#include "lockstep/tensor/cuda.h"
 #ifdef LOCKSTEP_WITH_CUDA
 #include "distributed/nccl/register.h"
 #endif
@@ -15,6 +17,11 @@ void register_builtin_backends() {
   register_shm_backend();
   register_hier_backend();
   register_auto_backend();
+  // Emulated GPUs (a test switch) get NCCL's contract over the CPU transport instead of NCCL.
+  if (cuda::emulated()) {
+    register_emulated_nccl_backend();
+    return;
+  }
 #ifdef LOCKSTEP_WITH_CUDA
   register_nccl_backend();
 #endif

@@ -85,7 +85,7 @@ io::SafetensorsContents broadcast_contents(ProcessGroup& pg, const std::string& 
       at += t.nbytes();
     }
   }
-  if (total > 0) pg.broadcast(buffer, {.root = 0})->wait();
+  if (total > 0) pg.broadcast_host(buffer, {.root = 0});
   if (pg.rank() != 0) {
     int64_t at = 0;
     for (auto& [name, t] : c.tensors) {

@@ -226,7 +226,10 @@ World connect_world(DistEnv env, const InitOptions& opts) {
   w.backend = backend;
   if (env.world_size == 1 && opts.store == nullptr) {
     bind_device(w, opts);
-    w.group = std::make_shared<WorldOfOneGroup>(timeout);
+    // NCCL's contract holds at one rank too: a host tensor fails here as it would at two.
+    std::optional<Device> only;
+    if (backend == "nccl" && w.cuda_device >= 0) only = cuda_device(w.cuda_device);
+    w.group = std::make_shared<WorldOfOneGroup>(timeout, only);
     return w;
   }
 

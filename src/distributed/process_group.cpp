@@ -290,7 +290,8 @@ void ProcessGroup::check_tensors(std::string_view op, const std::vector<Tensor>&
                             : lockstep::detail::str_cat(
                                   "; it moves tensors on this rank's ", object_device().str(),
                                   " only: copy the tensor there (.to(", object_device().str(),
-                                  ")), or use a CPU backend (gloo) for host data"));
+                                  ")); host values go through all_reduce_host, broadcast_host "
+                                  "or all_gather_host"));
     LS_CHECK(t.dtype() == tensors[0].dtype(), who(), ": ", op,
              ": every tensor of one call must have one dtype; tensor 0 is ",
              dtype_name(tensors[0].dtype()), ", tensor ", i, " is ", dtype_name(t.dtype()));
@@ -437,6 +438,41 @@ Tensor on_device(const Tensor& host, Device device) {
 Tensor on_host(const Tensor& t) { return t.device().is_cpu() ? t : t.to(kCPU); }
 
 }  // namespace
+
+void ProcessGroup::check_host(std::string_view op, const Tensor& t) const {
+  LS_CHECK(t.defined() && t.device().is_cpu(), who(), ": ", op, ": expected a CPU tensor, got ",
+           t.defined() ? t.device().str() : std::string("an undefined tensor"),
+           "; device tensors go through ", op.substr(0, op.size() - 5));
+}
+
+void ProcessGroup::all_reduce_host(const Tensor& values, const AllReduceOptions& opts) {
+  check_host("all_reduce_host", values);
+  const Device dev = object_device();
+  if (dev.is_cpu()) return all_reduce(values, opts)->synchronize();
+  const Tensor wire = values.to(dev);
+  all_reduce(wire, opts)->wait();
+  copy_elements(values, on_host(wire));  // to(kCPU) waits for the collective
+}
+
+void ProcessGroup::broadcast_host(const Tensor& values, const BroadcastOptions& opts) {
+  check_host("broadcast_host", values);
+  const Device dev = object_device();
+  if (dev.is_cpu()) return broadcast(values, opts)->synchronize();
+  const Tensor wire = values.to(dev);
+  broadcast(wire, opts)->wait();
+  copy_elements(values, on_host(wire));
+}
+
+void ProcessGroup::all_gather_host(const Tensor& output, const Tensor& input,
+                                   const AllGatherOptions& opts) {
+  check_host("all_gather_host", output);
+  check_host("all_gather_host", input);
+  const Device dev = object_device();
+  if (dev.is_cpu()) return all_gather(output, input, opts)->synchronize();
+  const Tensor wire = empty({output.numel()}, TensorOptions(output.dtype()).with_device(dev));
+  all_gather(wire, input.to(dev), opts)->wait();
+  copy_elements(output, on_host(wire));
+}
 
 // Two broadcasts: the length (so receivers can size their buffer), then the bytes.
 Bytes ProcessGroup::broadcast_object(const Bytes& object, int root) {

@@ -71,7 +71,7 @@ void check_in_sync(const nn::Module& module, ProcessGroup& pg) {
         static_cast<int64_t>(tensor_hash(tensors[static_cast<size_t>(i)].second));
   }
   Tensor all = empty({pg.size() * count}, kInt64);
-  pg.all_gather(all, from_vector(mine, {count}))->wait();
+  pg.all_gather_host(all, from_vector(mine, {count}));
   const auto* h = all.data<int64_t>();
   for (int64_t i = 0; i < count; ++i) {
     std::map<int64_t, std::vector<int>> holders;  // hash -> ranks

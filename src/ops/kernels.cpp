@@ -1,17 +1,40 @@
 // Which device types have a kernel table in this build, and the error for a missing kernel.
 #include "ops/kernels.h"
 
+#include "lockstep/tensor/cuda.h"
+
 #ifdef LOCKSTEP_WITH_CUDA
 #include "ops/cuda/kernels.h"
 #endif
 
 namespace lockstep::detail {
 
+// Note [Emulated kernels]
+// The table of emulated CUDA devices (Note [Emulated CUDA devices] in
+// src/tensor/cuda_emulated.cpp): the CPU's kernels, which read the host memory behind those
+// devices, so an emulated run computes the bits of the same run on CPUs (the copy kernel takes
+// either side on the CPU or on an emulated GPU, which is how data moves between them, and how
+// the CPU kernels' own f32 scratch reaches a bf16 output). Less every entry the
+// CUDA table leaves null, so that an op without a CUDA kernel fails on an emulated GPU as on a
+// real one (tests/ops/emulated_kernels_test.cpp compares the two tables in a CUDA build); and
+// less the multi-tensor entries the CPU leaves to loops, so optimizers and the GradScaler take
+// their host loops there (the CUDA multi-tensor kernels are checked on a GPU only).
+const Kernels& emulated_kernels() {
+  static const Kernels k = [] {
+    Kernels t = kCpuKernels;
+    t.attention = nullptr;  // no CUDA attention kernel yet
+    t.attention_backward = nullptr;
+    return t;
+  }();
+  return k;
+}
+
 const Kernels* device_kernels(DeviceType type) {
   switch (type) {
     case DeviceType::cpu:
       return &kCpuKernels;
     case DeviceType::cuda:
+      if (cuda::emulated()) return &emulated_kernels();
 #ifdef LOCKSTEP_WITH_CUDA
       return &cuda_ops::table();
 #else

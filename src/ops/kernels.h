@@ -272,10 +272,20 @@ extern const Kernels kCpuKernels;
 // The table of any other device type, or nullptr when this build has none (a CPU-only build asked
 // for cuda). Defined in src/ops/kernels.cpp, the one place that knows which device tables exist.
 const Kernels* device_kernels(DeviceType type);
+// The table of emulated CUDA devices (Note [Emulated kernels] in src/ops/kernels.cpp).
+const Kernels& emulated_kernels();
 
 inline const Kernels* kernels_of(DeviceType type) {
   if (type == DeviceType::cpu) [[likely]] return &kCpuKernels;
   return device_kernels(type);
+}
+
+// Whether `device`'s table has the kernel `entry` (the multi-tensor entries, which the CPU's table
+// leaves to loops in optim/ and amp/, Note [Multi-tensor kernels]).
+template <typename Fn>
+bool has_kernel(Fn Kernels::*entry, const Device& device) {
+  const Kernels* table = kernels_of(device.type);
+  return table != nullptr && table->*entry != nullptr;
 }
 
 [[noreturn]] void throw_no_kernel(const char* op, const Device& device, bool device_has_table);

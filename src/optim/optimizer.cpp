@@ -235,7 +235,7 @@ void SGD::step() {
       Tensor g = grad_of(p);
       const bool first = !state_[i].count("momentum_buffer");
       Tensor buf = opts_.momentum != 0 ? state(i, "momentum_buffer", p) : Tensor();
-      if (!p.device().is_cpu()) {
+      if (detail::has_kernel(&detail::Kernels::sgd_update, p.device())) {
         lists.add(p, g, buf, Tensor(), first);
         continue;
       }
@@ -356,7 +356,7 @@ void AdamW::step() {
       const double b1 = opts_.beta1, b2 = opts_.beta2, eps = opts_.eps;
       const double bc1 = 1 - std::pow(b1, t), bc2 = 1 - std::pow(b2, t);
       const double step_size = lr / bc1, bc2_sqrt = std::sqrt(bc2);
-      if (!p.device().is_cpu()) {
+      if (detail::has_kernel(&detail::Kernels::adamw_update, p.device())) {
         lists.add(p, g, m, v, false);
         lists.by_device[p.device()].steps.push_back({step_size, bc2_sqrt});
         continue;

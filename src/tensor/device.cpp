@@ -1,4 +1,4 @@
-// Device parsing and CUDA availability (false unless built with CUDA).
+// Device parsing (cuda_available() and cuda_device_count() live with the runtime).
 #include "lockstep/tensor/device.h"
 
 #include <string>
@@ -26,9 +26,5 @@ std::string Device::str() const {
   return is_cpu() ? std::string("cpu") : "cuda:" + std::to_string(index);
 }
 
-#ifndef LOCKSTEP_WITH_CUDA
-bool cuda_available() { return false; }
-int cuda_device_count() { return 0; }
-#endif
 
 }  // namespace lockstep

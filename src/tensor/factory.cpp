@@ -4,6 +4,7 @@
 
 #include "lockstep/tensor/tensor.h"
 
+#include "tensor/cuda_emulated.h"
 #ifdef LOCKSTEP_WITH_CUDA
 #include "tensor/cuda/runtime.h"
 #endif
@@ -14,6 +15,7 @@ namespace {
 
 Allocator* allocator_for(Device d) {
   if (d.is_cpu()) [[likely]] return &cpu_allocator();
+  if (cuda::emulated()) return &cuda::emulation::allocator(d.index);
 #ifdef LOCKSTEP_WITH_CUDA
   return &cuda::device_allocator(d.index);
 #else
@@ -45,7 +47,7 @@ Tensor empty(const Dims& shape, TensorOptions opts) {
 
 Tensor empty_pinned(const Dims& shape, DType dtype) {
 #ifdef LOCKSTEP_WITH_CUDA
-  if (cuda::is_available()) {
+  if (cuda::is_available() && !cuda::emulated()) {  // emulated devices read any host memory
     const size_t nbytes = checked_nbytes(shape, dtype, "empty_pinned");
     auto storage = std::make_shared<StorageImpl>(nbytes, &cuda::pinned_allocator());
     return Tensor(std::make_shared<TensorImpl>(std::move(storage), shape, contiguous_strides(shape),
@@ -57,7 +59,7 @@ Tensor empty_pinned(const Dims& shape, DType dtype) {
 
 bool Tensor::is_pinned() const {
 #ifdef LOCKSTEP_WITH_CUDA
-  if (defined() && device().is_cpu() && cuda::is_available())
+  if (defined() && device().is_cpu() && cuda::is_available() && !cuda::emulated())
     return cuda::is_pinned(storage()->data());
 #endif
   return false;

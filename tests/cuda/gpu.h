@@ -28,6 +28,7 @@ inline bool gpu_as_cpu() {
 // Why the GPU tests cannot run here, or "" when they can.
 inline std::string gpu_skip_reason() {
   if (gpu_as_cpu()) return "";
+  if (cuda::emulated()) return "";  // LOCKSTEP_TEST_EMULATE_GPUS: ctest cuda.emulated
   if (!cuda::compiled_with_cuda()) return "this build has no CUDA support (LOCKSTEP_CUDA=OFF)";
   if (!cuda::is_available()) return "no GPU visible (CUDA support is built, device_count() is 0)";
   return "";

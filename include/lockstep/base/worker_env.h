@@ -51,5 +51,9 @@ inline constexpr const char* kTimeout = "LOCKSTEP_TIMEOUT";
 inline constexpr const char* kBackend = "LOCKSTEP_BACKEND";
 // "0": the NCCL backend skips its signature check before each collective (benchmarks only).
 inline constexpr const char* kNcclCheck = "LOCKSTEP_NCCL_CHECK";
+// A test switch, never for training: N (1-64) makes this process see N emulated CUDA devices,
+// host memory behind the device seam, CPU kernels and an NCCL-contract process group (Note
+// [Emulated CUDA devices] in src/tensor/cuda_emulated.cpp; docs/GPU.md). Said in the log when on.
+inline constexpr const char* kTestEmulateGpus = "LOCKSTEP_TEST_EMULATE_GPUS";
 
 }  // namespace lockstep::env

@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -159,6 +160,17 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
                          const ReduceScatterOptions& opts = {});
   WorkPtr barrier(const BarrierOptions& opts = {});
 
+  // Host values (counts, a loss, a step number, hashes, a checkpoint's bytes) on any backend,
+  // blocking, in place: each takes CPU tensors, and on a backend that moves device tensors only
+  // (nccl) they travel through this rank's device and back, as PyTorch users copy such values
+  // to the GPU before dist.all_reduce. The one way to put host data through a collective; the
+  // tensor calls above take tensors on a device the backend moves.
+  void all_reduce_host(const Tensor& values, const AllReduceOptions& opts = {});
+  void broadcast_host(const Tensor& values, const BroadcastOptions& opts = {});
+  // `output` has size() * input.numel() elements, as all_gather's.
+  void all_gather_host(const Tensor& output, const Tensor& input,
+                       const AllGatherOptions& opts = {});
+
   // Small byte strings (configuration, names, shapes), blocking. Every rank receives root's
   // `object` / every rank's `object`, in rank order.
   Bytes broadcast_object(const Bytes& object, int root = 0);
@@ -227,6 +239,7 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
                     uint32_t op, int root, int64_t numel);
   std::chrono::milliseconds effective(std::chrono::milliseconds timeout) const;
   void check_tensors(std::string_view op, const std::vector<Tensor>& tensors, bool reduction) const;
+  void check_host(std::string_view op, const Tensor& t) const;
   // Note [Staging device tensors]: what do_* moves in place of `t` (t itself, or a pinned host
   // copy holding t's values when `copy_in`), and the step that copies it back to t.
   Tensor stage_in(const Tensor& t, bool copy_in) const;
@@ -242,12 +255,15 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
 using ProcessGroupPtr = std::shared_ptr<ProcessGroup>;
 
 // The group of one process: every collective completes at once, without a network, so a
-// single-process run takes the same code path as a distributed one. Tensors on any device; the
-// copies it makes (all_gather, reduce_scatter) are queued on the current stream.
+// single-process run takes the same code path as a distributed one. Tensors on any device, or,
+// given `only` (the world of one of the nccl backend, on the rank's GPU), on that device only, as
+// the backend of a larger world would take them: a host tensor that NCCL would refuse is refused
+// here too. The copies it makes (all_gather, reduce_scatter) are queued on the current stream.
 class WorldOfOneGroup : public ProcessGroup {
  public:
-  explicit WorldOfOneGroup(std::chrono::milliseconds timeout = kDefaultCollectiveTimeout)
-      : ProcessGroup(0, 1, timeout) {}
+  explicit WorldOfOneGroup(std::chrono::milliseconds timeout = kDefaultCollectiveTimeout,
+                           std::optional<Device> only = std::nullopt)
+      : ProcessGroup(0, 1, timeout), only_(only) {}
   std::string_view backend() const override { return "local"; }
 
  protected:
@@ -260,7 +276,11 @@ class WorldOfOneGroup : public ProcessGroup {
   void do_reduce_scatter(Tensor output, Tensor input, ReduceOp op,
                          std::chrono::milliseconds timeout, const WorkPtr& work) override;
   void do_barrier(std::chrono::milliseconds timeout, const WorkPtr& work) override;
-  bool supports(Device) const override { return true; }
+  bool supports(Device device) const override { return !only_ || device == *only_; }
+  Device object_device() const override { return only_.value_or(kCPU); }
+
+ private:
+  const std::optional<Device> only_;
 };
 
 // ---- Backends by name ----

@@ -18,6 +18,10 @@ namespace lockstep::cuda {
 
 // True when this build has CUDA support (whether or not a GPU is present).
 bool compiled_with_cuda();
+// True when LOCKSTEP_TEST_EMULATE_GPUS made this process's cuda devices emulated ones (host
+// memory, CPU kernels; a test switch: Note [Emulated CUDA devices]). Then is_available() and
+// device_count() answer for the emulated devices, in any build, and no CUDA call is made.
+bool emulated();
 // True when built with CUDA and at least one GPU is visible.
 bool is_available();
 // Visible GPUs (0 without CUDA support, without a driver or without a GPU).
@@ -105,6 +109,7 @@ class Event {
   void* event_ = nullptr;  // cudaEvent_t
   int device_ = -1;        // where it was created (-1: not yet)
   bool timing_ = false;
+  int64_t host_ns_ = 0;  // when recorded, on an emulated device (Note [Emulated CUDA devices])
 };
 
 // The caching device allocator (Note [CUDA caching allocator]).

@@ -15,6 +15,8 @@ class StorageImpl {
   StorageImpl(size_t nbytes, Allocator* alloc);
   // Borrowed memory: the caller keeps it alive as long as any tensor uses it.
   StorageImpl(void* data, size_t nbytes, Device device);
+  // Borrowed memory kept alive by `owner` (another storage whose memory this one names).
+  StorageImpl(void* data, size_t nbytes, Device device, std::shared_ptr<const void> owner);
   ~StorageImpl();
   StorageImpl(const StorageImpl&) = delete;
   StorageImpl& operator=(const StorageImpl&) = delete;
@@ -29,6 +31,7 @@ class StorageImpl {
   size_t nbytes_ = 0;
   Allocator* alloc_ = nullptr;
   Device device_;
+  std::shared_ptr<const void> owner_;
 };
 
 using Storage = std::shared_ptr<StorageImpl>;

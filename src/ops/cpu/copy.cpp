@@ -3,13 +3,16 @@
 #include <cstring>
 
 #include "ops/cpu/kernels.h"
+#include "lockstep/tensor/cuda.h"
 #include "ops/cpu/loops.h"
 #include "tensor/dispatch.h"
 
 namespace lockstep::cpu {
 
 void copy_kernel(const Tensor& dst, const Tensor& src) {
-  LS_CHECK(dst.device().is_cpu() && src.device().is_cpu(), "copy: the CPU kernel got tensors on ",
+  // Host memory on both sides: the CPU's, or an emulated GPU's (Note [Emulated kernels]).
+  auto host = [](const Device& d) { return d.is_cpu() || cuda::emulated(); };
+  LS_CHECK(host(dst.device()) && host(src.device()), "copy: the CPU kernel got tensors on ",
            dst.device().str(), " and ", src.device().str());
   // f32 <-> f16 or bf16 between contiguous tensors: the bulk conversions (F16C, AVX2; autocast
   // converts every weight and activation a Linear takes), in parallel chunks.

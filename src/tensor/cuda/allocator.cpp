@@ -14,6 +14,7 @@
 
 #include "lockstep/base/log.h"
 #include "tensor/cuda/runtime.h"
+#include "tensor/cuda_emulated.h"
 
 namespace lockstep::cuda {
 
@@ -403,7 +404,9 @@ int resolve(int device) { return device < 0 ? current_device() : device; }
 
 }  // namespace
 
-Allocator& device_allocator(int device) { return cache_of(device); }
+Allocator& device_allocator(int device) {
+  return emulated() ? emulation::allocator(device) : cache_of(device);
+}
 
 void* alloc_pinned(size_t nbytes) { return pinned_pool().allocate(nbytes); }
 void free_pinned(void* ptr, cudaStream_t stream) { pinned_pool().release(ptr, stream, true); }
@@ -412,16 +415,19 @@ Allocator& pinned_allocator() { return pinned_pool(); }
 bool is_pinned(const void* ptr) { return pinned_pool().contains(ptr); }
 
 MemoryStats memory_stats(int device) {
+  if (emulated()) return emulation::memory_stats(resolve(device));
   if (!is_available()) return {};
   return cache_of(resolve(device)).stats();
 }
 
 void reset_peak_stats(int device) {
+  if (emulated()) return emulation::reset_peak_stats(resolve(device));
   if (!is_available()) return;
   cache_of(resolve(device)).reset_peak();
 }
 
 void empty_cache() {
+  if (emulated()) return;  // nothing is cached per emulated device
   for (int d = 0; d < device_count(); ++d) cache_of(d).empty_cache();
 }
 
@@ -430,6 +436,7 @@ void record_stream(const Tensor& t, const Stream& s) {
            t.defined() ? t.device().str() : std::string("an undefined tensor"));
   LS_CHECK(t.device().index == s.device(), "record_stream: the tensor is on ",
            t.device().str(), " but the stream on cuda:", s.device());
+  if (emulated()) return;  // everything is synchronous there
   cache_of(t.device().index).record_stream(t.storage()->data(), raw(s));
 }
 

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "lockstep/base/log.h"
+#include "tensor/cuda_emulated.h"
 
 namespace lockstep {
 
@@ -77,8 +78,9 @@ void check_launch(const char* op) {
 
 bool compiled_with_cuda() { return true; }
 
+// Emulated devices (Note [Emulated CUDA devices]) replace the real ones: no CUDA call is made.
 int device_count() {
-  static const int n = probe_device_count();
+  static const int n = emulated() ? emulation::device_count() : probe_device_count();
   return n;
 }
 
@@ -86,7 +88,7 @@ bool is_available() { return device_count() > 0; }
 
 void set_device(int index) {
   check_index(index, "set_device");
-  LS_CUDA_CHECK(cudaSetDevice(index));
+  if (!emulated()) LS_CUDA_CHECK(cudaSetDevice(index));
   t_device = index;
 }
 
@@ -94,7 +96,7 @@ int current_device() { return t_device; }
 
 void synchronize(int device) {
   DeviceGuard g(resolve(device));
-  LS_CUDA_CHECK(cudaDeviceSynchronize());
+  if (!emulated()) LS_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 struct Stream::Owned {
@@ -113,6 +115,7 @@ struct Stream::Owned {
 Stream Stream::create(int device, bool high_priority) {
   device = resolve(device);
   DeviceGuard g(device);
+  if (emulated()) return default_stream(device);  // every emulated stream is the default one
   int least = 0, greatest = 0;
   LS_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
   Stream s;
@@ -133,11 +136,13 @@ Stream Stream::default_stream(int device) {
 void* Stream::handle() const { return owned_ ? owned_->stream : nullptr; }
 
 void Stream::synchronize() const {
+  if (emulated()) return;
   DeviceGuard g(device_);
   LS_CUDA_CHECK(cudaStreamSynchronize(raw(*this)));
 }
 
 bool Stream::query() const {
+  if (emulated()) return true;
   DeviceGuard g(device_);
   cudaError_t err = cudaStreamQuery(raw(*this));
   if (err == cudaErrorNotReady) return false;
@@ -165,27 +170,27 @@ StreamGuard::~StreamGuard() { t_streams[static_cast<size_t>(prev_.device())] = p
 DeviceGuard::DeviceGuard(int index) : prev_(t_device) {
   if (index == t_device) return;
   check_index(index, "DeviceGuard");
-  LS_CUDA_CHECK(cudaSetDevice(index));
+  if (!emulated()) LS_CUDA_CHECK(cudaSetDevice(index));
   t_device = index;
 }
 
 DeviceGuard::~DeviceGuard() {
   if (prev_ == t_device) return;
-  cudaSetDevice(prev_);
+  if (!emulated()) cudaSetDevice(prev_);
   t_device = prev_;
 }
 
 TensorDeviceGuard::TensorDeviceGuard(const Tensor& t) {
   const int d = t.device().index;
   if (!t.device().is_cuda() || d == t_device) return;
-  LS_CUDA_CHECK(cudaSetDevice(d));
+  if (!emulated()) LS_CUDA_CHECK(cudaSetDevice(d));
   prev_ = t_device;
   t_device = d;
 }
 
 TensorDeviceGuard::~TensorDeviceGuard() {
   if (prev_ < 0) return;
-  cudaSetDevice(prev_);
+  if (!emulated()) cudaSetDevice(prev_);
   t_device = prev_;
 }
 
@@ -195,7 +200,8 @@ Event::~Event() {
   if (event_ != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(event_));
 }
 
-Event::Event(Event&& o) noexcept : event_(o.event_), device_(o.device_), timing_(o.timing_) {
+Event::Event(Event&& o) noexcept
+    : event_(o.event_), device_(o.device_), timing_(o.timing_), host_ns_(o.host_ns_) {
   o.event_ = nullptr;
 }
 
@@ -205,12 +211,19 @@ Event& Event::operator=(Event&& o) noexcept {
     event_ = o.event_;
     device_ = o.device_;
     timing_ = o.timing_;
+    host_ns_ = o.host_ns_;
     o.event_ = nullptr;
   }
   return *this;
 }
 
 void Event::record(const Stream& s) {
+  if (emulated()) {  // the work before it is done: a timestamp is the event
+    emulation::check_index(s.device(), "Event::record");
+    device_ = s.device();
+    host_ns_ = emulation::now_ns();
+    return;
+  }
   DeviceGuard g(s.device());
   if (event_ == nullptr) {
     cudaEvent_t e = nullptr;
@@ -245,6 +258,11 @@ bool Event::query() const {
 
 float Event::elapsed_ms(const Event& start) const {
   LS_CHECK(timing_ && start.timing_, "Event::elapsed_ms: both events need timing=true");
+  if (emulated()) {
+    LS_CHECK(device_ >= 0 && start.device_ >= 0,
+             "Event::elapsed_ms: both events must have been recorded");
+    return static_cast<float>(static_cast<double>(host_ns_ - start.host_ns_) / 1e6);
+  }
   LS_CHECK(event_ != nullptr && start.event_ != nullptr,
            "Event::elapsed_ms: both events must have been recorded");
   float ms = 0;

@@ -1,0 +1,184 @@
+// Emulated GPUs (Note [Emulated CUDA devices] in src/tensor/cuda_emulated.cpp): host memory
+// behind the device seam, the CPU's kernels less those CUDA lacks, and the nccl backend's
+// contract over the CPU transport. ctest runs these as cuda.emulated, with
+// LOCKSTEP_TEST_EMULATE_GPUS=2; without it they skip, saying so.
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "distributed/thread_ranks.h"
+#include "gpu.h"
+#include "lockstep/distributed/init.h"
+#include "lockstep/distributed/store/hash_store.h"
+#include "lockstep/ops/attention.h"
+#include "ops/kernels.h"
+#include "testing.h"
+
+#ifdef LOCKSTEP_WITH_CUDA
+#include "ops/cuda/kernels.h"
+#endif
+
+using namespace lockstep;
+using namespace lockstep::dist;
+using namespace std::chrono_literals;
+
+namespace {
+
+#define LS_REQUIRE_EMULATION()                                                                  \
+  do {                                                                                          \
+    if (!cuda::emulated() || cuda::device_count() < 2)                                          \
+      GTEST_SKIP() << "needs 2 emulated GPUs: LOCKSTEP_TEST_EMULATE_GPUS=2 (ctest cuda.emulated)"; \
+  } while (0)
+
+std::vector<double> values(const Tensor& t) { return t.to(kCPU).to_vector<double>(); }
+
+TensorOptions on(int device, DType dtype = kFloat32) {
+  return TensorOptions(dtype).with_device(cuda_device(device));
+}
+
+TEST(Emulated, DevicesAreHostMemoryBehindTheDeviceSeam) {
+  LS_REQUIRE_EMULATION();
+  EXPECT_TRUE(cuda::is_available());
+  EXPECT_EQ(cuda::device_count(), 2);
+  const int64_t before = cuda::memory_stats(1).allocated_bytes;
+  {
+    Tensor x = arange(0.0, 6.0, 1.0, on(1));
+    EXPECT_EQ(x.device(), cuda_device(1));
+    EXPECT_EQ(values(mul(x, 2.0)), (std::vector<double>{0, 2, 4, 6, 8, 10}));
+    EXPECT_GE(cuda::memory_stats(1).allocated_bytes, before + 24);
+    EXPECT_GE(cuda::memory_stats(1).peak_allocated_bytes, before + 24);
+    // As on a GPU: the host reads a device tensor through a copy, never directly.
+    lockstep::testing::expect_error([&] { (void)x.at({0}); },
+                                    {"tensor on cuda:1", "copy it with .to(kCPU) first"});
+    EXPECT_EQ(x.select(0, 5).item(), 5.0);
+    lockstep::testing::expect_error([&] { (void)add(x, full({6}, 1.0, kFloat32)); },
+                                    {"cuda:1", "cpu"});
+    lockstep::testing::expect_error([&] { (void)add(x, full({6}, 1.0, on(0))); },
+                                    {"cuda:1", "cuda:0"});
+  }
+  EXPECT_EQ(cuda::memory_stats(1).allocated_bytes, before);
+  lockstep::testing::expect_error([] { cuda::set_device(2); },
+                                  {"expected a device index in [0, 2)", "emulated"});
+  cuda::DeviceGuard on1(1);
+  EXPECT_EQ(cuda::current_device(), 1);
+  cuda::Event start(true), end(true);
+  start.record();
+  end.record();
+  EXPECT_GE(end.elapsed_ms(start), 0.0f);
+}
+
+// The nccl backend on emulated GPUs, two ranks as threads, each bound to its own device.
+std::vector<std::string> nccl_ranks(const std::function<void(int, ProcessGroupPtr)>& body) {
+  return lockstep::testing::run_ranks_with(
+      2,
+      [](const BackendConfig& c) {
+        cuda::set_device(c.rank);
+        return create_process_group("nccl", c);
+      },
+      body, 30s);
+}
+
+TEST(Emulated, NcclGroupKeepsNcclsContract) {
+  LS_REQUIRE_EMULATION();
+  const auto errors = nccl_ranks([](int r, ProcessGroupPtr pg) {
+    EXPECT_EQ(pg->backend(), "nccl");
+    Tensor x = full({3}, r + 1.0, on(r));
+    pg->all_reduce(x)->wait();
+    EXPECT_EQ(values(x), (std::vector<double>{3, 3, 3}));
+    Tensor gathered = zeros({4}, on(r, kInt64));
+    pg->all_gather(gathered, full({2}, r, on(r, kInt64)))->wait();
+    EXPECT_EQ(values(gathered), (std::vector<double>{0, 0, 1, 1}));
+    // Host tensors, and tensors of the other rank's GPU, are refused as NCCL refuses them:
+    // nothing is staged through host memory.
+    lockstep::testing::expect_error(
+        [&] { pg->all_reduce(full({2}, 1.0, kFloat32)); },
+        {"(nccl)", "cannot move tensors on cpu", "cuda:" + std::to_string(r) + " only"});
+    lockstep::testing::expect_error([&] { pg->broadcast(full({2}, 1.0, on(1 - r))); },
+                                    {"(nccl)", "cannot move tensors on cuda:" + std::to_string(1 - r)});
+    lockstep::testing::expect_error([&] { pg->all_reduce(full({2}, 1.0, on(r, kBool))); },
+                                    {"cannot reduce"});
+    // The one way for host values: through the device and back.
+    Tensor counts = full({2}, 10.0 * (r + 1), kInt64);
+    pg->all_reduce_host(counts);
+    EXPECT_EQ(counts.to_vector<double>(), (std::vector<double>{30, 30}));
+    Tensor all = zeros({4}, kFloat64);
+    pg->all_gather_host(all, full({2}, r + 0.5, kFloat64));
+    EXPECT_EQ(all.to_vector<double>(), (std::vector<double>{0.5, 0.5, 1.5, 1.5}));
+    Tensor bytes = full({3}, r == 0 ? 7.0 : 0.0, kUInt8);
+    pg->broadcast_host(bytes);
+    EXPECT_EQ(bytes.to_vector<double>(), (std::vector<double>{7, 7, 7}));
+    lockstep::testing::expect_error([&] { pg->all_reduce_host(full({1}, 1.0, on(r))); },
+                                    {"all_reduce_host", "expected a CPU tensor", "cuda:"});
+    EXPECT_EQ(dist::to_string(pg->broadcast_object(dist::to_bytes("hi"), 1)),
+              "hi");
+    pg->barrier()->wait();
+  });
+  for (const auto& e : errors) EXPECT_EQ(e, "");
+}
+
+// A world of one under nccl keeps the contract too (it was the one world in which the examples'
+// host tensors got through).
+TEST(Emulated, NcclWorldOfOneRefusesHostTensors) {
+  LS_REQUIRE_EMULATION();
+  DistEnv env;
+  World w = connect_world(env, {.backend = "nccl"});
+  EXPECT_EQ(w.cuda_device, 0);
+  lockstep::testing::expect_error([&] { w.group->all_reduce(full({2}, 1.0, kFloat32)); },
+                                  {"cannot move tensors on cpu", "cuda:0 only"});
+  Tensor x = full({2}, 4.0, on(0));
+  w.group->all_reduce(x)->wait();
+  EXPECT_EQ(values(x), (std::vector<double>{4, 4}));
+  Tensor h = full({1}, 2.0, kFloat64);
+  w.group->all_reduce_host(h);
+  EXPECT_EQ(h.item(), 2.0);
+}
+
+// Note [Emulated kernels]: an op without a CUDA kernel has none on an emulated GPU either.
+TEST(Emulated, KernelTableLacksWhatTheCudaTableLacks) {
+  const lockstep::detail::Kernels& emu = lockstep::detail::emulated_kernels();
+  constexpr size_t n = sizeof(lockstep::detail::Kernels) / sizeof(void*);
+  static_assert(n * sizeof(void*) == sizeof(lockstep::detail::Kernels), "entries are function pointers");
+  void* e[n];
+  std::memcpy(e, &emu, sizeof e);
+#ifdef LOCKSTEP_WITH_CUDA
+  void* c[n];
+  std::memcpy(c, &cuda_ops::table(), sizeof c);
+  for (size_t i = 0; i < n; ++i) {
+    if (c[i] == nullptr) EXPECT_EQ(e[i], nullptr) << "entry " << i << ": CUDA has no kernel";
+  }
+#endif
+  EXPECT_EQ(emu.attention, nullptr);
+  EXPECT_EQ(emu.attention_backward, nullptr);
+  EXPECT_EQ(emu.gemm, lockstep::detail::kCpuKernels.gemm);
+}
+
+// Note [Composed attention]: where the device has no attention kernel the op is composed of
+// matmul, masked_fill and softmax, and gives the fused CPU kernel's values and gradients.
+TEST(Emulated, ComposedAttentionMatchesTheFusedCpuKernel) {
+  LS_REQUIRE_EMULATION();
+  for (bool causal : {false, true}) {
+    Generator gen(7);
+    Tensor q = randn({2, 3, 9, 4}, gen), k = randn({2, 3, 9, 4}, gen), v = randn({2, 3, 9, 4}, gen);
+    Tensor g = randn({2, 3, 9, 4}, gen);
+    auto run = [&](Device d) {
+      Tensor qd = q.to(d).detach().requires_grad_(true), kd = k.to(d).detach().requires_grad_(true),
+             vd = v.to(d).detach().requires_grad_(true);
+      Tensor y = scaled_dot_product_attention(qd, kd, vd, {.is_causal = causal});
+      sum(mul(y, g.to(d))).backward();
+      return std::vector<Tensor>{y.to(kCPU), qd.grad().to(kCPU), kd.grad().to(kCPU),
+                                 vd.grad().to(kCPU)};
+    };
+    const auto cpu = run(kCPU), emulated = run(cuda_device(0));
+    for (size_t i = 0; i < cpu.size(); ++i) {
+      const auto a = cpu[i].to_vector<double>(), b = emulated[i].to_vector<double>();
+      ASSERT_EQ(a.size(), b.size());
+      for (size_t j = 0; j < a.size(); ++j)
+        ASSERT_NEAR(a[j], b[j], 1e-5 + 1e-5 * std::abs(a[j]))
+            << (causal ? "causal" : "full") << " output/grad " << i << " element " << j;
+    }
+  }
+}
+
+}  // namespace

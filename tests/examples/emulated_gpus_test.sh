@@ -1,0 +1,166 @@
+#!/usr/bin/env bash
+# The multi-GPU path on a machine without GPUs: the examples with --device cuda and the nccl
+# backend on emulated GPUs (LOCKSTEP_TEST_EMULATE_GPUS, Note [Emulated CUDA devices]), started by
+# the real launcher at 2 and 4 ranks, each compared with the same run on CPUs. The emulated nccl
+# group keeps NCCL's contract (device tensors of the rank's own GPU only), so a host tensor sent
+# through it, as the evaluation's counts once were, fails the run; the emulated GPUs compute with
+# the CPU kernels and reduce through the CPU transport in its order, so a run is bitwise the CPU
+# run wherever both use the same kernels (the Fashion-MNIST models: checkpoints compared byte for
+# byte), and within rounding where the GPU lacks a kernel the CPU has (train_gpt's attention,
+# composed of matmul and softmax there: 1e-5 relative after 20 steps).
+# Usage: emulated_gpus_test.sh <train_fashion_mnist> <train_gpt> <lockstep> <case>
+set -uo pipefail
+mnist=$1
+gpt=$2
+tool=$3
+case_name=$4
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+fail() { echo "FAIL: $*"; exit 1; }
+export OMP_NUM_THREADS=1
+unset LOCKSTEP_TEST_EMULATE_GPUS LOCKSTEP_BACKEND
+
+# Runs `lockstep run --nproc-per-node $1 ARGS...` into $work/$2 (stdout and stderr), on emulated
+# GPUs when $3 is "gpu" (as many as ranks, or $4), on CPUs when "cpu".
+launch() {
+  local n=$1 out=$2 where=$3 gpus=${4:-$1}
+  shift 4
+  if [ "$where" = gpu ]; then
+    LOCKSTEP_TEST_EMULATE_GPUS=$gpus "$tool" run --standalone --nproc-per-node "$n" "$@" \
+      > "$work/$out" 2>&1
+  else
+    "$tool" run --standalone --nproc-per-node "$n" "$@" > "$work/$out" 2>&1
+  fi || { cat "$work/$out"; fail "$out: '$*' on $n ranks ($where) failed"; }
+}
+
+# Rank 0's final line, without the throughput (which differs between any two runs).
+final_of() { grep -h "^\[rank0\]: final " "$1" | tail -n 1 | sed 's/ samples_per_s=.*//; s/ tokens_per_s=[0-9.]*//'; }
+
+# The emulated run $1 must have run on emulated GPUs through nccl and said so, and end as the
+# CPU run $2 does: the same final line and byte-identical checkpoints (files $3...).
+same_as_cpu() {
+  local gpu=$1 cpu=$2
+  shift 2
+  grep -q "WARNING: EMULATED GPUs" "$work/$gpu" || fail "$gpu: the emulation did not say it was on"
+  grep -q "backend=nccl device=cuda:0" "$work/$gpu" || { cat "$work/$gpu"; fail "$gpu: not on nccl and cuda:0"; }
+  local a b
+  a=$(final_of "$work/$gpu") b=$(final_of "$work/$cpu")
+  [ -n "$a" ] && [ "$a" = "$b" ] || fail "$gpu ended with '$a', the CPU run with '$b'"
+  for f in "$@"; do
+    cmp "$work/$gpu.ck/$f" "$work/$cpu.ck/$f" || fail "$gpu: checkpoint $f differs from the CPU run's"
+  done
+  echo "ok: $gpu = $cpu: $a"
+}
+
+case "$case_name" in
+  mnist2)
+    # The MLP on 2 ranks: 20 steps with checkpoints every 10, the evaluation, the epoch's mean
+    # loss and --check-sync-every (a hash of every parameter all-gathered); then the emulated run
+    # resumes from its step-10 checkpoint and ends on the same bytes.
+    common=(--model mlp --max-steps 20 --threads 1 --log-every 10 --check-sync-every 5
+      --save-every 10)
+    for w in cpu gpu; do
+      dev=()
+      [ $w = gpu ] && dev=(--device cuda --backend nccl)
+      launch 2 mlp.$w $w 2 "$mnist" "${common[@]}" "${dev[@]}" --save "$work/mlp.$w.ck/ck.safetensors"
+    done
+    grep -q "backend=shm device=cpu" "$work/mlp.cpu" || fail "the CPU run was not on shm"
+    same_as_cpu mlp.gpu mlp.cpu ck.safetensors ck.step00000010.safetensors
+    mkdir -p "$work/resumed.gpu.ck"
+    launch 2 resumed.gpu gpu 2 "$mnist" "${common[@]}" --device cuda --backend nccl \
+      --resume "$work/mlp.gpu.ck/ck.step00000010.safetensors" --save "$work/resumed.gpu.ck/ck.safetensors"
+    grep -q "resum" "$work/resumed.gpu" || { cat "$work/resumed.gpu"; fail "no resume line"; }
+    cmp "$work/resumed.gpu.ck/ck.safetensors" "$work/mlp.cpu.ck/ck.safetensors" \
+      || fail "the emulated run resumed at step 10 ended elsewhere than the uninterrupted run"
+    ;;
+  cnn2)
+    # The CNN with ZeRO-1 on 2 ranks, and the CNN with BatchNorm under --sync-bn.
+    for w in cpu gpu; do
+      dev=()
+      [ $w = gpu ] && dev=(--device cuda --backend nccl)
+      launch 2 cnn.$w $w 2 "$mnist" --model cnn --zero 1 --max-steps 8 --threads 1 --log-every 4 \
+        "${dev[@]}" --save "$work/cnn.$w.ck/ck.safetensors"
+      launch 2 bn.$w $w 2 "$mnist" --model cnn-bn --sync-bn --max-steps 8 --threads 1 \
+        --log-every 4 "${dev[@]}" --save "$work/bn.$w.ck/ck.safetensors"
+    done
+    same_as_cpu cnn.gpu cnn.cpu ck.safetensors
+    same_as_cpu bn.gpu bn.cpu ck.safetensors
+    ;;
+  mnist4)
+    # 4 ranks: --uneven (ranks 0-2 get 4 batches, rank 3 gets 3 and shadows the last step
+    # through Join), then plain DDP with --zero 1 and checkpoints.
+    for w in cpu gpu; do
+      dev=()
+      [ $w = gpu ] && dev=(--device cuda --backend nccl)
+      launch 4 uneven.$w $w 4 "$mnist" --uneven --batch-size 3750 --max-steps 4 --threads 1 \
+        --log-every 1 --momentum 0.9 "${dev[@]}" --save "$work/uneven.$w.ck/ck.safetensors"
+      launch 4 zero.$w $w 4 "$mnist" --zero 1 --max-steps 12 --threads 1 --log-every 6 \
+        --check-sync-every 6 "${dev[@]}" --save "$work/zero.$w.ck/ck.safetensors"
+    done
+    grep -q "rank 3 ran out of batches after 3 forwards and shadowed 1" "$work/uneven.gpu" \
+      || { cat "$work/uneven.gpu"; fail "rank 3 did not shadow the last step"; }
+    same_as_cpu uneven.gpu uneven.cpu ck.safetensors
+    same_as_cpu zero.gpu zero.cpu ck.safetensors
+    ;;
+  dp)
+    # DataParallel in one process: replicas on cuda:0..K-1 (K = 2, 4 emulated GPUs), the batch
+    # split across them and the gradients summed on cuda:0, against K replicas on the CPU.
+    for k in 2 4; do
+      "$mnist" --dp $k --max-steps 10 --log-every 5 --threads 1 > "$work/dp$k.cpu" 2>&1 \
+        || { cat "$work/dp$k.cpu"; fail "--dp $k on the CPU failed"; }
+      LOCKSTEP_TEST_EMULATE_GPUS=4 "$mnist" --dp $k --max-steps 10 --log-every 5 --threads 1 \
+        --device cuda > "$work/dp$k.gpu" 2>&1 || { cat "$work/dp$k.gpu"; fail "--dp $k --device cuda failed"; }
+      a=$(sed -n 's/^final \(.*\) samples_per_s=.*/\1/p' "$work/dp$k.gpu")
+      b=$(sed -n 's/^final \(.*\) samples_per_s=.*/\1/p' "$work/dp$k.cpu")
+      grep -q "device=cuda:0" "$work/dp$k.gpu" || { cat "$work/dp$k.gpu"; fail "--dp $k not on cuda:0"; }
+      [ -n "$a" ] && [ "$a" = "$b" ] || fail "--dp $k on emulated GPUs ended with '$a', on the CPU with '$b'"
+      echo "ok: --dp $k: $a"
+    done
+    ;;
+  gpt)
+    # train_gpt --device cuda on 2 and 4 ranks (nccl by default for cuda tensors), 20 steps,
+    # against the CPU: the GPU has no attention kernel yet, so attention is composed of matmul,
+    # masked_fill and softmax there (Note [Composed attention]) and the losses agree within 1e-5
+    # relative rather than bit for bit. Then the flags' errors without (emulated) GPUs.
+    for i in $(seq 1 400); do echo "the quick brown fox $i jumps over the lazy dog"; done > "$work/tiny.txt"
+    "$gpt" --prepare "$work/tiny.txt" --out "$work/tiny" > "$work/prep" 2>&1 || { cat "$work/prep"; fail "--prepare failed"; }
+    small=(--data "$work/tiny" --block-size 32 --n-layer 2 --n-head 2 --n-embd 32 --threads 1
+      --eval-batches 2 --batch-size 4 --max-steps 20 --warmup-steps 2 --eval-every 10)
+    for n in 2 4; do
+      launch $n gpt$n.cpu cpu $n "$gpt" "${small[@]}"
+      launch $n gpt$n.gpu gpu $n "$gpt" "${small[@]}" --device cuda
+      grep -q "backend=nccl threads=1 device=cuda:0" "$work/gpt$n.gpu" \
+        || { cat "$work/gpt$n.gpu"; fail "train_gpt --device cuda not on nccl and cuda:0"; }
+      grep -q "^\[rank0\]: peak device memory per rank:\( [0-9.]*\)\{$n\} MiB" "$work/gpt$n.gpu" \
+        || { cat "$work/gpt$n.gpu"; fail "no device memory line for $n ranks"; }
+      python3 - "$work/gpt$n.cpu" "$work/gpt$n.gpu" <<'PY' || fail "train_gpt on $n emulated GPUs is not the CPU run"
+import re, sys
+def losses(path):
+    text = open(path).read()
+    vals = []
+    for m in re.finditer(r"^\[rank0\]: step (\d+)/20 loss ([0-9.]+) val_loss ([0-9.]+)", text, re.M):
+        vals += [float(m.group(2)), float(m.group(3))]
+    m = re.search(r"^\[rank0\]: final val_loss=([0-9.]+) train_loss=([0-9.]+) steps=20 ", text, re.M)
+    assert m, "no final line in " + path
+    return vals + [float(m.group(1)), float(m.group(2))]
+a, b = losses(sys.argv[1]), losses(sys.argv[2])
+assert len(a) == len(b) == 6, (a, b)
+worst = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+print("cpu", a, "\ngpu", b, "\nlargest relative difference", worst)
+assert worst <= 1e-5, worst
+PY
+    done
+    # Without GPUs: --device cuda is a usage error naming why, before any data is read.
+    "$gpt" "${small[@]}" --device cuda > "$work/nogpu" 2>&1
+    rc=$?
+    [ $rc -eq 2 ] || { cat "$work/nogpu"; fail "train_gpt --device cuda without a GPU exited $rc, expected 2"; }
+    grep -q -e "--device cuda: no GPU is visible" -e "--device cuda: this build of lockstep has no CUDA support" "$work/nogpu" \
+      || { cat "$work/nogpu"; fail "train_gpt --device cuda without a GPU did not say why"; }
+    "$gpt" "${small[@]}" --backend nccl > "$work/nccl" 2>&1
+    rc=$?
+    [ $rc -eq 2 ] && grep -q "nccl" "$work/nccl" || { cat "$work/nccl"; fail "--backend nccl on the CPU: exit $rc"; }
+    ;;
+  *)
+    fail "unknown case $case_name"
+    ;;
+esac
