@@ -14,11 +14,12 @@ namespace lockstep::detail {
 // src/tensor/cuda_emulated.cpp): the CPU's kernels, which read the host memory behind those
 // devices, so an emulated run computes the bits of the same run on CPUs (the copy kernel takes
 // either side on the CPU or on an emulated GPU, which is how data moves between them, and how
-// the CPU kernels' own f32 scratch reaches a bf16 output). Less every entry the
-// CUDA table leaves null, so that an op without a CUDA kernel fails on an emulated GPU as on a
-// real one (tests/ops/emulated_kernels_test.cpp compares the two tables in a CUDA build); and
-// less the multi-tensor entries the CPU leaves to loops, so optimizers and the GradScaler take
-// their host loops there (the CUDA multi-tensor kernels are checked on a GPU only).
+// the CPU kernels' own f32 scratch reaches a bf16 output). Less every entry the CUDA table
+// leaves null, so that an op without a CUDA kernel fails on an emulated GPU as on a real one
+// (Emulated.KernelTableLacksWhatTheCudaTableLacks in tests/cuda/emulated_test.cpp compares the
+// two tables in a CUDA build); and less the multi-tensor entries the CPU leaves to loops, so
+// optimizers and the GradScaler take their host loops there (the CUDA multi-tensor kernels are
+// checked on a GPU only).
 const Kernels& emulated_kernels() {
   static const Kernels k = [] {
     Kernels t = kCpuKernels;
