@@ -10,6 +10,7 @@
 
 #include "distributed/thread_ranks.h"
 #include "gpu.h"
+#include "lockstep/distributed/checkpoint.h"
 #include "lockstep/distributed/init.h"
 #include "lockstep/distributed/store/hash_store.h"
 #include "lockstep/ops/attention.h"
@@ -114,6 +115,29 @@ TEST(Emulated, NcclGroupKeepsNcclsContract) {
     EXPECT_EQ(dist::to_string(pg->broadcast_object(dist::to_bytes("hi"), 1)),
               "hi");
     pg->barrier()->wait();
+  });
+  for (const auto& e : errors) EXPECT_EQ(e, "");
+}
+
+// A checkpoint loaded by broadcast from rank 0 (a rank that cannot see rank 0's file) travels
+// through the nccl group as bytes on the device (it once sent a host buffer).
+TEST(Emulated, CheckpointLoadedByBroadcastTravelsOnTheDevice) {
+  LS_REQUIRE_EMULATION();
+  lockstep::testing::TempDir dir;
+  const std::string path = dir.path("ck.safetensors");
+  io::TrainingCheckpoint ck;
+  Generator gen(3);
+  ck.model = {{"w", randn({17, 5}, gen)}, {"n", full({}, 4.0, kInt64)}};
+  ck.optimizer = {{"0.momentum_buffer", randn({17, 5}, gen)}};
+  ck.step = 12;
+  io::save_checkpoint(path, ck);
+  const std::vector<double> want = ck.model[0].second.to_vector<double>();
+  const auto errors = nccl_ranks([&](int r, ProcessGroupPtr pg) {
+    const std::string mine = r == 0 ? path : dir.path("not-on-this-machine.safetensors");
+    const io::TrainingCheckpoint got = load_checkpoint(*pg, mine, CheckpointLoad::automatic);
+    EXPECT_EQ(got.step, 12);
+    EXPECT_EQ(got.model[0].second.to_vector<double>(), want) << "rank " << r;
+    EXPECT_EQ(got.model[1].second.item(), 4.0);
   });
   for (const auto& e : errors) EXPECT_EQ(e, "");
 }
