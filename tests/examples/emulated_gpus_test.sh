@@ -55,15 +55,21 @@ same_as_cpu() {
 case "$case_name" in
   mnist2)
     # The MLP on 2 ranks: 20 steps with checkpoints every 10, the evaluation, the epoch's mean
-    # loss and --check-sync-every (a hash of every parameter all-gathered); then the emulated run
-    # resumes from its step-10 checkpoint and ends on the same bytes.
+    # loss, --check-sync-every (a hash of every parameter all-gathered) and --metrics (the step
+    # times of every rank ride in DDP's first bucket); then the emulated run resumes from its
+    # step-10 checkpoint and ends on the same bytes.
     common=(--model mlp --max-steps 20 --threads 1 --log-every 10 --check-sync-every 5
       --save-every 10)
     for w in cpu gpu; do
       dev=()
       [ $w = gpu ] && dev=(--device cuda --backend nccl)
-      launch 2 mlp.$w $w 2 "$mnist" "${common[@]}" "${dev[@]}" --save "$work/mlp.$w.ck/ck.safetensors"
+      launch 2 mlp.$w $w 2 "$mnist" "${common[@]}" "${dev[@]}" --save "$work/mlp.$w.ck/ck.safetensors" \
+        --metrics "$work/mlp.$w.jsonl"
     done
+    losses() { grep -o '"step":[0-9]*,.*"loss":[^,]*' "$1" | sed 's/"epoch".*"loss"/"loss"/'; }
+    [ "$(losses "$work/mlp.gpu.jsonl" | wc -l)" -eq 20 ] && grep -q '"slowest_rank_ms"' "$work/mlp.gpu.jsonl" \
+      && [ "$(losses "$work/mlp.gpu.jsonl")" = "$(losses "$work/mlp.cpu.jsonl")" ] \
+      || { cat "$work/mlp.gpu.jsonl"; fail "the emulated run's metrics are not the CPU run's 20 steps"; }
     grep -q "backend=shm device=cpu" "$work/mlp.cpu" || fail "the CPU run was not on shm"
     same_as_cpu mlp.gpu mlp.cpu ck.safetensors ck.step00000010.safetensors
     mkdir -p "$work/resumed.gpu.ck"
