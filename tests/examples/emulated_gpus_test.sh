@@ -72,6 +72,18 @@ case "$case_name" in
       || { cat "$work/mlp.gpu.jsonl"; fail "the emulated run's metrics are not the CPU run's 20 steps"; }
     grep -q "backend=shm device=cpu" "$work/mlp.cpu" || fail "the CPU run was not on shm"
     same_as_cpu mlp.gpu mlp.cpu ck.safetensors ck.step00000010.safetensors
+    # The README's multi-GPU command (--nproc-per-node gpu counts the emulated GPUs) with bf16
+    # autocast, and fp16 with the GradScaler's dynamic loss scale, 10 steps each.
+    for amp in bf16 fp16; do
+      launch 2 $amp.cpu cpu 2 "$mnist" --max-steps 10 --threads 1 --log-every 5 --amp $amp \
+        --save "$work/$amp.cpu.ck/ck.safetensors"
+      LOCKSTEP_TEST_EMULATE_GPUS=2 "$tool" run --standalone --nproc-per-node gpu "$mnist" \
+        --device cuda --backend nccl --amp $amp --max-steps 10 --threads 1 --log-every 5 \
+        --save "$work/$amp.gpu.ck/ck.safetensors" > "$work/$amp.gpu" 2>&1 \
+        || { cat "$work/$amp.gpu"; fail "--amp $amp with --nproc-per-node gpu failed"; }
+      grep -q "nproc-per-node gpu = 2" "$work/$amp.gpu" || { cat "$work/$amp.gpu"; fail "gpu did not count 2"; }
+      same_as_cpu $amp.gpu $amp.cpu ck.safetensors
+    done
     mkdir -p "$work/resumed.gpu.ck"
     launch 2 resumed.gpu gpu 2 "$mnist" "${common[@]}" --device cuda --backend nccl \
       --resume "$work/mlp.gpu.ck/ck.step00000010.safetensors" --save "$work/resumed.gpu.ck/ck.safetensors"
