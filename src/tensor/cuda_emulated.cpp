@@ -31,7 +31,7 @@ namespace lockstep::cuda {
 //   kernels] in src/ops/kernels.cpp), so an op that has no CUDA kernel fails here as on a GPU.
 // - The "nccl" backend is an emulated one that keeps NCCL's contract (tensors on the rank's own
 //   device only, NCCL's dtypes, no host staging) over the CPU transport (Note [Emulated NCCL] in
-//   src/distributed/nccl_emulated.cpp).
+//   src/distributed/emulated_nccl/emulated_nccl.cpp).
 //
 // What it catches: host tensors handed to the NCCL group, ops mixing host and device tensors,
 // element access to device tensors, a missing device kernel, device memory in reports. What it
