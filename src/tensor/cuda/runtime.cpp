@@ -38,6 +38,7 @@ thread_local int t_device = 0;
 thread_local std::array<Stream, kMaxDevices> t_streams{};
 
 void check_index(int index, const char* what) {
+  if (emulated()) return emulation::check_index(index, what);
   const int n = device_count();
   LS_CHECK(n > 0, what, "(", index, "): no CUDA device is visible (",
            compiled_with_cuda() ? "no GPU or no driver" : "this build has no CUDA support", ")");
