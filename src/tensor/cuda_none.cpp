@@ -42,7 +42,9 @@ void synchronize(int device) { emulated_device(device, "synchronize"); }
 
 // Every emulated stream is its device's default stream, and its work is done on return.
 struct Stream::Owned {};
-Stream Stream::create(int device, bool) { return default_stream(device); }
+Stream Stream::create(int device, bool) {
+  return default_stream(emulated_device(device, "Stream::create"));
+}
 Stream Stream::default_stream(int device) {
   Stream s;
   s.device_ = emulated_device(device, "Stream::default_stream");
