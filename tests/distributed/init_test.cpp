@@ -1,5 +1,6 @@
 // init: reading the environment (torchrun, SLURM, Open MPI, none), the join check that makes
 // disagreeing ranks fail loudly, new_group, the default group and the local address choice.
+#include <latch>
 #include <map>
 #include <thread>
 
@@ -518,6 +519,9 @@ TEST(DefaultGroup, LifecycleAndAccessors) {
 TEST(ConnectWorld, TheBindAddressIsChosenOnceAndReachesEveryGroup) {
   auto store = std::make_shared<HashStore>(30s);
   std::vector<std::string> errors(2);
+  // Neither rank closes its groups before both have connected: a peer that leaves while the other
+  // still connects fails it, "Connection closed by peer" (as a dying rank should).
+  std::latch connected(2);
   std::vector<std::thread> ts;
   for (int r = 0; r < 2; ++r) {
     ts.emplace_back([&, r] {
@@ -539,8 +543,10 @@ TEST(ConnectWorld, TheBindAddressIsChosenOnceAndReachesEveryGroup) {
           LS_CHECK(gloo != nullptr && gloo->address() == w.bind_address, "a group listens on ",
                    gloo ? gloo->address() : "?");
         }
+        connected.arrive_and_wait();
       } catch (const std::exception& e) {
         errors[r] = e.what();
+        connected.count_down();
       }
     });
   }
