@@ -62,7 +62,7 @@ started=$(date +%s)
 log() { echo "gpu-check: $*" >&2; }
 
 gpu_visible() {
-  command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '
+  command -v nvidia-smi >/dev/null 2>&1 && grep -q '^GPU ' <(nvidia-smi -L 2>/dev/null)
 }
 
 if [ "$mode" = auto ]; then
@@ -94,7 +94,7 @@ build() {
     -DCMAKE_CUDA_ARCHITECTURES=90-real "${launcher[@]}" >"$out/build.log" 2>&1 || {
     log "configure failed (see $out/build.log)"; return 1; }
   local targets=(test_cuda)
-  if ninja -C "$build_dir" -t targets all 2>/dev/null | grep -q '^cuda_bench:'; then
+  if grep -q '^cuda_bench:' <(ninja -C "$build_dir" -t targets all 2>/dev/null); then
     targets+=(cuda_bench)
   fi
   log "building ${targets[*]} in $build_dir"
@@ -180,7 +180,7 @@ run_device() {
   log "unpacking $(basename "$tarball") into $dest"
   unpack "$dest" || { log "unpacking failed"; return 1; }
   export LD_LIBRARY_PATH="$dest/lib:$(cuda_library_path)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  GPU_CHECK_DEVICE_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+  GPU_CHECK_DEVICE_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | sed -n 1p)
   export GPU_CHECK_DEVICE_NAME
   {
     echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
@@ -437,7 +437,7 @@ if [ "$mode" = dry ]; then
     log "pack: $bytes bytes in $pack_dir (limit $limit_bytes)"
     if [ "$bytes" -gt "$limit_bytes" ]; then
       log "the pack is larger than what travels; its largest files:"
-      sort -k3 -n -r "$pack_dir/manifest.txt" | head -5 >&2
+      sort -k3 -n -r "$pack_dir/manifest.txt" | sed -n 1,5p >&2
       rc=1
     fi
   else

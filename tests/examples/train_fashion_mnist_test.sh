@@ -591,7 +591,7 @@ PY
     LOCKSTEP_STDOUT_IS_TTY=1 "$exe" --max-steps 120 --no-eval --log-every 50 > "$work/out" 2>&1 \
       || { cat "$work/out"; fail "run failed"; }
     grep -q $'\r' "$work/out" || fail "no carriage return: no bar was drawn"
-    tr '\r' '\n' < "$work/out" | grep -q "^epoch 0 \[=*>* *\] step 120/938 loss [0-9.]* [0-9]* samples/s ETA [0-9:]*" \
+    grep -q "^epoch 0 \[=*>* *\] step 120/938 loss [0-9.]* [0-9]* samples/s ETA [0-9:]*" <(tr '\r' '\n' < "$work/out") \
       || { tr '\r' '\n' < "$work/out" | tail -3; fail "no final progress line"; }
     ! grep -q "^epoch 0 step 50 loss" "$work/out" || fail "periodic loss lines printed beside the bar"
     # Not a terminal: the periodic lines, no bar.
@@ -610,10 +610,11 @@ PY
       || { cat "$work/out" "$work/err"; fail "--uneven run failed"; }
     cat "$work/out" "$work/err"
     for r in 3 4 5 6; do
-      cat "$work/out" "$work/err" | grep -q "^\[rank$r\]: .*--uneven: rank $r ran out of batches after 3 forwards and shadowed 1 " \
+      grep -q "^\[rank$r\]: .*--uneven: rank $r ran out of batches after 3 forwards and shadowed 1 " \
+        "$work/out" "$work/err" \
         || fail "rank $r did not shadow the last step"
     done
-    ! cat "$work/out" "$work/err" | grep -q "rank [012] ran out of batches" || fail "a rank with 4 batches shadowed"
+    ! grep -q "rank [012] ran out of batches" "$work/out" "$work/err" || fail "a rank with 4 batches shadowed"
     grep -q "^\[rank0\]: epoch 0 step 4 loss" "$work/out" || fail "rank 0 did not take step 4"
     # Rank 0's final line (the other ranks' output may come after it).
     last=$(grep "^\[rank0\]: final " "$work/out" | tail -n 1)
