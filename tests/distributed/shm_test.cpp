@@ -2,7 +2,11 @@
 // timeouts, the same-machine check, against Gloo), then as processes (the sweep, a SIGKILLed
 // peer, nothing left in /dev/shm, DDP over shm against DDP over Gloo).
 #include <dirent.h>
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -29,6 +33,9 @@ using lockstep::testing::exited_zero;
 using lockstep::testing::Result;
 
 namespace {
+
+// How every segment's name begins (in /dev/shm, without the '/').
+constexpr const char* kSegmentPrefix = "lockstep-shm-";
 
 // A slot that no test size is a multiple of, small enough that "several MiB" is many pieces.
 constexpr int64_t kOddSlotBytes = 65536 - 64;
@@ -360,10 +367,54 @@ int ddp_worker(const std::string& backend) {
   return 0;
 }
 
+// The first entry of /dev/shm that begins with `prefix` ("" if none within 60 s).
+std::string await_dev_shm(const std::string& prefix) {
+  for (auto until = std::chrono::steady_clock::now() + 60s; std::chrono::steady_clock::now() < until;
+       std::this_thread::sleep_for(5ms)) {
+    DIR* d = ::opendir("/dev/shm");
+    if (d == nullptr) return "";
+    std::string found;
+    while (dirent* e = ::readdir(d)) {
+      if (std::strncmp(e->d_name, prefix.c_str(), prefix.size()) == 0) found = e->d_name;
+    }
+    ::closedir(d);
+    if (!found.empty()) return found;
+  }
+  return "";
+}
+
+// A job killed while its shm group is being built: rank 0 creates the segment and waits for rank
+// 1 to map it; rank 1 instead kills rank 0 (whose pid the segment's name holds) as a launcher's
+// SIGKILL would, reports the name and leaves.
+ProcessGroupPtr killed_in_setup(const BackendConfig& c) {
+  if (c.rank == 0) return std::make_shared<ProcessGroupShm>(c);
+  // Rank 1 says it is on rank 0's machine, so that rank 0 goes on to create the segment.
+  c.store->wait({"shm/host/0"}, 60s);
+  c.store->set("shm/host/1", c.store->get_string("shm/host/0"));
+  const std::string name = await_dev_shm(std::string(kSegmentPrefix) + run_id_of(::getppid()) + "-");
+  LS_CHECK(!name.empty(), "rank 0 made no segment");
+  // lockstep-shm-<run>-<pid namespace>-<pid>-<nonce>
+  std::vector<std::string> fields;
+  std::stringstream in(name);
+  for (std::string f; std::getline(in, f, '-');) fields.push_back(f);
+  LS_CHECK(fields.size() == 6, "segment name ", name);
+  ::kill(std::stoi(fields[4]), SIGKILL);
+  write_report(name);
+  std::_Exit(0);
+}
+
 int worker_main(const std::string& mode) {
   try {
     ::setenv(env::kRunId, run_id_of(::getppid()).c_str(), 1);
     if (mode == "ddp_shm" || mode == "ddp_gloo") return ddp_worker(mode.substr(4));
+    if (mode == "killed_in_setup") {
+      register_backend("shm_killed_in_setup", killed_in_setup);
+      InitOptions o;
+      o.timeout = 60s;
+      o.backend = "shm_killed_in_setup";
+      init_process_group(o);
+      LS_THROW("rank ", rank(), " built a group that should never form");
+    }
     register_backend("shm_odd_slot", [](const BackendConfig& c) -> ProcessGroupPtr {
       return std::make_shared<ProcessGroupShm>(c, ShmOptions{.slot_bytes = kOddSlotBytes});
     });
@@ -461,6 +512,58 @@ TEST(ShmProcesses, ASigkilledPeerFailsTheOthersNamingItAndPoisonsTheGroup) {
     EXPECT_THAT(results[r].report, ::testing::HasSubstr("this group failed earlier"));
   }
   EXPECT_FALSE(in_dev_shm(own_segments()));
+}
+
+// Note [Segments of dead jobs]: a job killed while its group is built leaves its segment in
+// /dev/shm (a signal runs no cleanup); remove_dead_shm_segments() finds it by its dead creator and
+// removes it, and rank 0 of the next shm group on the machine does so before creating its own.
+TEST(ShmProcesses, ASegmentOfAJobKilledDuringSetupIsRemovedByTheNextGroup) {
+  for (bool by_next_group : {false, true}) {
+    const auto results = run_job(2, "killed_in_setup");
+    ASSERT_EQ(results.size(), 2u);
+    EXPECT_TRUE(WIFSIGNALED(results[0].status) && WTERMSIG(results[0].status) == SIGKILL);
+    ASSERT_TRUE(exited_zero(results[1])) << results[1].report;
+    const std::string name = results[1].report;
+    ASSERT_TRUE(in_dev_shm(name)) << name << " vanished by itself: the case is not reproduced";
+    if (by_next_group) {
+      const auto errors = run_shm_threads(2, [](int, ProcessGroupShm& pg) { pg.barrier()->wait(); });
+      for (const auto& e : errors) EXPECT_EQ(e, "");
+    } else {
+      EXPECT_GE(remove_dead_shm_segments(), 1u);
+    }
+    EXPECT_FALSE(in_dev_shm(name)) << name << " outlived its job";
+  }
+}
+
+// Only segments whose creator is gone, in this pid namespace, are removed: not a running
+// process's, not another namespace's (whose pid means nothing here), not names of another form.
+TEST(ShmSegments, OnlyThoseOfDeadCreatorsInThisPidNamespaceAreRemoved) {
+  struct stat ns {};
+  ASSERT_EQ(::stat("/proc/self/ns/pid", &ns), 0);
+  const pid_t dead = ::fork();
+  if (dead == 0) std::_Exit(0);
+  ASSERT_GT(dead, 0);
+  ASSERT_EQ(::waitpid(dead, nullptr, 0), dead);
+  const std::string tag = "nsrm" + std::to_string(::getpid());
+  auto name = [&](uint64_t pidns, pid_t pid) {
+    return std::string(kSegmentPrefix) + tag + "-" + std::to_string(pidns) + "-" +
+           std::to_string(pid) + "-00000000deadbeef";
+  };
+  const std::string of_dead = name(ns.st_ino, dead);
+  const std::string of_live = name(ns.st_ino, ::getpid());
+  const std::string other_ns = name(ns.st_ino + 1, dead);
+  const std::string old_form = std::string(kSegmentPrefix) + tag + "-" + std::to_string(dead) + "-0";
+  for (const auto& n : {of_dead, of_live, other_ns, old_form}) {
+    const int fd = ::shm_open(("/" + n).c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    ASSERT_GE(fd, 0) << n;
+    ::close(fd);
+  }
+  remove_dead_shm_segments();
+  EXPECT_FALSE(in_dev_shm(of_dead));
+  EXPECT_TRUE(in_dev_shm(of_live));
+  EXPECT_TRUE(in_dev_shm(other_ns));
+  EXPECT_TRUE(in_dev_shm(old_form));
+  for (const auto& n : {of_dead, of_live, other_ns, old_form}) ::shm_unlink(("/" + n).c_str());
 }
 
 TEST(ShmProcesses, DdpOverShmEqualsDdpOverGloo) {

@@ -309,6 +309,38 @@ TEST_P(LauncherSignal, StopsEveryWorkerAndExitsWith128PlusSignal) {
 INSTANTIATE_TEST_SUITE_P(Signals, LauncherSignal, ::testing::Values(SIGTERM, SIGINT),
                          [](const auto& info) { return std::string(sigabbrev_np(info.param)); });
 
+// The first entry of /dev/shm that begins with `prefix`, or "".
+std::string in_dev_shm(const std::string& prefix) {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator("/dev/shm", ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind(prefix, 0) == 0) return name;
+  }
+  return "";
+}
+
+// Stopped while an shm group is being built, the job's workers die of the signal and run no
+// cleanup: the segment rank 0 created is still in /dev/shm. The launcher removes it once they
+// have exited (Note [Segments of dead jobs]).
+TEST_F(Launcher, ASegmentOfWorkersStoppedDuringShmSetupIsRemoved) {
+  const std::string run_id = "shmsetup" + std::to_string(::getpid());
+  const std::string prefix = "lockstep-shm-" + run_id + "-";
+  const Launch l = start_launcher({"run", "--standalone", "--nproc-per-node", "2", "--run-id",
+                                   run_id, kWorker, "shm-setup"},
+                                  dir_, "launch");
+  std::string segment;
+  const auto deadline = std::chrono::steady_clock::now() + 60s;
+  while ((segment = in_dev_shm(prefix)).empty() && running(l.pid) &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(10ms);
+  }
+  ASSERT_NE(segment, "") << "rank 0 created no segment";
+  ::kill(l.pid, SIGTERM);
+  const Outcome o = wait_launcher(l);
+  EXPECT_TRUE(o.exited_with(128 + SIGTERM)) << o.describe();
+  EXPECT_EQ(in_dev_shm(prefix), "") << segment << " outlived the job";
+}
+
 TEST_F(Launcher, TwoStandaloneJobsRunSideBySide) {
   const fs::path a = out_ / "a", b = out_ / "b";
   fs::create_directories(a);

@@ -46,6 +46,7 @@
 #include "lockstep/base/syscall.h"
 #include "lockstep/base/worker_env.h"
 #include "lockstep/distributed/error_file.h"
+#include "lockstep/distributed/shm/process_group_shm.h"
 #include "lockstep/distributed/store/tcp_store.h"
 #include "output.h"
 #include "verdict.h"
@@ -489,6 +490,20 @@ void Agent::publish_interrupted(int g, int sig) {
 }
 
 GenResult Agent::run_generation(int g) {
+  // However the generation ends, its workers have exited by then: what shm segments they left in
+  // /dev/shm (killed while a group was being built) go (Note [Segments of dead jobs]).
+  struct RemoveDeadSegments {
+    Agent& agent;
+    ~RemoveDeadSegments() {
+      try {
+        if (const size_t n = dist::remove_dead_shm_segments(); n > 0) {
+          agent.say("removed " + std::to_string(n) + " shared-memory segment" +
+                    (n == 1 ? "" : "s") + " that exited workers left in /dev/shm");
+        }
+      } catch (const std::exception&) {  // a full stderr: the job's outcome matters more
+      }
+    }
+  } remove_dead_segments{*this};
   GenResult result;
   try {
     start_workers(g);

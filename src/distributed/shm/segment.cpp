@@ -9,6 +9,7 @@
 #include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -16,10 +17,15 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <optional>
 #include <random>
+#include <string_view>
 
 #include "distributed/machine.h"
+#include "lockstep/distributed/shm/process_group_shm.h"
 #include "lockstep/base/error.h"
+#include "lockstep/base/log.h"
 #include "lockstep/base/worker_env.h"
 
 namespace lockstep::dist::shm {
@@ -91,15 +97,72 @@ std::string sanitized_run_id() {
   return out.empty() ? "norun" : out;
 }
 
-// "/lockstep-shm-<run>-<pid>-<nonce>": the random nonce keeps two jobs (or two groups of one
-// job) with the same run id apart.
+// The pid namespace this process lives in (the inode of /proc/self/ns/pid); 0 if unknown. A pid
+// names a process only within its namespace.
+uint64_t pid_namespace() {
+  struct stat st {};
+  return ::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+}
+
+// Note [Segments of dead jobs]
+// A segment's name is unlinked once every rank has mapped it (Note [Segment lifetime]); until
+// then it is in /dev/shm, and a job stopped in that window (Ctrl-C, SIGTERM to the launcher, a
+// rank killed) leaves it there, since a process killed by a signal cleans nothing up. So the name
+// says who made it: "/lockstep-shm-<run>-<pid namespace>-<pid>-<nonce>" (the random nonce keeps
+// two groups of one process apart). A segment whose creator, in this pid namespace, no longer
+// runs is of no use to anyone: its group failed or never formed, since a group's segment loses
+// its name before the group's first collective. remove_dead_shm_segments() unlinks those. The
+// launcher calls it once its workers have exited (however the job ended), and rank 0 of every
+// new shm group before it creates its segment (the next job on the machine, when the launcher
+// itself was killed). A segment of another pid namespace (another container sharing /dev/shm) is
+// never judged: its pid means nothing here.
 std::string new_segment_name() {
   std::random_device rd;
   const uint64_t nonce = (static_cast<uint64_t>(rd()) << 32) ^ rd();
   char hex[17];
   std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(nonce));
-  return lockstep::detail::str_cat("/", kSegmentPrefix, sanitized_run_id(), "-", ::getpid(), "-",
-                                   hex);
+  return lockstep::detail::str_cat("/", kSegmentPrefix, sanitized_run_id(), "-", pid_namespace(),
+                                   "-", ::getpid(), "-", hex);
+}
+
+// The pid namespace and pid in a segment's name (without '/'), or nullopt for a name of another
+// form (an older lockstep's, or not a segment).
+std::optional<std::pair<uint64_t, pid_t>> segment_creator(std::string_view name) {
+  if (!name.starts_with(kSegmentPrefix)) return std::nullopt;
+  name.remove_prefix(std::strlen(kSegmentPrefix));
+  std::vector<std::string_view> fields;
+  for (size_t at = 0;;) {
+    const size_t dash = name.find('-', at);
+    fields.push_back(name.substr(at, dash - at));
+    if (dash == std::string_view::npos) break;
+    at = dash + 1;
+  }
+  if (fields.size() != 4) return std::nullopt;  // run, pid namespace, pid, nonce
+  auto number = [](std::string_view f) -> std::optional<uint64_t> {
+    if (f.empty() || f.size() > 19) return std::nullopt;
+    uint64_t v = 0;
+    for (char c : f) {
+      if (c < '0' || c > '9') return std::nullopt;
+      v = v * 10 + static_cast<uint64_t>(c - '0');
+    }
+    return v;
+  };
+  const auto ns = number(fields[1]);
+  const auto pid = number(fields[2]);
+  if (!ns || !pid || *pid == 0 || *pid > INT_MAX) return std::nullopt;
+  return std::make_pair(*ns, static_cast<pid_t>(*pid));
+}
+
+// "/dev/shm has 1.0 MiB free of 1.0 MiB", or what could not be learnt.
+std::string dev_shm_space() {
+  struct statvfs vfs {};
+  if (::statvfs("/dev/shm", &vfs) != 0) return "/dev/shm cannot be examined (" + errno_text(errno) + ")";
+  const double mib = 1024.0 * 1024.0;
+  char text[128];
+  std::snprintf(text, sizeof(text), "/dev/shm has %.1f MiB free of %.1f MiB",
+                static_cast<double>(vfs.f_bavail) * static_cast<double>(vfs.f_frsize) / mib,
+                static_cast<double>(vfs.f_blocks) * static_cast<double>(vfs.f_frsize) / mib);
+  return text;
 }
 
 // store.wait, with what was being waited for in the error.
@@ -181,12 +244,32 @@ void Segment::connect(const SegmentOptions& o) {
   if (rank_ == 0) {
     // The header is complete before the name is published: the others check it once mapped.
     try {
+      if (const size_t n = remove_dead_shm_segments(); n > 0) {
+        log_warning(who_, ": removed ", n, " shared-memory segment", n == 1 ? "" : "s",
+                    " that jobs which have ended left in /dev/shm");
+      }
       name_ = new_segment_name();
       Fd fd(LS_SYSCHECK_MSG(::shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600), who_,
                             ": cannot create the shared-memory segment ", name_));
       creator_ = true;
       LS_SYSCHECK_MSG(::ftruncate(fd.get(), static_cast<off_t>(bytes_)), who_, ": cannot size ",
-                      name_, " to ", bytes_, " bytes (is /dev/shm large enough?)");
+                      name_, " to ", bytes_, " bytes");
+      // Note [Pages reserved at creation]
+      // ftruncate on tmpfs reserves nothing: a /dev/shm too small for the segment (Docker gives a
+      // container 64 MiB) would show as SIGBUS in whichever rank first touches a page past the
+      // end, in the middle of a collective. posix_fallocate takes every page now, so a shortage
+      // is this error, on every rank (they read it through the store), before any collective.
+      if (const int err = ::posix_fallocate(fd.get(), 0, static_cast<off_t>(bytes_)); err != 0) {
+        const double mib = static_cast<double>(bytes_) / (1024.0 * 1024.0);
+        char need[64];
+        std::snprintf(need, sizeof(need), "%.1f MiB", mib);
+        LS_THROW(who_, ": cannot reserve the shared-memory segment: ", dev_shm_space(),
+                 " and this group of ", size_, " ranks needs ", need, " (", size_, " slots of ",
+                 slot_bytes_ >> 10, " KiB) [", errno_text(err),
+                 "]. Give /dev/shm more room (docker run --shm-size=1g; Kubernetes: an emptyDir "
+                 "with medium: Memory mounted at /dev/shm), or use the gloo backend "
+                 "(LOCKSTEP_BACKEND=gloo), which needs no shared memory");
+      }
       map(fd);
       Header& h = seg_header();
       h.slot_bytes = static_cast<uint64_t>(slot_bytes_);
@@ -252,10 +335,39 @@ Segment::~Segment() { release(); }
 void Segment::release() {
   if (base_ != nullptr) ::munmap(base_, bytes_);
   base_ = nullptr;
-  if (creator_ && !unlinked_) ::shm_unlink(name_.c_str());
+  // A group that failed to form leaves nothing: every rank that learnt the name unlinks it.
+  if (!unlinked_ && (creator_ || rank_ != 0) && !name_.empty() && name_[0] == '/')
+    ::shm_unlink(name_.c_str());
   unlinked_ = true;
   pidfds_.clear();
 }
+
+}  // namespace lockstep::dist::shm
+
+namespace lockstep::dist {
+
+size_t remove_dead_shm_segments() {
+  using shm::pid_namespace;
+  using shm::segment_creator;
+  const uint64_t own_ns = pid_namespace();
+  if (own_ns == 0) return 0;  // no /proc: pids cannot be judged
+  std::error_code ec;
+  std::filesystem::directory_iterator it("/dev/shm", ec);
+  if (ec) return 0;
+  size_t removed = 0;
+  for (; !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    const auto creator = segment_creator(name);
+    if (!creator || creator->first != own_ns) continue;
+    if (::kill(creator->second, 0) == 0 || errno != ESRCH) continue;  // running (or not ours)
+    if (::shm_unlink(("/" + name).c_str()) == 0) ++removed;
+  }
+  return removed;
+}
+
+}  // namespace lockstep::dist
+
+namespace lockstep::dist::shm {
 
 Segment::Header& Segment::seg_header() const { return *reinterpret_cast<Header*>(base_); }
 

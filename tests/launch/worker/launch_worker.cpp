@@ -29,6 +29,7 @@ extern char** environ;
 #include "lockstep/distributed/ddp.h"
 #include "lockstep/distributed/error_file.h"
 #include "lockstep/distributed/init.h"
+#include "lockstep/distributed/shm/process_group_shm.h"
 #include "lockstep/lockstep.h"
 
 namespace fs = std::filesystem;
@@ -291,6 +292,25 @@ int hang(const std::string& how) {
   return 2;
 }
 
+// A job stopped while its shm group is being built: rank 0 creates the group's segment and waits
+// for rank 1 to map it; rank 1 only says it is on rank 0's machine (so that rank 0 goes on) and
+// sleeps. The test stops the launcher then, and looks for the segment in /dev/shm.
+int shm_setup() {
+  lockstep::dist::register_backend(
+      "shm_setup", [](const lockstep::dist::BackendConfig& c) -> lockstep::dist::ProcessGroupPtr {
+        if (c.rank == 0) return std::make_shared<lockstep::dist::ProcessGroupShm>(c);
+        c.store->wait({"shm/host/0"}, std::chrono::seconds(60));
+        c.store->set("shm/host/1", c.store->get_string("shm/host/0"));
+        std::this_thread::sleep_for(std::chrono::seconds(120));
+        throw std::runtime_error("rank 1 was not stopped");
+      });
+  lockstep::dist::InitOptions o;
+  o.backend = "shm_setup";
+  o.timeout = std::chrono::seconds(120);
+  lockstep::dist::init_process_group(o);
+  return 95;  // never: rank 1 does not map the segment
+}
+
 // Rank `who` allocates and touches `mib` MiB, then "kill": SIGKILLs itself; "hold": sleeps (for
 // the out-of-memory killer to end it). The others wait to be stopped.
 int alloc(int mib, const std::string& then, int who) {
@@ -347,6 +367,7 @@ int run(int argc, char** argv) {
     return 0;
   }
   if (mode == "sleep") return sleep_then_fail(120s);
+  if (mode == "shm-setup") return shm_setup();
   if (mode == "elastic" && argc >= 4) return elastic(argv[2], std::atoi(argv[3]));
   if (mode == "lines" && argc >= 3) return print_lines(std::atoi(argv[2]));
   if (mode == "redraw" && argc >= 3) return redraw(argv[2]);

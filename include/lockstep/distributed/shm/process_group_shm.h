@@ -2,6 +2,7 @@
 // shared-memory segment per group.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -31,13 +32,19 @@ struct ShmOptions {
 // fails that way the group is poisoned: every later call fails at once, naming the first
 // failure. Ranks that disagree on a collective's sizes, dtype, op or root fail together, naming
 // both values; the group stays usable after that.
+// Unlinks the segments in /dev/shm that shm groups of ended jobs left behind: those whose creating
+// process (in this pid namespace) no longer runs (Note [Segments of dead jobs] in
+// src/distributed/shm/segment.cpp). Returns how many it removed. The launcher calls it once its
+// workers have exited; rank 0 of a new shm group calls it before creating its segment.
+size_t remove_dead_shm_segments();
+
 class ProcessGroupShm : public ProcessGroup {
  public:
   explicit ProcessGroupShm(const BackendConfig& config, const ShmOptions& options = {});
   ~ProcessGroupShm() override;
 
   std::string_view backend() const override { return "shm"; }
-  // The segment's (already unlinked) name, "/lockstep-shm-<run id>-<pid>-<nonce>".
+  // The segment's (already unlinked) name, "/lockstep-shm-<run id>-<pid namespace>-<pid>-<nonce>".
   const std::string& segment_name() const;
 
  protected:
