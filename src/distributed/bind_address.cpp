@@ -9,10 +9,12 @@
 #include <sys/socket.h>
 
 #include <memory>
+#include <optional>
 #include <set>
 #include <vector>
 
 #include "lockstep/base/error.h"
+#include "lockstep/base/log.h"
 #include "lockstep/base/syscall.h"
 #include "lockstep/base/worker_env.h"
 
@@ -91,6 +93,70 @@ BindChoice choose_bind(const DistEnv& env) {
   if (is_ip_address(env.socket_ifname)) return {env.socket_ifname, ""};
   check_interface(env.socket_ifname);
   return {"", env.socket_ifname};
+}
+
+namespace {
+
+// 127.0.0.0/8, ::1, or ::ffff:127.x.y.z.
+bool is_loopback(const sockaddr* a) {
+  if (a->sa_family == AF_INET) {
+    return (ntohl(reinterpret_cast<const sockaddr_in*>(a)->sin_addr.s_addr) >> 24) == 127;
+  }
+  if (a->sa_family != AF_INET6) return false;
+  const in6_addr& v6 = reinterpret_cast<const sockaddr_in6*>(a)->sin6_addr;
+  return IN6_IS_ADDR_LOOPBACK(&v6) || (IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127);
+}
+
+// The first address `host` resolves to when every one is a loopback address, else ""; nullopt
+// when it does not resolve.
+std::optional<std::string> loopback_only(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(host.c_str(), nullptr, &hints, &found) != 0) return std::nullopt;
+  std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> owner(found, &::freeaddrinfo);
+  std::string first;
+  for (addrinfo* ai = found; ai != nullptr; ai = ai->ai_next) {
+    if (!is_loopback(ai->ai_addr)) return "";
+    if (!first.empty()) continue;
+    char text[INET6_ADDRSTRLEN] = {};
+    const void* addr =
+        ai->ai_family == AF_INET
+            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(ai->ai_addr)->sin_addr)
+            : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(ai->ai_addr)->sin6_addr);
+    if (::inet_ntop(ai->ai_family, addr, text, sizeof(text)) != nullptr) first = text;
+  }
+  return first;
+}
+
+}  // namespace
+
+std::string store_listen_address(const DistEnv& env) {
+  const std::optional<std::string> loopback = loopback_only(env.master_addr);
+  if (loopback && !loopback->empty()) return *loopback;
+  // A rank that cannot resolve MASTER_ADDR fails connecting, naming that cause; rank 0 hosts the
+  // store whatever the name, so it judges it as another machine's.
+  if (!loopback && env.rank != 0) return "";
+  if (env.store_token && !env.store_token->empty()) return "";
+  if (env.store_insecure) {
+    if (env.rank == 0) {
+      log_warning(env::kStoreInsecure, "=1: rank 0's store listens on every interface of this "
+                  "machine without a token (", env::kMasterAddr, "=", env.master_addr, ", port ",
+                  env.master_port, "); whoever reaches that port can read the job's keys and stop "
+                  "it. Use this only on a network you trust.");
+    }
+    return "";
+  }
+  LS_THROW("rank ", env.rank, ": rank 0 would host the rendezvous store on every interface (",
+           env::kMasterAddr, "=", env.master_addr, " is not a loopback address) with no token, and "
+           "whoever reaches port ", env.master_port, " could read the job's keys and stop it. Give "
+           "every rank the same secret: on a cluster, once, `head -c 32 /dev/urandom | base64 > "
+           "~/.lockstep-token && chmod 600 ~/.lockstep-token` (a file on the shared file system), "
+           "then `export ", env::kStoreTokenFile, "=~/.lockstep-token` before srun or mpirun; or "
+           "export ", env::kStoreToken, "=<secret>, which they pass on; or start the job with "
+           "`lockstep run`, which makes one. On a network you trust, ", env::kStoreInsecure,
+           "=1 runs without a token");
 }
 
 }  // namespace detail

@@ -20,4 +20,14 @@ struct BindChoice {
 // same way (loopback for a job on one machine, MASTER_ADDR's default).
 BindChoice choose_bind(const DistEnv& env);
 
+// Note [Who may reach rank 0's store]
+// Where rank 0's own store (ranks started without the launcher: srun, mpirun, by hand) listens.
+// When MASTER_ADDR resolves to loopback only, the job is on this machine: its address (nothing
+// else can connect). Otherwise every interface, which is safe only with a token: the store holds
+// the job's keys, and whoever connects can read them and stop the job. So without one
+// (LOCKSTEP_STORE_TOKEN or LOCKSTEP_STORE_TOKEN_FILE) every rank fails at once, saying how to
+// set one, unless LOCKSTEP_STORE_INSECURE=1 says the network is trusted (a warning then). "" means
+// every interface.
+std::string store_listen_address(const DistEnv& env);
+
 }  // namespace lockstep::dist::detail

@@ -124,6 +124,13 @@ DistEnv read_dist_env(const EnvLookup& lookup) {
       seconds_var(vars, env::kRendezvousTimeout, kMinRendezvousTimeoutS, kMaxRendezvousTimeoutS);
   e.timeout = seconds_var(vars, env::kTimeout, kMinTimeoutS, kMaxTimeoutS);
   e.backend = vars.str(env::kBackend).value_or("");
+  if (std::string token = store_token_from_env(lookup); !token.empty()) e.store_token = token;
+  if (const auto insecure = vars.str(env::kStoreInsecure)) {
+    LS_CHECK(*insecure == "0" || *insecure == "1", env::kStoreInsecure,
+             ": expected 1 (rank 0's store may listen beyond loopback without a token) or 0, got '",
+             *insecure, "'");
+    e.store_insecure = *insecure == "1";
+  }
   e.socket_ifname = vars.str(env::kSocketIfname).value_or(vars.str(kGlooSocketIfname).value_or(""));
   const auto master_addr = vars.str(env::kMasterAddr);
   const auto master_port = vars.integer(env::kMasterPort, 1, 65535);

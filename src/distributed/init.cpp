@@ -244,6 +244,10 @@ World connect_world(DistEnv env, const InitOptions& opts) {
     so.host = env.master_addr;
     so.port = env.master_port;
     so.is_server = env.rank == 0 && !env.agent_store;
+    so.token = env.store_token;
+    // Every rank decides alike, so that all fail at once where the store would be open.
+    const std::string listen = env.agent_store ? "" : detail::store_listen_address(env);
+    if (so.is_server) so.server.bind_address = listen;
     so.wait_for_workers = false;
     so.timeout = rendezvous_timeout;  // connecting (Note [Waiting for the store])
     try {

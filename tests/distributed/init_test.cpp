@@ -1,9 +1,18 @@
 // init: reading the environment (torchrun, SLURM, Open MPI, none), the join check that makes
 // disagreeing ranks fail loudly, new_group, the default group and the local address choice.
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fstream>
 #include <latch>
 #include <map>
+#include <sstream>
 #include <thread>
 
+#include "distributed/bind_address.h"
+#include "lockstep/base/syscall.h"
 #include "lockstep/distributed/gloo/process_group_gloo.h"
 #include "lockstep/distributed/init.h"
 #include "lockstep/distributed/store/hash_store.h"
@@ -600,6 +609,117 @@ TEST(ConnectWorld, ABadInterfaceOnOneRankFailsEveryRankAtOnce) {
     EXPECT_THAT(e, ::testing::HasSubstr("nosuch0: no such network interface"));
   }
   EXPECT_THAT(errors[0], ::testing::HasSubstr("rank 1: "));
+}
+
+// Note [Who may reach rank 0's store] (src/distributed/bind_address.h).
+TEST(StoreListen, LoopbackWhenTheJobIsOnThisMachineElseATokenOrTheInsecureSetting) {
+  auto at = [](const std::string& addr, std::map<std::string, std::string> more = {}) {
+    more["RANK"] = "0";
+    more["WORLD_SIZE"] = "2";
+    more["MASTER_ADDR"] = addr;
+    return dist::detail::store_listen_address(read_dist_env(env_of(more)));
+  };
+  EXPECT_EQ(at("127.0.0.1"), "127.0.0.1");
+  EXPECT_EQ(at("127.0.1.1"), "127.0.1.1");
+  EXPECT_EQ(at("::1"), "::1");
+  const std::string localhost = at("localhost");
+  EXPECT_TRUE(localhost == "127.0.0.1" || localhost == "::1") << localhost;
+  // Another machine's address (the torchrun/SLURM way): open only with a token.
+  expect_error([&] { at("10.255.255.1"); },
+               {"rank 0: rank 0 would host the rendezvous store on every interface",
+                "MASTER_ADDR=10.255.255.1 is not a loopback address", "port 29500",
+                "LOCKSTEP_STORE_TOKEN_FILE=~/.lockstep-token", "before srun",
+                "LOCKSTEP_STORE_TOKEN=<secret>", "LOCKSTEP_STORE_INSECURE=1"});
+  EXPECT_EQ(at("10.255.255.1", {{"LOCKSTEP_STORE_TOKEN", "s3cret"}}), "");
+  EXPECT_EQ(at("10.255.255.1", {{"LOCKSTEP_STORE_INSECURE", "1"}}), "");
+  expect_error([&] { at("10.255.255.1", {{"LOCKSTEP_STORE_INSECURE", "0"}}); },
+               {"would host the rendezvous store on every interface"});
+  expect_error([&] { at("10.255.255.1", {{"LOCKSTEP_STORE_INSECURE", "yes"}}); },
+               {"LOCKSTEP_STORE_INSECURE: expected 1", "or 0, got 'yes'"});
+}
+
+TEST(StoreListen, ATokenFileOfTheUsersOwnReadableByNoOneElse) {
+  const std::string path = ::testing::TempDir() + "token_" + std::to_string(::getpid());
+  std::ofstream(path) << "  s3cret-from-a-file\n";
+  auto token_of = [&](std::map<std::string, std::string> vars) {
+    return read_dist_env(env_of(vars)).store_token;
+  };
+  ::chmod(path.c_str(), 0600);
+  EXPECT_EQ(token_of({{"LOCKSTEP_STORE_TOKEN_FILE", path}}), "s3cret-from-a-file");
+  EXPECT_EQ(token_of({{"LOCKSTEP_STORE_TOKEN", "t"}}), "t");
+  EXPECT_EQ(token_of({}), std::nullopt);
+  expect_error([&] { token_of({{"LOCKSTEP_STORE_TOKEN_FILE", path}, {"LOCKSTEP_STORE_TOKEN", "t"}}); },
+               {"LOCKSTEP_STORE_TOKEN and LOCKSTEP_STORE_TOKEN_FILE both give", "set only one"});
+  ::chmod(path.c_str(), 0644);
+  expect_error([&] { token_of({{"LOCKSTEP_STORE_TOKEN_FILE", path}}); },
+               {"LOCKSTEP_STORE_TOKEN_FILE=" + path + " has mode 0644", "chmod 600"});
+  ::unlink(path.c_str());
+  expect_error([&] { token_of({{"LOCKSTEP_STORE_TOKEN_FILE", path}}); },
+               {"LOCKSTEP_STORE_TOKEN_FILE=" + path + ": cannot open it"});
+  // A FIFO is refused at once, not read (which would block until a writer came).
+  ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0);
+  expect_error([&] { token_of({{"LOCKSTEP_STORE_TOKEN_FILE", path}}); },
+               {"is not a regular file"});
+  ::unlink(path.c_str());
+}
+
+// The local addresses on which something listens on TCP port `port` (from /proc/net/tcp and
+// tcp6, as the kernel's hex: "0100007F" is 127.0.0.1, "00000000" every interface).
+std::vector<std::string> listeners_on(uint16_t port) {
+  std::vector<std::string> found;
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(table);
+    std::string line;
+    std::getline(in, line);  // the header
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string slot, local, remote, state;
+      fields >> slot >> local >> remote >> state;
+      const auto colon = local.rfind(':');
+      if (state != "0A" || colon == std::string::npos) continue;  // 0A: LISTEN
+      if (std::stoul(local.substr(colon + 1), nullptr, 16) == port) found.push_back(local.substr(0, colon));
+    }
+  }
+  return found;
+}
+
+// Ranks started the torchrun/SLURM way on one machine (MASTER_ADDR=127.0.0.1, no token): rank 0's
+// store listens on loopback only, where it once listened on every interface with no token.
+TEST(StoreListen, RankZerosStoreListensOnLoopbackOnlyForAJobOnThisMachine) {
+  uint16_t port = 0;
+  {
+    Fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    socklen_t len = sizeof(a);
+    ASSERT_EQ(::bind(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+    ASSERT_EQ(::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&a), &len), 0);
+    port = ntohs(a.sin_port);
+  }
+  std::vector<std::string> errors(2), listening;
+  std::latch built(2);
+  std::vector<std::thread> ts;
+  for (int r = 0; r < 2; ++r) {
+    ts.emplace_back([&, r] {
+      try {
+        const DistEnv env = read_dist_env(env_of({{"RANK", std::to_string(r)},
+                                                  {"WORLD_SIZE", "2"},
+                                                  {"MASTER_ADDR", "127.0.0.1"},
+                                                  {"MASTER_PORT", std::to_string(port)},
+                                                  {"LOCKSTEP_BACKEND", "gloo"}}));
+        World w = connect_world(env, {});
+        if (r == 0) listening = listeners_on(port);
+        w.group->barrier()->wait();
+        built.arrive_and_wait();
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+        built.count_down();
+      }
+    });
+  }
+  for (auto& t : ts) t.join();
+  for (const auto& e : errors) EXPECT_EQ(e, "");
+  EXPECT_THAT(listening, ::testing::ElementsAre("0100007F"));
 }
 
 }  // namespace

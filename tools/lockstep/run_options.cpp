@@ -144,12 +144,6 @@ std::string resolve_program(const std::string& program) {
   throw UsageError("the program '" + program + "' was not found on PATH");
 }
 
-std::string octal_mode(mode_t m) {
-  char buf[8];
-  std::snprintf(buf, sizeof buf, "%04o", static_cast<unsigned>(m & 07777));
-  return buf;
-}
-
 // Note [Store token]
 void choose_token(const RawRunOptions& raw, RunOptions& o) {
   const char* env_token = std::getenv(env::kStoreToken);
@@ -254,48 +248,11 @@ void check_flag_env(const std::string& flag, const std::set<std::string>& on_com
 }
 
 std::string read_token_file(const std::string& path) {
-  const std::string what = "--token-file " + path;
-  // O_NONBLOCK: a FIFO must not block the launcher; it is refused below as not a regular file.
-  const int raw_fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
-  if (raw_fd < 0) throw UsageError(what + ": cannot open it: " + errno_text(errno));
-  const Fd fd(raw_fd);
-  struct stat st {};
-  LS_SYSCHECK_MSG(::fstat(fd.get(), &st), "cannot stat ", path);
-  if (!S_ISREG(st.st_mode)) throw UsageError(what + " is not a regular file");
-  if (st.st_uid != ::geteuid()) {
-    throw UsageError(what + " belongs to uid " + std::to_string(st.st_uid) +
-                     ", not to the user running the job (uid " + std::to_string(::geteuid()) +
-                     "); the token must be a file of your own that only you can read");
+  try {
+    return dist::read_store_token_file(path, "--token-file " + path);
+  } catch (const Error& e) {
+    throw UsageError(e.message());
   }
-  if ((st.st_mode & 077) != 0) {
-    throw UsageError(what + " has mode " + octal_mode(st.st_mode) +
-                     ": other users can read or change the token; it must be readable only by its "
-                     "owner (chmod 600 " +
-                     path + ")");
-  }
-  std::string text(kMaxTokenBytes + 2, '\0');
-  size_t n = 0;
-  for (;;) {
-    const ssize_t r = ::read(fd.get(), text.data() + n, text.size() - n);
-    if (r < 0 && errno == EINTR) continue;
-    if (r < 0) throw UsageError(what + ": cannot read it: " + errno_text(errno));
-    if (r == 0 || (n += static_cast<size_t>(r)) == text.size()) break;
-  }
-  text.resize(n);
-  const auto first = text.find_first_not_of(" \t\r\n");
-  text = first == std::string::npos
-             ? std::string()
-             : text.substr(first, text.find_last_not_of(" \t\r\n") - first + 1);
-  if (text.empty()) throw UsageError(what + " is empty; it must hold the job's secret");
-  if (text.size() > kMaxTokenBytes) {
-    throw UsageError(what + " holds more than " + std::to_string(kMaxTokenBytes) +
-                     " bytes; a token is a short secret (is this the right file?)");
-  }
-  if (text.find('\0') != std::string::npos) {
-    throw UsageError(what + " contains a NUL byte; a token is text (it reaches the workers in " +
-                     env::kStoreToken + ")");
-  }
-  return text;
 }
 
 void check_log_dir(const std::string& dir) {

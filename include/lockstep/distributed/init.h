@@ -55,6 +55,9 @@ struct DistEnv {
   std::optional<std::chrono::milliseconds> rendezvous_timeout;  // LOCKSTEP_RENDEZVOUS_TIMEOUT
   std::optional<std::chrono::milliseconds> timeout;             // LOCKSTEP_TIMEOUT
   std::string backend;  // LOCKSTEP_BACKEND; empty when unset
+  // The store's token: LOCKSTEP_STORE_TOKEN, or read from LOCKSTEP_STORE_TOKEN_FILE.
+  std::optional<std::string> store_token;
+  bool store_insecure = false;  // LOCKSTEP_STORE_INSECURE=1 (Note [Who may reach rank 0's store])
   // Which variables these came from: "RANK/WORLD_SIZE", "SLURM", "Open MPI" or "none".
   std::string source = "none";
 };

@@ -1,6 +1,11 @@
 // TCPStore: the client side of every request, and the server a TCPStore with is_server starts.
 #include "lockstep/distributed/store/tcp_store.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
 #include <cstdlib>
 #include <thread>
 
@@ -126,12 +131,74 @@ std::string resolve_token(const TCPStoreOptions& opts) {
   return token ? std::string(token) : std::string();
 }
 
+std::string octal_mode(mode_t m) {
+  char buf[8];
+  std::snprintf(buf, sizeof buf, "%04o", static_cast<unsigned>(m & 07777));
+  return buf;
+}
+
 int64_t field_i64(const detail::TCPStoreClient::Reply& r, size_t i, const std::string& where) {
   auto v = i < r.fields.size() ? detail::as_i64(r.fields[i]) : std::nullopt;
   LS_CHECK(v.has_value(), "malformed reply from the store at ", where);
   return *v;
 }
 }  // namespace
+
+std::string read_store_token_file(const std::string& path, const std::string& what) {
+  // O_NONBLOCK: a FIFO must not block the reader; it is refused below as not a regular file.
+  const int raw_fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+  if (raw_fd < 0) LS_THROW(what, ": cannot open it: ", errno_text(errno));
+  const Fd fd(raw_fd);
+  struct stat st {};
+  LS_SYSCHECK_MSG(::fstat(fd.get(), &st), "cannot stat ", path);
+  if (!S_ISREG(st.st_mode)) LS_THROW(what, " is not a regular file");
+  if (st.st_uid != ::geteuid()) {
+    LS_THROW(what, " belongs to uid ", st.st_uid, ", not to the user running the job (uid ",
+             ::geteuid(), "); the token must be a file of your own that only you can read");
+  }
+  if ((st.st_mode & 077) != 0) {
+    LS_THROW(what, " has mode ", octal_mode(st.st_mode),
+             ": other users can read or change the token; it must be readable only by its owner "
+             "(chmod 600 ",
+             path, ")");
+  }
+  std::string text(detail::kMaxTokenBytes + 2, '\0');
+  size_t n = 0;
+  for (;;) {
+    const ssize_t r = ::read(fd.get(), text.data() + n, text.size() - n);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) LS_THROW(what, ": cannot read it: ", errno_text(errno));
+    if (r == 0 || (n += static_cast<size_t>(r)) == text.size()) break;
+  }
+  text.resize(n);
+  const auto first = text.find_first_not_of(" \t\r\n");
+  text = first == std::string::npos
+             ? std::string()
+             : text.substr(first, text.find_last_not_of(" \t\r\n") - first + 1);
+  if (text.empty()) LS_THROW(what, " is empty; it must hold the job's secret");
+  if (text.size() > detail::kMaxTokenBytes) {
+    LS_THROW(what, " holds more than ", detail::kMaxTokenBytes,
+             " bytes; a token is a short secret (is this the right file?)");
+  }
+  if (text.find('\0') != std::string::npos) {
+    LS_THROW(what, " contains a NUL byte; a token is text (it reaches the workers in ",
+             env::kStoreToken, ")");
+  }
+  return text;
+}
+
+std::string store_token_from_env(
+    const std::function<std::optional<std::string>(const std::string&)>& lookup) {
+  const auto token = lookup(env::kStoreToken);
+  const auto file = lookup(env::kStoreTokenFile);
+  const bool has_token = token && !token->empty(), has_file = file && !file->empty();
+  LS_CHECK(!(has_token && has_file), env::kStoreToken, " and ", env::kStoreTokenFile,
+           " both give the store's token; set only one");
+  if (has_file) {
+    return read_store_token_file(*file, std::string(env::kStoreTokenFile) + "=" + *file);
+  }
+  return has_token ? *token : std::string();
+}
 
 TCPStore::TCPStore(TCPStoreOptions opts) : Store(opts.timeout), opts_(std::move(opts)) {
   LS_CHECK(!opts_.num_workers || *opts_.num_workers >= 1,

@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -65,6 +66,16 @@ struct TCPStoreOptions {
   // Server only: where it listens, and its deadlines and caps.
   TCPStoreServerOptions server;
 };
+
+// The token in a file: a regular file owned by this user, readable by no one else, holding the
+// secret (whitespace around it ignored; at most 4 KiB, no NUL). `what` names the file in errors
+// ("--token-file T"). A FIFO or device is refused without blocking.
+std::string read_store_token_file(const std::string& path, const std::string& what);
+
+// The token the environment gives: LOCKSTEP_STORE_TOKEN, or the content of the file
+// LOCKSTEP_STORE_TOKEN_FILE names; "" when neither is set. Both set is an Error.
+std::string store_token_from_env(
+    const std::function<std::optional<std::string>(const std::string&)>& lookup);
 
 // With is_server, starts the server (one thread polling every connection) and connects to it as
 // a client like every other process. Requests from one TCPStore object are serialized (one
