@@ -208,6 +208,7 @@ void Agent::start_workers(int g) {
     const std::string name = entry.substr(0, entry.find('='));
     if (name == env::kOmpNumThreads) user_omp = true;
     if (name == env::kTimeout) continue;  // --timeout's (LOCKSTEP_TIMEOUT is read as --timeout)
+    if (name == env::kStoreTokenFile) continue;  // the launcher's LOCKSTEP_STORE_TOKEN replaces it
     if (std::find(env::kLauncherSet.begin(), env::kLauncherSet.end(), name) ==
         env::kLauncherSet.end()) {
       base.push_back(entry);

@@ -148,16 +148,22 @@ std::string resolve_program(const std::string& program) {
 void choose_token(const RawRunOptions& raw, RunOptions& o) {
   const char* env_token = std::getenv(env::kStoreToken);
   const bool has_env = env_token != nullptr && *env_token != '\0';
-  if (has_env && !raw.token_file.empty()) {
-    throw UsageError(std::string(env::kStoreToken) + " and " + source_of(raw, "--token-file") +
+  // LOCKSTEP_STORE_TOKEN_FILE, the workers' way to name a token file, names it here too.
+  const char* env_file = std::getenv(env::kStoreTokenFile);
+  const std::string token_file =
+      !raw.token_file.empty() ? raw.token_file : (env_file != nullptr ? env_file : "");
+  const std::string file_source = !raw.token_file.empty() ? source_of(raw, "--token-file")
+                                                          : std::string(env::kStoreTokenFile);
+  if (has_env && !token_file.empty()) {
+    throw UsageError(std::string(env::kStoreToken) + " and " + file_source +
                      " both give the store's token; give only one");
   }
   if (has_env) {
     o.token = env_token;
     o.token_source = env::kStoreToken;
-  } else if (!raw.token_file.empty()) {
-    o.token = read_token_file(raw.token_file);
-    o.token_source = "--token-file " + raw.token_file;
+  } else if (!token_file.empty()) {
+    o.token = read_token_file(token_file);
+    o.token_source = "--token-file " + token_file;
   } else if (o.nnodes == 1) {
     return;  // the agent makes a random one
   } else if (!raw.run_id.empty()) {

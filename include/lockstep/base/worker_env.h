@@ -24,11 +24,6 @@ inline constexpr const char* kRunId = "LOCKSTEP_RUN_ID";
 inline constexpr const char* kUseAgentStore = "LOCKSTEP_USE_AGENT_STORE";
 // The token a TCP store client presents (docs/LAUNCHER.md).
 inline constexpr const char* kStoreToken = "LOCKSTEP_STORE_TOKEN";
-// A file holding that token (a file of the user's own, mode 0600: on a cluster's shared file
-// system every rank reads the same one), for ranks started without the launcher (srun, mpirun).
-inline constexpr const char* kStoreTokenFile = "LOCKSTEP_STORE_TOKEN_FILE";
-// "1": rank 0 may host its store on a non-loopback address without a token (a trusted network).
-inline constexpr const char* kStoreInsecure = "LOCKSTEP_STORE_INSECURE";
 // Where init_process_group's terminate handler writes an uncaught error (TORCHELASTIC_ERROR_FILE).
 inline constexpr const char* kErrorFile = "LOCKSTEP_ERROR_FILE";
 // "1": this worker's stdout reaches the launcher's terminal (progress bars redraw in place).
@@ -44,6 +39,12 @@ inline constexpr std::array<const char*, 15> kLauncherSet = {
     kUseAgentStore, kStoreToken, kErrorFile,    kStdoutIsTty,    kTraceFile};
 
 // Read by the library but set by the user, never by the launcher.
+// A file holding the store's token (a file of the user's own, mode 0600: on a cluster's shared
+// file system every rank reads the same one), for ranks started without the launcher (srun,
+// mpirun). The launcher drops it from its workers' environment: its own token replaces it.
+inline constexpr const char* kStoreTokenFile = "LOCKSTEP_STORE_TOKEN_FILE";
+// "1": rank 0 may host its store on a non-loopback address without a token (a trusted network).
+inline constexpr const char* kStoreInsecure = "LOCKSTEP_STORE_INSECURE";
 inline constexpr const char* kOmpNumThreads = "OMP_NUM_THREADS";
 inline constexpr const char* kSocketIfname = "LOCKSTEP_SOCKET_IFNAME";
 // Seconds init_process_group waits to reach the store and for every rank to join.
