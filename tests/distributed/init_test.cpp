@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <functional>
 #include <latch>
 #include <map>
 #include <sstream>
@@ -33,6 +34,33 @@ EnvLookup env_of(std::map<std::string, std::string> vars) {
     if (it == vars.end()) return std::nullopt;
     return it->second;
   };
+}
+
+// Runs body(rank, together) on `world` threads and returns each rank's exception message ("" when
+// it succeeded). A body calls together() last, while it still holds its groups: no rank closes
+// its groups before every rank got there, since a peer that leaves while another still connects
+// fails it ("Connection closed by peer"), as a dying rank should.
+std::vector<std::string> on_threads(
+    int world, const std::function<void(int, const std::function<void()>&)>& body) {
+  std::vector<std::string> errors(static_cast<size_t>(world));
+  std::latch all_there(world);
+  std::vector<std::thread> ts;
+  for (int r = 0; r < world; ++r) {
+    ts.emplace_back([&, r] {
+      bool arrived = false;
+      try {
+        body(r, [&] {
+          arrived = true;
+          all_there.arrive_and_wait();
+        });
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+      if (!arrived) all_there.count_down();
+    });
+  }
+  for (auto& t : ts) t.join();
+  return errors;
 }
 
 TEST(ReadDistEnv, NothingSetIsAWorldOfOne) {
@@ -527,39 +555,26 @@ TEST(DefaultGroup, LifecycleAndAccessors) {
 // reaches every group's backend; the world's groups and new_group's listen on it.
 TEST(ConnectWorld, TheBindAddressIsChosenOnceAndReachesEveryGroup) {
   auto store = std::make_shared<HashStore>(30s);
-  std::vector<std::string> errors(2);
-  // Neither rank closes its groups before both have connected: a peer that leaves while the other
-  // still connects fails it, "Connection closed by peer" (as a dying rank should).
-  std::latch connected(2);
-  std::vector<std::thread> ts;
-  for (int r = 0; r < 2; ++r) {
-    ts.emplace_back([&, r] {
-      try {
-        DistEnv env;
-        env.master_addr = "localhost";
-        InitOptions o;
-        o.backend = "gloo";  // the one that listens (auto would choose shm here)
-        o.store = store;
-        o.rank = r;
-        o.world_size = 2;
-        World w = connect_world(env, o);
-        LS_CHECK(w.bind_address == local_address_toward("localhost", env.master_port) &&
-                     w.bind_interface.empty(),
-                 "bound to '", w.bind_address, "'");
-        auto sub = new_group(w, {0, 1});
-        for (const auto& g : {w.group, sub}) {
-          auto* gloo = dynamic_cast<ProcessGroupGloo*>(g.get());
-          LS_CHECK(gloo != nullptr && gloo->address() == w.bind_address, "a group listens on ",
-                   gloo ? gloo->address() : "?");
-        }
-        connected.arrive_and_wait();
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-        connected.count_down();
-      }
-    });
-  }
-  for (auto& t : ts) t.join();
+  const auto errors = on_threads(2, [&](int r, const std::function<void()>& together) {
+    DistEnv env;
+    env.master_addr = "localhost";
+    InitOptions o;
+    o.backend = "gloo";  // the one that listens (auto would choose shm here)
+    o.store = store;
+    o.rank = r;
+    o.world_size = 2;
+    World w = connect_world(env, o);
+    LS_CHECK(w.bind_address == local_address_toward("localhost", env.master_port) &&
+                 w.bind_interface.empty(),
+             "bound to '", w.bind_address, "'");
+    auto sub = new_group(w, {0, 1});
+    for (const auto& g : {w.group, sub}) {
+      auto* gloo = dynamic_cast<ProcessGroupGloo*>(g.get());
+      LS_CHECK(gloo != nullptr && gloo->address() == w.bind_address, "a group listens on ",
+               gloo ? gloo->address() : "?");
+    }
+    together();
+  });
   for (const auto& e : errors) EXPECT_EQ(e, "");
 
   DistEnv nowhere;
@@ -632,10 +647,16 @@ TEST(StoreListen, LoopbackWhenTheJobIsOnThisMachineElseATokenOrTheInsecureSettin
                 "LOCKSTEP_STORE_TOKEN=<secret>", "LOCKSTEP_STORE_INSECURE=1"});
   EXPECT_EQ(at("10.255.255.1", {{"LOCKSTEP_STORE_TOKEN", "s3cret"}}), "");
   EXPECT_EQ(at("10.255.255.1", {{"LOCKSTEP_STORE_INSECURE", "1"}}), "");
-  expect_error([&] { at("10.255.255.1", {{"LOCKSTEP_STORE_INSECURE", "0"}}); },
-               {"would host the rendezvous store on every interface"});
-  expect_error([&] { at("10.255.255.1", {{"LOCKSTEP_STORE_INSECURE", "yes"}}); },
-               {"LOCKSTEP_STORE_INSECURE: expected 1", "or 0, got 'yes'"});
+  expect_error(
+      [&] {
+        at("10.255.255.1", {{"LOCKSTEP_STORE_INSECURE", "0"}});
+      },
+      {"would host the rendezvous store on every interface"});
+  expect_error(
+      [&] {
+        at("10.255.255.1", {{"LOCKSTEP_STORE_INSECURE", "yes"}});
+      },
+      {"LOCKSTEP_STORE_INSECURE: expected 1", "or 0, got 'yes'"});
 }
 
 TEST(StoreListen, ATokenFileOfTheUsersOwnReadableByNoOneElse) {
@@ -648,18 +669,26 @@ TEST(StoreListen, ATokenFileOfTheUsersOwnReadableByNoOneElse) {
   EXPECT_EQ(token_of({{"LOCKSTEP_STORE_TOKEN_FILE", path}}), "s3cret-from-a-file");
   EXPECT_EQ(token_of({{"LOCKSTEP_STORE_TOKEN", "t"}}), "t");
   EXPECT_EQ(token_of({}), std::nullopt);
-  expect_error([&] { token_of({{"LOCKSTEP_STORE_TOKEN_FILE", path}, {"LOCKSTEP_STORE_TOKEN", "t"}}); },
-               {"LOCKSTEP_STORE_TOKEN and LOCKSTEP_STORE_TOKEN_FILE both give", "set only one"});
+  expect_error(
+      [&] {
+        token_of({{"LOCKSTEP_STORE_TOKEN_FILE", path}, {"LOCKSTEP_STORE_TOKEN", "t"}});
+      },
+      {"LOCKSTEP_STORE_TOKEN and LOCKSTEP_STORE_TOKEN_FILE both give", "set only one"});
   ::chmod(path.c_str(), 0644);
-  expect_error([&] { token_of({{"LOCKSTEP_STORE_TOKEN_FILE", path}}); },
-               {"LOCKSTEP_STORE_TOKEN_FILE=" + path + " has mode 0644", "chmod 600"});
+  expect_error(
+      [&] {
+        token_of({{"LOCKSTEP_STORE_TOKEN_FILE", path}});
+      },
+      {"LOCKSTEP_STORE_TOKEN_FILE=" + path + " has mode 0644", "chmod 600"});
   ::unlink(path.c_str());
-  expect_error([&] { token_of({{"LOCKSTEP_STORE_TOKEN_FILE", path}}); },
-               {"LOCKSTEP_STORE_TOKEN_FILE=" + path + ": cannot open it"});
+  expect_error(
+      [&] {
+        token_of({{"LOCKSTEP_STORE_TOKEN_FILE", path}});
+      },
+      {"LOCKSTEP_STORE_TOKEN_FILE=" + path + ": cannot open it"});
   // A FIFO is refused at once, not read (which would block until a writer came).
   ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0);
-  expect_error([&] { token_of({{"LOCKSTEP_STORE_TOKEN_FILE", path}}); },
-               {"is not a regular file"});
+  expect_error([&] { token_of({{"LOCKSTEP_STORE_TOKEN_FILE", path}}); }, {"is not a regular file"});
   ::unlink(path.c_str());
 }
 
@@ -677,7 +706,8 @@ std::vector<std::string> listeners_on(uint16_t port) {
       fields >> slot >> local >> remote >> state;
       const auto colon = local.rfind(':');
       if (state != "0A" || colon == std::string::npos) continue;  // 0A: LISTEN
-      if (std::stoul(local.substr(colon + 1), nullptr, 16) == port) found.push_back(local.substr(0, colon));
+      if (std::stoul(local.substr(colon + 1), nullptr, 16) == port)
+        found.push_back(local.substr(0, colon));
     }
   }
   return found;
@@ -696,28 +726,18 @@ TEST(StoreListen, RankZerosStoreListensOnLoopbackOnlyForAJobOnThisMachine) {
     ASSERT_EQ(::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&a), &len), 0);
     port = ntohs(a.sin_port);
   }
-  std::vector<std::string> errors(2), listening;
-  std::latch built(2);
-  std::vector<std::thread> ts;
-  for (int r = 0; r < 2; ++r) {
-    ts.emplace_back([&, r] {
-      try {
-        const DistEnv env = read_dist_env(env_of({{"RANK", std::to_string(r)},
-                                                  {"WORLD_SIZE", "2"},
-                                                  {"MASTER_ADDR", "127.0.0.1"},
-                                                  {"MASTER_PORT", std::to_string(port)},
-                                                  {"LOCKSTEP_BACKEND", "gloo"}}));
-        World w = connect_world(env, {});
-        if (r == 0) listening = listeners_on(port);
-        w.group->barrier()->wait();
-        built.arrive_and_wait();
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-        built.count_down();
-      }
-    });
-  }
-  for (auto& t : ts) t.join();
+  std::vector<std::string> listening;
+  const auto errors = on_threads(2, [&](int r, const std::function<void()>& together) {
+    const DistEnv env = read_dist_env(env_of({{"RANK", std::to_string(r)},
+                                              {"WORLD_SIZE", "2"},
+                                              {"MASTER_ADDR", "127.0.0.1"},
+                                              {"MASTER_PORT", std::to_string(port)},
+                                              {"LOCKSTEP_BACKEND", "gloo"}}));
+    World w = connect_world(env, {});
+    if (r == 0) listening = listeners_on(port);
+    w.group->barrier()->wait();
+    together();
+  });
   for (const auto& e : errors) EXPECT_EQ(e, "");
   EXPECT_THAT(listening, ::testing::ElementsAre("0100007F"));
 }

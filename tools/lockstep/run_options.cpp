@@ -163,7 +163,9 @@ void choose_token(const RawRunOptions& raw, RunOptions& o) {
     o.token_source = env::kStoreToken;
   } else if (!token_file.empty()) {
     o.token = read_token_file(token_file);
-    o.token_source = "--token-file " + token_file;
+    o.token_source = raw.token_file.empty()
+                         ? std::string(env::kStoreTokenFile) + "=" + token_file
+                         : "--token-file " + token_file;
   } else if (o.nnodes == 1) {
     return;  // the agent makes a random one
   } else if (!raw.run_id.empty()) {
