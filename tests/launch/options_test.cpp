@@ -251,4 +251,39 @@ TEST_F(Launcher, LogDirThatCannotBeUsedFailsBeforeAnyWorker) {
   EXPECT_TRUE(fs::is_directory(fresh));
 }
 
+TEST_F(Launcher, RunIdThatIsNotOneSafeFileNameIsRefusedAndNothingLandsOutsideTheLogDir) {
+  const fs::path logs = dir_ / "logs";
+  struct Bad {
+    std::string id, found;
+  };
+  const std::vector<Bad> cases = {{"..", "'..'"},
+                                  {".", "'.'"},
+                                  {"../escaped", "'/' at position 3"},
+                                  {"a/b", "'/' at position 2"},
+                                  {"job 1", "byte 0x20 at position 4"},
+                                  {"x$y", "'$' at position 2"},
+                                  {std::string(129, 'a'), "got 129 characters"}};
+  for (const Bad& c : cases) {
+    SCOPED_TRACE(c.id);
+    const Outcome o =
+        run_launcher(run_args({"--standalone", "--log-dir", logs.string(), "--run-id", c.id}, out_),
+                     dir_, "bad");
+    expect_usage_error(o, out_, {"--run-id", "letters, digits, '-', '_' or '.'", c.found});
+  }
+  // Nothing was created beside or above the log directory (nor the directory itself).
+  EXPECT_FALSE(fs::exists(logs));
+  EXPECT_FALSE(fs::exists(dir_ / "escaped"));
+  EXPECT_FALSE(fs::exists(dir_ / "attempt_0"));
+  // From the environment, the message names the variable.
+  const Outcome env =
+      run_launcher(run_args({"--standalone"}, out_), dir_, "env", {"LOCKSTEP_RUN_ID=.."});
+  expect_usage_error(env, out_, {"LOCKSTEP_RUN_ID (the variable for --run-id)", "'..'"});
+  // The allowed characters, at the longest allowed length, run.
+  const std::string ok_id = "Job-7_v1.2" + std::string(128 - 10, 'x');
+  const Outcome ok = run_launcher(
+      run_args({"--standalone", "--log-dir", logs.string(), "--run-id", ok_id}, out_), dir_, "ok");
+  EXPECT_TRUE(ok.exited_with(0)) << ok.describe();
+  EXPECT_TRUE(fs::is_directory(logs / ok_id / "attempt_0"));
+}
+
 }  // namespace

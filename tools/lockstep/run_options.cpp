@@ -231,6 +231,37 @@ StoreBind choose_store_bind(const RunOptions& o) {
   return {local, "the address toward --master-addr " + o.master_addr};
 }
 
+// Note [Run id]
+// The run id names the job's keys in the store (lockstep/<run-id>/...) and its folder under
+// --log-dir (DIR/<run-id>/attempt_<n>/...), so it must be one safe file-name component: '/' or
+// '..' would put the logs outside --log-dir and let two jobs' keys overlap. Allowed are the
+// characters torchrun's rendezvous ids use in practice (a job name, $SLURM_JOB_ID, $RANDOM):
+// letters, digits, '-', '_' and '.', at most kMaxRunIdLength of them, and not '.' or '..'.
+void check_run_id(const std::string& id, const std::string& source) {
+  const std::string expected = source + " must be 1 to " + std::to_string(kMaxRunIdLength) +
+                               " letters, digits, '-', '_' or '.' (not '.' or '..': it names the "
+                               "job's folder under --log-dir and its keys in the store)";
+  if (id.empty() || id.size() > kMaxRunIdLength) {
+    throw UsageError(expected + ", got " + std::to_string(id.size()) + " characters");
+  }
+  if (id == "." || id == "..") throw UsageError(expected + ", got '" + id + "'");
+  for (size_t i = 0; i < id.size(); ++i) {
+    const char c = id[i];
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '-' || c == '_' || c == '.';  // ASCII, whatever the locale
+    if (ok) continue;
+    char shown[16];
+    const auto byte = static_cast<unsigned char>(c);
+    if (byte > 0x20 && byte < 0x7f) {
+      std::snprintf(shown, sizeof shown, "'%c'", c);
+    } else {
+      std::snprintf(shown, sizeof shown, "byte 0x%02x", byte);
+    }
+    throw UsageError(expected + ", got '" + id + "' (" + shown + " at position " +
+                     std::to_string(i + 1) + ")");
+  }
+}
+
 }  // namespace
 
 std::string env_name_of(const std::string& flag) {
@@ -363,9 +394,7 @@ RunOptions check_run_options(const RawRunOptions& raw, const std::vector<std::st
   o.run_id = !raw.run_id.empty() ? raw.run_id
              : raw.standalone    ? "standalone-" + std::to_string(::getpid())
                                  : "none";
-  if (o.run_id.find('/') != std::string::npos) {
-    throw UsageError(src("--run-id") + " must not contain '/', got '" + o.run_id + "'");
-  }
+  check_run_id(o.run_id, src("--run-id"));
   choose_token(raw, o);
   if (o.node_rank == 0) o.store_bind = choose_store_bind(o);
   if (command.empty()) {

@@ -29,6 +29,8 @@ inline constexpr double kMinRdzvTimeout = 0.1;
 inline constexpr double kMaxRdzvTimeout = 7 * 24 * 3600;
 // A token is a short secret; a longer file is most likely the wrong file.
 inline constexpr size_t kMaxTokenBytes = 1024;
+// --run-id: one file-name component (Note [Run id] in run_options.cpp).
+inline constexpr size_t kMaxRunIdLength = 128;
 
 // The options as given: numbers as text, so that a bad one is reported by this code (naming the
 // option or its environment variable and the range) rather than converted or clamped by CLI11.
