@@ -286,4 +286,17 @@ TEST_F(Launcher, RunIdThatIsNotOneSafeFileNameIsRefusedAndNothingLandsOutsideThe
   EXPECT_TRUE(fs::is_directory(logs / ok_id / "attempt_0"));
 }
 
+TEST_F(Launcher, StandaloneWithAMasterPortIsRefusedRatherThanThePortIgnored) {
+  const Outcome flag =
+      run_launcher(run_args({"--standalone", "--master-port", "80"}, out_), dir_, "flag");
+  expect_usage_error(flag, out_, {"--master-port 80", "--standalone", "drop --master-port"});
+  const Outcome env =
+      run_launcher(run_args({"--standalone"}, out_), dir_, "env", {"LOCKSTEP_MASTER_PORT=80"});
+  expect_usage_error(env, out_, {"LOCKSTEP_MASTER_PORT (the variable for --master-port) 80"});
+  // 0 asks for what --standalone does anyway: any free port.
+  const Outcome zero =
+      run_launcher(run_args({"--standalone", "--master-port", "0"}, out_), dir_, "zero");
+  EXPECT_TRUE(zero.exited_with(0)) << zero.describe();
+}
+
 }  // namespace

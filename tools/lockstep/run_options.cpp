@@ -53,6 +53,13 @@ std::string source_of(const RawRunOptions& raw, const std::string& flag) {
   return flag;
 }
 
+// Whether the option was given (on the command line or as its variable), not its default.
+bool is_given(const RawRunOptions& raw, const std::string& flag) {
+  if (raw.on_command_line.count(flag) != 0) return true;
+  const char* v = std::getenv(env_name_of(flag).c_str());
+  return v != nullptr && *v != '\0';
+}
+
 std::string number_text(double v) {
   std::ostringstream s;
   s << v;
@@ -349,6 +356,19 @@ RunOptions check_run_options(const RawRunOptions& raw, const std::vector<std::st
                                      kMaxRdzvTimeout);
   o.master_port = static_cast<int>(parse_int(raw.master_port, src("--master-port"), 0, 65535,
                                              " (0: any free port, on one machine)"));
+  // Note [Standalone port]
+  // --standalone means "a free port on loopback, so that two jobs never clash"; a port the user
+  // also gave would be ignored (torchrun ignores it too, silently: --master-port is only for its
+  // static rendezvous). The two ask for different things, so the combination is refused rather
+  // than one of them dropped; 0 (any free port) is what --standalone does anyway.
+  if (raw.standalone && o.master_port != 0 && is_given(raw, "--master-port")) {
+    throw UsageError(src("--master-port") + " " + raw.master_port +
+                     " cannot be combined with --standalone, which takes a free port on loopback "
+                     "(so that two jobs never clash) and would ignore it: drop --master-port for "
+                     "a free port, or drop --standalone for the store to listen on port " +
+                     raw.master_port + " (on loopback too, with the default --master-addr " +
+                     "127.0.0.1)");
+  }
   if (o.nnodes > 1 && o.master_port == 0) {
     throw UsageError(src("--master-port") +
                      " 0 (any free port) works only on one machine (--nnodes 1): the other "
