@@ -1,13 +1,16 @@
 // The caching CPU allocator: 64-byte aligned blocks, freed blocks kept per size class.
 #include "lockstep/tensor/allocator.h"
 
+#include <cstdint>
 #include <cstdlib>
 #include <mutex>
 #include <new>
 #include <unordered_map>
 #include <vector>
 
+#include "lockstep/base/env_var.h"
 #include "lockstep/base/error.h"
+#include "lockstep/base/worker_env.h"
 
 namespace lockstep {
 
@@ -27,11 +30,20 @@ size_t size_class(size_t n) {
   return (n + quarter - 1) & ~(quarter - 1);
 }
 
+// Note [CPU cache limit from the environment]
+// LOCKSTEP_CPU_CACHE_MB is read when the allocator is made, at the first allocation, not at
+// static initialization: a bad value then throws from that allocation like an out-of-memory
+// error, to a caller that can catch it and print it (the examples' main()), where an exception
+// from a static initializer could only reach std::terminate. The allocator is not made until the
+// value is good, so every later allocation reports it too.
+constexpr int64_t kMaxCacheMb = int64_t{1} << 20;  // 1 TiB
+constexpr int64_t kDefaultCacheMb = 4096;
+
 size_t default_cache_limit() {
-  if (const char* env = std::getenv("LOCKSTEP_CPU_CACHE_MB")) {
-    return static_cast<size_t>(std::strtoull(env, nullptr, 10)) << 20;
-  }
-  return size_t{4} << 30;
+  const int64_t mb = env_int(env::kCpuCacheMb, 0, kMaxCacheMb,
+                             {.unit = "MiB", .note = "freed host memory kept for reuse"})
+                         .value_or(kDefaultCacheMb);
+  return static_cast<size_t>(mb) << 20;
 }
 
 class CachingCpuAllocator final : public Allocator {
@@ -105,7 +117,7 @@ class CachingCpuAllocator final : public Allocator {
   std::mutex mu_;
   std::unordered_map<size_t, std::vector<void*>> free_;
   AllocatorStats stats_;
-  size_t limit_ = default_cache_limit();
+  size_t limit_ = default_cache_limit();  // Note [CPU cache limit from the environment]
 };
 
 CachingCpuAllocator& instance() {

@@ -1,5 +1,20 @@
-// The caching CPU allocator: alignment, reuse, and no OS allocations in a steady state.
+// The caching CPU allocator: alignment, reuse, no OS allocations in a steady state, and its
+// LOCKSTEP_CPU_CACHE_MB checked.
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include "lockstep/base/worker_env.h"
 #include "testing.h"
+
+extern char** environ;
 
 using namespace lockstep;
 
@@ -35,4 +50,70 @@ TEST(Allocator, EmptyCacheReleasesMemory) {
   EXPECT_GT(cpu_allocator_stats().cached_bytes, 0);
   cpu_allocator_empty_cache();
   EXPECT_EQ(cpu_allocator_stats().cached_bytes, 0);
+}
+
+namespace {
+
+struct Child {
+  int status = 0;
+  std::string output;
+};
+
+// This test binary again, running only `test` with LOCKSTEP_CPU_CACHE_MB=`cache_mb`: the
+// allocator is made afresh there, reading the variable.
+Child run_with_cache_mb(const std::string& test, const std::string& cache_mb) {
+  const std::string out =
+      ::testing::TempDir() + "allocator_env_" + std::to_string(::getpid()) + ".txt";
+  std::vector<std::string> env_s;
+  for (char** e = environ; *e; ++e) {
+    if (std::string(*e).rfind(env::kCpuCacheMb, 0) != 0) env_s.emplace_back(*e);
+  }
+  env_s.push_back(std::string(env::kCpuCacheMb) + "=" + cache_mb);
+  std::vector<char*> envp;
+  for (auto& e : env_s) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  std::string exe = "/proc/self/exe", filter = "--gtest_filter=" + test;
+  char* argv[] = {exe.data(), filter.data(), nullptr};
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&fa, 1, 2);
+  pid_t pid = 0;
+  Child c;
+  const int rc = ::posix_spawn(&pid, exe.c_str(), &fa, nullptr, argv, envp.data());
+  posix_spawn_file_actions_destroy(&fa);
+  LS_CHECK(rc == 0, "posix_spawn: ", rc);
+  LS_CHECK(::waitpid(pid, &c.status, 0) == pid, "waitpid");
+  std::ifstream in(out);
+  c.output.assign(std::istreambuf_iterator<char>(in), {});
+  std::remove(out.c_str());
+  return c;
+}
+
+}  // namespace
+
+// Note [CPU cache limit from the environment]: the bad value throws from the first allocation,
+// to the test body that made it (gtest reports the exception and exits 1), not from a static
+// initializer to std::terminate (SIGABRT).
+TEST(AllocatorEnv, ABadCacheSizeIsAClearErrorFromTheFirstAllocation) {
+  const Child c = run_with_cache_mb("Allocator.ReusesFreedBlocksOfTheSameClass", "abc");
+  ASSERT_TRUE(WIFEXITED(c.status)) << "killed by signal " << WTERMSIG(c.status) << ":\n"
+                                   << c.output;
+  EXPECT_EQ(WEXITSTATUS(c.status), 1) << c.output;
+  EXPECT_THAT(c.output, ::testing::HasSubstr("LOCKSTEP_CPU_CACHE_MB='abc' is not an integer: "
+                                             "expected one from 0 to 1048576 MiB"));
+  EXPECT_THAT(c.output, ::testing::Not(::testing::HasSubstr("terminate called")));
+}
+
+TEST(AllocatorEnv, OutOfRangeAndGarbledSizesAreErrorsAndAGoodOneRuns) {
+  const Child c = run_with_cache_mb("Allocator.ReusesFreedBlocksOfTheSameClass", "8");
+  ASSERT_TRUE(WIFEXITED(c.status)) << c.output;
+  EXPECT_EQ(WEXITSTATUS(c.status), 0) << c.output;
+  // Out of range and garbled numbers: the old strtoull read "-5" as 2^64 - 5.
+  for (const char* bad : {"-5", "99999999999999999999", "64GB"}) {
+    const Child b = run_with_cache_mb("Allocator.ReusesFreedBlocksOfTheSameClass", bad);
+    EXPECT_TRUE(WIFEXITED(b.status) && WEXITSTATUS(b.status) == 1) << bad << ":\n" << b.output;
+    EXPECT_THAT(b.output, ::testing::HasSubstr(std::string("LOCKSTEP_CPU_CACHE_MB")))
+        << b.output;
+  }
 }

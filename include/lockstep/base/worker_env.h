@@ -1,5 +1,6 @@
 // The worker environment: the variables `lockstep run` sets for every worker and the library
 // reads, spelled once here (torchrun's names where torchrun has one, so cluster tools work).
+// Their values are read and checked by lockstep/base/env_var.h.
 #pragma once
 
 #include <array>
@@ -61,5 +62,9 @@ inline constexpr const char* kNcclCheck = "LOCKSTEP_NCCL_CHECK";
 // host memory behind the device seam, CPU kernels and an NCCL-contract process group (Note
 // [Emulated CUDA devices] in src/tensor/cuda_emulated.cpp; docs/GPU.md). Said in the log when on.
 inline constexpr const char* kTestEmulateGpus = "LOCKSTEP_TEST_EMULATE_GPUS";
+// MiB of freed host memory the CPU allocator keeps for reuse (default 4096; 0 keeps none).
+inline constexpr const char* kCpuCacheMb = "LOCKSTEP_CPU_CACHE_MB";
+// "1": f32 matrix products may use TF32 tensor cores from the start (cuda::set_allow_tf32).
+inline constexpr const char* kAllowTf32 = "LOCKSTEP_ALLOW_TF32";
 
 }  // namespace lockstep::env
