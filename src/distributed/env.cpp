@@ -3,21 +3,14 @@
 #include <algorithm>
 #include <cctype>
 #include <charconv>
-#include <cmath>
-#include <cstdlib>
 
+#include "lockstep/base/env_var.h"
 #include "lockstep/base/error.h"
 #include "lockstep/base/worker_env.h"
 #include "lockstep/distributed/init.h"
 #include "lockstep/distributed/store/tcp_store.h"
 
 namespace lockstep::dist {
-
-std::optional<std::string> process_env(const std::string& name) {
-  const char* v = std::getenv(name.c_str());
-  if (v == nullptr) return std::nullopt;
-  return std::string(v);
-}
 
 namespace {
 
@@ -36,23 +29,21 @@ class Reader {
 
   bool has(const std::string& name) const { return lookup_(name).has_value(); }
 
+  // NAME= counts as unset, as everywhere (lockstep/base/env_var.h).
   std::optional<std::string> str(const std::string& name) const {
-    auto v = lookup_(name);
-    if (v && v->empty()) return std::nullopt;  // NAME= counts as unset
-    return v;
+    return env_string(name, lookup_);
   }
 
-  // A decimal integer in [lo, hi], or nullopt when unset.
-  std::optional<int> integer(const std::string& name, long long lo, long long hi) const {
-    auto v = str(name);
+  // A decimal integer in [lo, hi] (within int), or nullopt when unset.
+  std::optional<int> integer(const std::string& name, int64_t lo, int64_t hi) const {
+    const auto v = env_int(name, lo, hi, {}, lookup_);
     if (!v) return std::nullopt;
-    long long x = 0;
-    const char* begin = v->data();
-    const char* end = begin + v->size();
-    auto [p, ec] = std::from_chars(begin, end, x);
-    LS_CHECK(ec == std::errc() && p == end, name, "='", *v, "' is not an integer");
-    LS_CHECK(x >= lo && x <= hi, name, "=", x, " is out of range: expected ", lo, " to ", hi);
-    return static_cast<int>(x);
+    return static_cast<int>(*v);
+  }
+
+  std::optional<double> number(const std::string& name, double lo, double hi,
+                               const EnvHelp& help) const {
+    return env_double(name, lo, hi, help, lookup_);
   }
 
  private:
@@ -91,15 +82,9 @@ std::optional<int> leading_count(const std::optional<std::string>& s) {
 // LOCKSTEP_RENDEZVOUS_TIMEOUT and LOCKSTEP_TIMEOUT: seconds, fractions allowed.
 std::optional<std::chrono::milliseconds> seconds_var(const Reader& vars, const char* name,
                                                      double min_s, double max_s) {
-  auto v = vars.str(name);
-  if (!v) return std::nullopt;
-  double s = 0;
-  auto [p, ec] = std::from_chars(v->data(), v->data() + v->size(), s);
-  LS_CHECK(ec == std::errc() && p == v->data() + v->size() && std::isfinite(s), name, "='", *v,
-           "' is not a number of seconds (expected e.g. 300)");
-  LS_CHECK(s >= min_s && s <= max_s, name, "=", *v, " is out of range: expected from ", min_s,
-           " to ", max_s, " seconds (a week)");
-  return std::chrono::milliseconds(std::max<int64_t>(1, static_cast<int64_t>(s * 1000)));
+  const auto s = vars.number(name, min_s, max_s, {.unit = "seconds", .note = "a week"});
+  if (!s) return std::nullopt;
+  return std::chrono::milliseconds(std::max<int64_t>(1, static_cast<int64_t>(*s * 1000)));
 }
 
 void check_consistent(const DistEnv& e, const std::string& vars) {

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "lockstep/base/env_var.h"
 #include "lockstep/base/worker_env.h"
 #include "lockstep/distributed/process_group.h"
 #include "lockstep/distributed/store/store.h"
@@ -62,9 +63,9 @@ struct DistEnv {
   std::string source = "none";
 };
 
-using EnvLookup = std::function<std::optional<std::string>(const std::string& name)>;
-// The process environment.
-std::optional<std::string> process_env(const std::string& name);
+// Where read_dist_env's values come from (the environment parser's, lockstep/base/env_var.h).
+using lockstep::EnvLookup;
+using lockstep::process_env;
 
 // Reads, in this order of preference: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 // GROUP_RANK, MASTER_ADDR, MASTER_PORT (what torchrun and `lockstep run` set); SLURM_PROCID,
