@@ -7,6 +7,7 @@
 
 #include <gmock/gmock.h>
 
+#include "job_signature.h"
 #include "launch/launcher_process.h"
 
 namespace {
@@ -59,7 +60,15 @@ class Elastic : public Launcher {
   }
 
   const std::string port_ = std::to_string(free_port());
+  // A node whose workers wait for a world of 3 (the arguments must be node 0's).
+  static constexpr const char* kWant3 = "LAUNCH_TEST_ELASTIC_WANT=3";
 };
+
+// `a` followed by `more`: worker arguments after launch_worker's own.
+std::vector<std::string> plus(std::vector<std::string> a, const std::vector<std::string>& more) {
+  a.insert(a.end(), more.begin(), more.end());
+  return a;
+}
 
 // A 1-node job runs alone (world 1, its workers wait for 2); a second node asks to join: both
 // continue in generation 1 with world size 2, node ranks by --node-rank order, restart count
@@ -124,7 +133,7 @@ TEST_F(Elastic, ANodeThatIsToldToStopLeavesAndTheJobGoesOn) {
 // is taken; the job is not disturbed.
 TEST_F(Elastic, ANodePastMaxOrWithATakenNodeRankIsRefused) {
   const Launch l0 = start_launcher(args("1:2", 0, 2, {}, "5"), dir_, "node0");
-  const Launch l1 = start_launcher(args("1:2", 1, 3), dir_, "node1");  // its workers stay
+  const Launch l1 = start_launcher(args("1:2", 1, 2), dir_, "node1", {kWant3});  // its workers stay
   ASSERT_TRUE(wait_report(0, 1, l1)) << wait_launcher(l1).describe();
   const Outcome o2 = run_launcher(args("1:2", 2, 2), dir_, "node2");
   EXPECT_TRUE(o2.exited_with(1)) << o2.describe();
@@ -148,11 +157,11 @@ TEST_F(Elastic, ANodePastMaxOrWithATakenNodeRankIsRefused) {
 // room for it, is refused rather than restarting a finished job.
 TEST_F(Elastic, ANodeAskingToJoinAJobThatIsEndingIsRefused) {
   const Launch l0 = start_launcher(args("1:3", 0, 2, {}, "5"), dir_, "node0");
-  const Launch l1 = start_launcher(args("1:3", 1, 3), dir_, "node1");  // its worker stays
+  const Launch l1 = start_launcher(args("1:3", 1, 2), dir_, "node1", {kWant3});  // its worker stays
   ASSERT_TRUE(wait_report(0, 1, l1)) << wait_launcher(l1).describe();
   ASSERT_TRUE(wait_report(0, 0, l0)) << wait_launcher(l0).describe();
   std::this_thread::sleep_for(500ms);  // node 0 sees its worker's exit
-  const Outcome o2 = run_launcher(args("1:3", 2, 3), dir_, "node2");
+  const Outcome o2 = run_launcher(args("1:3", 2, 2), dir_, "node2", {kWant3});
   EXPECT_TRUE(o2.exited_with(1)) << o2.describe();
   EXPECT_THAT(o2.err, HasSubstr("node 0 refused this node: the job is ending")) << o2.describe();
   EXPECT_FALSE(fs::exists(out_ / "gen1"));
@@ -251,6 +260,73 @@ TEST_F(Elastic, BadNnodesRangesAreUsageErrors) {
                                    dir_, "bad");
     expect_usage_error(o, out_, {"--nnodes"});
   }
+}
+
+// Note [Job signature]: a node that would run another argument, an extra (duplicated) flag or
+// another shared launcher setting is refused, both sides naming the first difference; the
+// running generation is untouched, and a node with the job's command then joins as usual.
+TEST_F(Elastic, ANodeWithAnotherCommandIsRefusedAndTheJobGoesOn) {
+  const Launch l0 =
+      start_launcher(plus(args("1:2", 0, 2, {}, "5"), {"--seed", "1"}), dir_, "node0");
+  ASSERT_TRUE(wait_report(0, 0, l0)) << wait_launcher(l0).describe();
+  const Outcome seed = run_launcher(plus(args("1:2", 1, 2), {"--seed", "2"}), dir_, "seed");
+  EXPECT_TRUE(seed.exited_with(1)) << seed.describe();
+  EXPECT_THAT(seed.err, HasSubstr("node 0 refused this node: this node's command differs from the "
+                                  "job's: --seed 2 where the job runs --seed 1"))
+      << seed.describe();
+  const Outcome twice =
+      run_launcher(plus(args("1:2", 1, 2), {"--seed", "1", "--seed", "1"}), dir_, "twice");
+  EXPECT_TRUE(twice.exited_with(1)) << twice.describe();
+  EXPECT_THAT(twice.err, HasSubstr("an extra --seed 1 (argument 6 of launch_worker), which the "
+                                   "job does not give"))
+      << twice.describe();
+  const Outcome restarts = run_launcher(
+      plus(args("1:2", 1, 2, {"--max-restarts", "3"}), {"--seed", "1"}), dir_, "restarts");
+  EXPECT_TRUE(restarts.exited_with(1)) << restarts.describe();
+  EXPECT_THAT(restarts.err, HasSubstr("--max-restarts 3 where the job runs --max-restarts 0"))
+      << restarts.describe();
+  EXPECT_FALSE(fs::exists(out_ / "gen1")) << "a refused node stopped the running generation";
+  const Launch l1 = start_launcher(plus(args("1:2", 1, 2), {"--seed", "1"}), dir_, "node1");
+  const Outcome o0 = wait_launcher(l0), o1 = wait_launcher(l1);
+  ASSERT_TRUE(o0.exited_with(0)) << o0.describe();
+  ASSERT_TRUE(o1.exited_with(0)) << o1.describe();
+  EXPECT_EQ(generation(1).size(), 2u) << o0.describe();
+  EXPECT_THAT(o0.err, HasSubstr("refused node --node-rank 1 (host "));
+  EXPECT_THAT(o0.err, HasSubstr("its command differs from the job's: --seed 2 where the job runs "
+                                "--seed 1 (argument 5 of launch_worker)"))
+      << o0.describe();
+}
+
+// The first difference in words: an argument with its flag, a missing one, the program's name
+// (its directory may differ between machines), a shared setting.
+TEST(JobSignature, TheFirstDifferenceNamesTheArgumentAndBothValues) {
+  using lockstep::launch::JobSignature;
+  using lockstep::launch::signature_difference;
+  const JobSignature job{"train", {"--model", "mlp", "--seed", "1"}, {{"--max-restarts", "0"}}};
+  auto with = [&](std::vector<std::string> args) {
+    JobSignature s = job;
+    s.args = std::move(args);
+    return s;
+  };
+  EXPECT_EQ(signature_difference(job, job, "the job"), std::nullopt);
+  EXPECT_EQ(signature_difference(job, with({"--model", "mlp", "--seed", "2"}), "the job"),
+            "--seed 2 where the job runs --seed 1 (argument 4 of train)");
+  EXPECT_EQ(signature_difference(job, with({"--model", "cnn", "--seed", "1"}), "node 0"),
+            "--model cnn where node 0 runs --model mlp (argument 2 of train)");
+  EXPECT_EQ(signature_difference(job, with({"--model", "mlp"}), "the job"),
+            "the arguments end before --seed 1 (argument 3 of train), which the job gives");
+  EXPECT_EQ(signature_difference(job, with({"--model", "mlp", "--model", "mlp", "--seed", "1"}),
+                                 "the job"),
+            "--model mlp where the job runs --seed 1 (argument 3 of train)");
+  JobSignature other = job;
+  other.program = "eval";
+  EXPECT_EQ(signature_difference(job, other, "the job"),
+            "the program eval where the job runs train");
+  other = job;
+  other.settings = {{"--max-restarts", "2"}};
+  EXPECT_EQ(signature_difference(job, other, "the job"),
+            "--max-restarts 2 where the job runs --max-restarts 0");
+  EXPECT_EQ(JobSignature::from_json(job.to_json()).args, job.args);
 }
 
 }  // namespace

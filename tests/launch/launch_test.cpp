@@ -394,6 +394,28 @@ TEST_F(Launcher, TwoAgentsFormOneJob) {
   EXPECT_THAT(o1.out, HasSubstr("[rank3]: hello from rank 3"));
 }
 
+// Note [Job signature]: two agents whose worker arguments differ both fail the start, naming the
+// first difference, and no worker runs.
+TEST_F(Launcher, TwoAgentsWithAnotherArgumentFailTheStartNamingIt) {
+  const std::string port = std::to_string(free_port());
+  auto args = [&](const char* node, const char* seed) {
+    return std::vector<std::string>{
+        "run",      "--nnodes",     "2",     "--node-rank", node,          "--master-port", port,
+        "--run-id", "two-commands", kWorker, "env",         out_.string(), "--seed",        seed};
+  };
+  const Launch l0 = start_launcher(args("0", "1"), dir_, "node0");
+  const Launch l1 = start_launcher(args("1", "2"), dir_, "node1");
+  const Outcome o0 = wait_launcher(l0), o1 = wait_launcher(l1);
+  for (const Outcome* o : {&o0, &o1}) {
+    EXPECT_TRUE(o->exited_with(1)) << o->describe();
+    EXPECT_THAT(o->err, HasSubstr("node 1 (host "));
+    EXPECT_THAT(o->err, HasSubstr(") runs another command than node 0: --seed 2 where node 0 runs "
+                                  "--seed 1 (argument 4 of launch_worker)"))
+        << o->describe();
+  }
+  EXPECT_TRUE(dir_is_empty(out_)) << "a worker ran although the machines disagree";
+}
+
 TEST_F(Launcher, MissingNodeFailsTheRendezvous) {
   const Outcome o =
       run_launcher({"run", "--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1",

@@ -4,6 +4,7 @@
 // Note [Agent protocol]
 // Every agent talks to node 0's TCP store under lockstep/<run-id>/agent/:
 //   node<r>/claims, node<r>/host, node<r>/nproc   rendezvous: each node rank joins once
+//   node<r>/signature                             what it runs (Note [Job signature])
 //   joined                                        counter; all nnodes joined = go
 //   gen<g>/failure                                first failure of generation g (JSON), set
 //                                                 with compare_set so the first one wins
@@ -42,6 +43,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "job_signature.h"
 #include "lockstep/base/error.h"
 #include "lockstep/base/syscall.h"
 #include "lockstep/base/worker_env.h"
@@ -166,6 +168,7 @@ void Agent::rendezvous() {
   }
   store_->set(key(me + "/host"), hostname());
   store_->set(key(me + "/nproc"), std::to_string(o_.nproc_per_node));
+  store_->set(key(me + "/signature"), dump(job_signature(o_).to_json()));
   store_->add(key("joined"), 1);
   int sig = 0;
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(o_.rdzv_timeout_s * 1000));
@@ -192,6 +195,26 @@ void Agent::rendezvous() {
       throw AgentError("nodes disagree on --nproc-per-node: " + std::to_string(o_.nproc_per_node) +
                        " here (node " + std::to_string(o_.node_rank) + "), " + n + " on node " +
                        std::to_string(r));
+    }
+  }
+  // Note [Job signature]: every node compares every node's with node 0's, so all of them fail
+  // the start with the same message.
+  const auto signature_of = [&](int r) {
+    try {
+      return JobSignature::from_json(
+          json::parse(store_->get_string(key("node" + std::to_string(r) + "/signature"))));
+    } catch (const json::exception& e) {
+      throw AgentError("node " + std::to_string(r) + "'s job signature is malformed (another " +
+                       "lockstep version?): " + e.what());
+    }
+  };
+  const JobSignature job = signature_of(0);
+  for (int r = 1; r < o_.nnodes; ++r) {
+    if (const auto diff = signature_difference(job, signature_of(r), "node 0")) {
+      throw AgentError("node " + std::to_string(r) + " (host " + host_of(r) +
+                       ") runs another command than node 0: " + *diff +
+                       "; start every machine with the same program, arguments and launcher "
+                       "settings (what differs between machines belongs in the environment)");
     }
   }
 }

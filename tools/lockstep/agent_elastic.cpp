@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "agent_impl.h"
+#include "job_signature.h"
 #include "lockstep/base/error.h"
 
 namespace lockstep::launch::agent_detail {
@@ -24,7 +25,7 @@ namespace lockstep::launch::agent_detail {
 //
 // Keys, under lockstep/<run-id>/agent/ (beside Note [Agent protocol]'s gen<g>/... keys):
 //   join/next              counter: a node that wants in takes ticket t = add(join/next, 1)
-//   join/<t>               its request: {id, host, nproc}
+//   join/<t>               its request: {id, host, nproc, signature} (Note [Job signature])
 //   join/<t>/reply         node 0's answer: {"admitted": g} or {"refused": why}
 //   join/<t>/withdrawn     the node stopped waiting for the answer (a signal, its timeout)
 //   gen<g>/members         {"nodes": [{id, host, ticket}, ...]} (by id), or {"abort": why}
@@ -32,14 +33,16 @@ namespace lockstep::launch::agent_detail {
 //   gen<g>/withdrawn/<id>  the node stopped waiting for generation g to start
 //
 // A rendezvous (node 0, form_generation): the members it already has, plus join requests as
-// they come (each checked: --nproc-per-node must match, the --node-rank must be free, and a
-// request past MAX is refused with the reason); once MIN are in, a last call of
-// --rdzv-last-call seconds for more, cut short at MAX; past --rdzv-timeout without MIN, the job
-// fails. While a generation runs, node 0 reads join requests at every monitor interval: one
-// that fits stops the generation (a `membership` failure record) and the next rendezvous
-// admits it; one past MAX is refused at once. A ticket whose request is not written within
-// --node-timeout (its agent died in between) is skipped; a node that withdraws (join/<t>/withdrawn
-// or gen<g>/withdrawn/<id>) is taken out of a rendezvous still forming. A node that withdraws
+// they come (each checked: --nproc-per-node must match, and so must the job's signature, Note
+// [Job signature] in job_signature.cpp; the --node-rank must be free; a request past MAX is
+// refused with the reason); once MIN are in, a last call of --rdzv-last-call seconds for more,
+// cut short at MAX; past --rdzv-timeout without MIN, the job fails. While a generation runs,
+// node 0 reads join requests at every monitor interval: one that fits stops the generation (a
+// `membership` failure record) and the next rendezvous admits it; one past MAX, or one that
+// fails a check, is refused at once, and the generation goes on untouched. A ticket whose
+// request is not written within --node-timeout (its agent died in between) is skipped; a node
+// that withdraws (join/<t>/withdrawn or gen<g>/withdrawn/<id>) is taken out of a rendezvous
+// still forming. A node that withdraws
 // after its generation was published is found lost by the heartbeat instead.
 //
 // When a generation fails, every node stops its workers and says so (gen<g>/stopped/<id>).
@@ -96,11 +99,13 @@ std::vector<Member> Agent::take_join_requests(const std::vector<Member>& forming
     m.ticket = next_ticket_++;
     if (store_->check({key("join/" + std::to_string(m.ticket) + "/withdrawn")})) continue;
     int nproc = -1;
+    JobSignature theirs;
     try {
       const json j = json::parse(store_->get_string(k));
       m.id = j.at("id").get<int>();
       m.host = j.at("host").get<std::string>();
       nproc = j.at("nproc").get<int>();
+      theirs = JobSignature::from_json(j.at("signature"));
     } catch (const json::exception& e) {
       answer_join(m, {{"refused", std::string("malformed join request: ") + e.what()}});
       continue;
@@ -109,6 +114,17 @@ std::vector<Member> Agent::take_join_requests(const std::vector<Member>& forming
       answer_join(m, {{"refused", "nodes disagree on --nproc-per-node: " +
                                       std::to_string(o_.nproc_per_node) + " on node 0, " +
                                       std::to_string(nproc) + " on the node that asks to join"}});
+      continue;
+    }
+    // Note [Job signature]: another program, argument or shared setting is refused before it
+    // can fail the job or train it wrong.
+    if (const auto diff = signature_difference(job_signature(o_), theirs, "the job")) {
+      say("refused node --node-rank " + std::to_string(m.id) + " (host " + m.host +
+          "): its command differs from the job's: " + *diff);
+      answer_join(m, {{"refused", "this node's command differs from the job's: " + *diff +
+                                      "; start it with the job's program, arguments and "
+                                      "launcher settings (what differs between machines "
+                                      "belongs in the environment)"}});
       continue;
     }
     auto taken = [&](const std::vector<Member>& v) {
@@ -320,8 +336,11 @@ void Agent::adopt_members(int g) {
 
 int Agent::join_job() {
   const int64_t t = store_->add(key("join/next"), 1);
-  store_->set(key("join/" + std::to_string(t)),
-              dump({{"id", o_.node_rank}, {"host", hostname()}, {"nproc", o_.nproc_per_node}}));
+  const json request = {{"id", o_.node_rank},
+                        {"host", hostname()},
+                        {"nproc", o_.nproc_per_node},
+                        {"signature", job_signature(o_).to_json()}};
+  store_->set(key("join/" + std::to_string(t)), dump(request));
   const std::string k = key("join/" + std::to_string(t) + "/reply");
   wait_for_node_zero(k, key("join/" + std::to_string(t) + "/withdrawn"),
                      "node 0 did not admit this node");

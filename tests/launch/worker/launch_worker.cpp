@@ -127,8 +127,11 @@ int report_env(const fs::path& out_dir, int argc, char** argv) {
 }
 
 // Elastic tests: reports the environment as OUT/gen<LOCKSTEP_RESTART_COUNT>/rank<RANK>.env, then
-// ends (0) in a world of `want` ranks, and in any other waits to be stopped for a new generation.
+// ends (0) in a world of `want` ranks (LAUNCH_TEST_ELASTIC_WANT, where set, instead: every node
+// of a job runs the same arguments, Note [Job signature]), and in any other waits to be stopped
+// for a new generation.
 int elastic(const fs::path& out, int want) {
+  want = env_int("LAUNCH_TEST_ELASTIC_WANT", want);
   const fs::path dir = out / ("gen" + std::to_string(env_int("LOCKSTEP_RESTART_COUNT", -1)));
   fs::create_directories(dir);
   char* argv[] = {nullptr, nullptr, nullptr};
