@@ -299,4 +299,22 @@ TEST_F(Launcher, StandaloneWithAMasterPortIsRefusedRatherThanThePortIgnored) {
   EXPECT_TRUE(zero.exited_with(0)) << zero.describe();
 }
 
+TEST_F(Launcher, TokenLongerThanTheStoreTakesIsRefusedNamingItsSourceNotThePort) {
+  const std::string huge(7000, 'a');
+  const Outcome env =
+      run_launcher(run_args({}, out_), dir_, "env", {"LOCKSTEP_STORE_TOKEN=" + huge});
+  expect_usage_error(env, out_, {"LOCKSTEP_STORE_TOKEN", "7000 bytes", "at most 4096"});
+  EXPECT_THAT(env.err, Not(HasSubstr("--master-port"))) << env.describe();
+  const fs::path file = dir_ / "token";
+  write_file(file, huge + "\n", 0600);
+  const Outcome from_file =
+      run_launcher(run_args({"--token-file", file.string()}, out_), dir_, "file");
+  expect_usage_error(from_file, out_, {"--token-file " + file.string(), "more than 4096 bytes"});
+  EXPECT_THAT(from_file.err, Not(HasSubstr("--master-port"))) << from_file.describe();
+  // The longest the store takes works.
+  const Outcome longest = run_launcher(run_args({"--master-port", "0"}, out_), dir_, "longest",
+                                       {"LOCKSTEP_STORE_TOKEN=" + std::string(4096, 'b')});
+  EXPECT_TRUE(longest.exited_with(0)) << longest.describe();
+}
+
 }  // namespace

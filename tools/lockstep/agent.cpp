@@ -105,12 +105,19 @@ void Agent::connect_store() {
       say("the store listens on " + where + std::to_string(store_->port()) + " (" +
           o_.store_bind.why + ")");
     } catch (const Error& e) {
-      const bool in_use = e.message().find("in use") != std::string::npos;
+      // Another port is the cure only for a port that is taken or privileged; anything else
+      // (the bind address, descriptors, ...) is said as it is, without the advice.
       const std::string port = std::to_string(so.port);
+      const bool in_use = e.message().find("is already in use") != std::string::npos;
+      const bool denied = e.message().find("(errno " + std::to_string(EACCES) + ")") !=
+                          std::string::npos;
+      if (!in_use && !denied) {
+        throw UsageError("node 0 cannot start the store (port " + port + "): " + e.message());
+      }
       throw UsageError(
           "node 0 cannot host the store on port " + port + ": " +
           (in_use ? "port " + port + " is already in use (another job or store listens there)"
-                  : e.message()) +
+                  : "this user may not listen on port " + port + " (" + e.message() + ")") +
           (o_.nnodes == 1 ? "; choose another --master-port, or --master-port 0 for any free "
                             "port (or --standalone)"
                           : "; choose another --master-port (the same on every machine)"));

@@ -197,6 +197,16 @@ void choose_token(const RawRunOptions& raw, RunOptions& o) {
         "--run-id ID (the token is then derived from it: only as secret as the id); --insecure "
         "runs without a secret on a network you trust");
   }
+  // The store refuses a longer token only when the first client says hello; checked here, the
+  // message names where the token came from instead of blaming the port. (A token file is
+  // held to the same limit by its reader.)
+  if (o.token.size() > dist::kMaxStoreTokenBytes) {
+    throw UsageError(o.token_source + " holds a token of " + std::to_string(o.token.size()) +
+                     " bytes; the store takes at most " +
+                     std::to_string(dist::kMaxStoreTokenBytes) +
+                     " (a token is a short secret: e.g. 44 characters from `head -c 32 "
+                     "/dev/urandom | base64`)");
+  }
 }
 
 // 127.0.0.0/8, ::1, or ::ffff:127.x.y.z.

@@ -27,8 +27,6 @@ inline constexpr double kMinNodeTimeout = 1;
 inline constexpr double kMaxNodeTimeout = 3600;
 inline constexpr double kMinRdzvTimeout = 0.1;
 inline constexpr double kMaxRdzvTimeout = 7 * 24 * 3600;
-// A token is a short secret; a longer file is most likely the wrong file.
-inline constexpr size_t kMaxTokenBytes = 1024;
 // --run-id: one file-name component (Note [Run id] in run_options.cpp).
 inline constexpr size_t kMaxRunIdLength = 128;
 

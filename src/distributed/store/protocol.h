@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "lockstep/distributed/store/store.h"
+#include "lockstep/distributed/store/tcp_store.h"
 
 namespace lockstep::dist::detail {
 
@@ -32,7 +33,8 @@ inline constexpr size_t kMaxPayloadBytes = size_t{64} << 20;
 // Before a connection is admitted its frames are this small, so that strangers cost the server
 // little memory (Note [Store under attack] in tcp_store_server.h).
 inline constexpr size_t kMaxHelloBytes = 8 << 10;
-inline constexpr size_t kMaxTokenBytes = 4 << 10;  // fits a hello with room to spare
+inline constexpr size_t kMaxTokenBytes = kMaxStoreTokenBytes;  // tcp_store.h: the public limit
+static_assert(kMaxTokenBytes + 64 < kMaxHelloBytes, "a hello holds the token and a count");
 
 enum class Op : uint8_t {
   kHello = 1,       // [token, count-as-worker i64]            -> Ok [] | Rejected [why]

@@ -22,6 +22,9 @@ class TCPStoreClient;
 inline constexpr uint16_t kDefaultStorePort = 29500;
 // The environment variable a shared token is read from when TCPStoreOptions::token is unset.
 inline constexpr const char* kStoreTokenEnv = env::kStoreToken;
+// The longest token the store takes (a token is a short secret; its hello frame must stay small:
+// Note [Store frames] in src/distributed/store/protocol.h).
+inline constexpr size_t kMaxStoreTokenBytes = 4 << 10;
 
 // What the server does to connections that have not presented their hello (with the token when
 // there is one): Note [Store under attack] in src/distributed/store/tcp_store_server.h, and
