@@ -329,4 +329,24 @@ TEST(JobSignature, TheFirstDifferenceNamesTheArgumentAndBothValues) {
   EXPECT_EQ(JobSignature::from_json(job.to_json()).args, job.args);
 }
 
+// A node whose token node 0's store refuses stops at once, saying so, instead of retrying until
+// the 900 s rendezvous timeout: the refusal is definite. The job is not disturbed.
+TEST_F(Elastic, ANodeWithAnotherTokenStopsAtOnceSayingSo) {
+  const Launch l0 =
+      start_launcher(args("1:2", 0, 2), dir_, "node0", {"LOCKSTEP_STORE_TOKEN=the-jobs-token"});
+  ASSERT_TRUE(wait_report(0, 0, l0)) << wait_launcher(l0).describe();
+  const auto start = std::chrono::steady_clock::now();
+  const Outcome o1 = run_launcher(args("1:2", 1, 2), dir_, "node1",
+                                  {"LOCKSTEP_STORE_TOKEN=another-token"});
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 60s) << "well under the 900 s timeout";
+  EXPECT_TRUE(o1.exited_with(1)) << o1.describe();
+  EXPECT_THAT(o1.err, HasSubstr("node 0's store at 127.0.0.1:" + port_ +
+                                " refused this node's token (from LOCKSTEP_STORE_TOKEN)"))
+      << o1.describe();
+  EXPECT_FALSE(fs::exists(out_ / "gen1"));
+  ::kill(l0.pid, SIGTERM);
+  const Outcome o0 = wait_launcher(l0);
+  EXPECT_TRUE(o0.exited_with(128 + SIGTERM)) << o0.describe();
+}
+
 }  // namespace

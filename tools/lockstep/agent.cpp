@@ -137,6 +137,13 @@ void Agent::connect_store() {
         store_ = std::make_unique<dist::TCPStore>(slice);
         store_->set_timeout(so.timeout);
         break;
+      } catch (const dist::StoreTokenRejected&) {
+        // Node 0 is up and has answered: another try gets the same answer.
+        throw AgentError("node 0's store at " + o_.master_addr + ":" +
+                         std::to_string(o_.master_port) + " refused this node's token (from " +
+                         o_.token_source +
+                         "): every machine of a job needs node 0's token; give this one the "
+                         "same --token-file, LOCKSTEP_STORE_TOKEN or --run-id as node 0");
       } catch (const Error& e) {
         if (const int sig = take_signal()) throw Interrupted(sig);
         if (Clock::now() >= deadline) {

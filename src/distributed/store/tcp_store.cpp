@@ -66,9 +66,12 @@ void TCPStoreClient::connect(std::chrono::milliseconds timeout) {
     }
     if (r->status == Status::kRejected) {
       fd_.reset();
-      LS_THROW("store rejected the connection: bad or missing token (the store at ", where(),
-               " wants the token it was started with, from ", env::kStoreToken,
-               " or TCPStoreOptions::token)");
+      throw StoreTokenRejected(
+          lockstep::detail::str_cat("store rejected the connection: bad or missing token (the "
+                                    "store at ",
+                                    where(), " wants the token it was started with, from ",
+                                    env::kStoreToken, " or TCPStoreOptions::token)"),
+          __FILE__, __LINE__);
     }
     if (r->status != Status::kOk) {
       fd_.reset();

@@ -9,6 +9,7 @@
 #include <optional>
 #include <string>
 
+#include "lockstep/base/error.h"
 #include "lockstep/base/worker_env.h"
 #include "lockstep/distributed/store/store.h"
 
@@ -25,6 +26,14 @@ inline constexpr const char* kStoreTokenEnv = env::kStoreToken;
 // The longest token the store takes (a token is a short secret; its hello frame must stay small:
 // Note [Store frames] in src/distributed/store/protocol.h).
 inline constexpr size_t kMaxStoreTokenBytes = 4 << 10;
+
+// The store refused this client's token. A lockstep::Error like every other, but a definite
+// answer: unlike a store that is not up yet, trying again cannot help, so a caller that retries
+// its connection (the launcher waiting for node 0) stops at this one.
+class StoreTokenRejected : public Error {
+ public:
+  using Error::Error;
+};
 
 // What the server does to connections that have not presented their hello (with the token when
 // there is one): Note [Store under attack] in src/distributed/store/tcp_store_server.h, and
