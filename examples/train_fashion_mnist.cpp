@@ -31,6 +31,7 @@
 #include <utility>
 
 #include "fashion_mnist_models.h"
+#include "lockstep/base/env_var.h"
 #include "lockstep/base/log.h"
 #include "lockstep/base/syscall.h"
 #include "lockstep/base/worker_env.h"
@@ -149,8 +150,7 @@ io::Metadata run_metadata(const Config& cfg) {
 
 // LOCKSTEP_RESTART_COUNT as `lockstep run` sets it: 0 on the first attempt of a run, or unset.
 std::string restart_count() {
-  const char* restart = std::getenv(env::kRestartCount);
-  return restart == nullptr || *restart == '\0' ? "0" : restart;
+  return std::to_string(env_int(env::kRestartCount, 0, 1 << 30).value_or(0));
 }
 
 // The first attempt of a run (not a restart by `lockstep run --max-restarts`).
@@ -159,8 +159,7 @@ bool first_attempt() { return restart_count() == "0"; }
 // Whether rank 0's stdout ends on a terminal, where a progress bar replaces the loss lines: as
 // the launcher says when there is one, else as isatty says.
 bool stdout_is_terminal() {
-  const char* launcher_tty = std::getenv(env::kStdoutIsTty);
-  return launcher_tty ? std::string(launcher_tty) == "1" : ::isatty(1) == 1;
+  return env_flag(env::kStdoutIsTty).value_or(::isatty(1) == 1);
 }
 
 // The model as this process trains it: under --dp K, DataParallel's K replicas on threads; in a

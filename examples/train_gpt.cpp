@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "gpt_model.h"
+#include "lockstep/base/env_var.h"
 #include "lockstep/base/log.h"
 #include "lockstep/base/worker_env.h"
 #include "lockstep/data/data.h"
@@ -159,8 +160,7 @@ std::optional<std::chrono::milliseconds> timeout_of(const GptConfig& cfg) {
 }
 
 bool stdout_is_terminal() {
-  const char* launcher_tty = std::getenv(env::kStdoutIsTty);
-  return launcher_tty ? std::string(launcher_tty) == "1" : ::isatty(1) == 1;
+  return env_flag(env::kStdoutIsTty).value_or(::isatty(1) == 1);
 }
 
 // Warmup then cosine decay to --min-lr-factor of --lr over all --max-steps optimizer steps.

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "lockstep/base/env_var.h"
 #include "lockstep/base/worker_env.h"
 #include "lockstep/data/text_corpus.h"
 #include "train_fashion_mnist_flags.h"
@@ -173,8 +174,7 @@ inline int parse_gpt_flags(int argc, char** argv, GptConfig& cfg) {
   if (cfg.prepare) return -1;
   if (const int rc = check_device_flags(cfg.device, cfg.backend); rc >= 0) return rc;
   // CUDA tensors go through NCCL unless the user says otherwise, as in PyTorch.
-  const char* env_backend = std::getenv(env::kBackend);
-  if (cfg.device == "cuda" && cfg.backend.empty() && (env_backend == nullptr || *env_backend == '\0'))
+  if (cfg.device == "cuda" && cfg.backend.empty() && !env_string(env::kBackend))
     cfg.backend = "nccl";
   return -1;
 }

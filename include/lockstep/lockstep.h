@@ -6,6 +6,7 @@
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/autograd/gradcheck.h"
 #include "lockstep/autograd/node.h"
+#include "lockstep/base/env_var.h"
 #include "lockstep/base/error.h"
 #include "lockstep/base/log.h"
 #include "lockstep/data/data.h"

@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 
+#include "lockstep/base/env_var.h"
 #include "lockstep/base/syscall.h"
 #include "lockstep/base/worker_env.h"
 
@@ -48,14 +49,13 @@ std::string utc_timestamp() {
   return buf;
 }
 
+// A log line never fails: a bad RANK (read_dist_env reports it) leaves the prefix out.
 int rank_from_env() {
-  const char* v = std::getenv(env::kRank);
-  if (v == nullptr || *v == '\0') return kUnknownRank;
-  char* end = nullptr;
-  errno = 0;
-  const long r = std::strtol(v, &end, 10);
-  if (errno != 0 || *end != '\0' || r < 0 || r > 1'000'000'000) return kUnknownRank;
-  return static_cast<int>(r);
+  try {
+    return static_cast<int>(env_int(env::kRank, 0, 1'000'000'000).value_or(kUnknownRank));
+  } catch (const Error&) {
+    return kUnknownRank;
+  }
 }
 
 }  // namespace
@@ -86,12 +86,12 @@ std::optional<LogLevel> parse_log_level(std::string_view name) {
 }
 
 LogLevel log_level_from_env() {
-  const char* v = std::getenv(kLogLevelEnv);
-  if (v == nullptr || *v == '\0') return LogLevel::kInfo;
-  if (const auto level = parse_log_level(v)) return *level;
+  const auto v = env_string(kLogLevelEnv);
+  if (!v) return LogLevel::kInfo;
+  if (const auto level = parse_log_level(*v)) return *level;
   // Written without the threshold: it is the threshold that is being worked out.
   detail::log_write(LogLevel::kWarning,
-                    detail::str_cat(kLogLevelEnv, "=", v,
+                    detail::str_cat(kLogLevelEnv, "=", *v,
                                     " is not a log level; expected one of debug, info, warning, "
                                     "error (any case); using info"));
   return LogLevel::kInfo;

@@ -12,12 +12,15 @@
 
 #include <nlohmann/json.hpp>
 
+#include "lockstep/base/env_var.h"
+#include "lockstep/base/worker_env.h"
+
 namespace lockstep::dist {
 
 void record_error(const std::string& message) {
-  const char* path = std::getenv(env::kErrorFile);
-  if (path == nullptr || *path == '\0') return;
   try {
+    const auto path = env_string(env::kErrorFile);
+    if (!path) return;
     const nlohmann::json j = {{"message", message},
                               {"time", static_cast<int64_t>(std::time(nullptr))},
                               {"pid", static_cast<int64_t>(::getpid())}};
@@ -25,7 +28,7 @@ void record_error(const std::string& message) {
     // invalid UTF-8, since messages may carry arbitrary bytes.
     const std::string text =
         j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
-    std::unique_ptr<FILE, decltype(&std::fclose)> f(std::fopen(path, "w"), &std::fclose);
+    std::unique_ptr<FILE, decltype(&std::fclose)> f(std::fopen(path->c_str(), "w"), &std::fclose);
     if (f) std::fwrite(text.data(), 1, text.size(), f.get());
   } catch (...) {
     // Nothing to be done: the process is already failing.

@@ -12,6 +12,7 @@
 
 #include "distributed/bind_address.h"
 #include "distributed/builtin_backends.h"
+#include "lockstep/base/env_var.h"
 #include "lockstep/base/error.h"
 #include "lockstep/base/log.h"
 #include "lockstep/base/worker_env.h"
@@ -131,10 +132,10 @@ World& default_world_locked(Default& d) {
 // [Collective trace]). Diagnosis must never stop training: a file that cannot be made is a
 // warning.
 void export_trace(ProcessGroup& group) {
-  const char* path = std::getenv(env::kTraceFile);
-  if (path == nullptr || *path == '\0') return;
+  const auto path = env_string(env::kTraceFile);
+  if (!path) return;
   try {
-    group.trace().export_to(path);
+    group.trace().export_to(*path);
   } catch (const Error& e) {
     lockstep::log_warning("the collective trace stays in memory, the launcher cannot read it: ",
                           e.message());

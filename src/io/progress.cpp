@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "lockstep/base/env_var.h"
 #include "lockstep/base/log.h"
 #include "lockstep/base/syscall.h"
 #include "lockstep/base/worker_env.h"
@@ -94,8 +95,7 @@ Progress::Progress(ProgressOptions opts) : opts_(std::move(opts)) {
   if (opts_.terminal) {
     terminal_ = *opts_.terminal;
   } else {
-    const char* env = std::getenv(env::kStdoutIsTty);
-    terminal_ = (env != nullptr && std::strcmp(env, "1") == 0) || tty_fd_;
+    terminal_ = env_flag(env::kStdoutIsTty).value_or(false) || tty_fd_;
   }
 }
 

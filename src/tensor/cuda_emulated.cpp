@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "lockstep/base/env_var.h"
 #include "lockstep/base/error.h"
 #include "lockstep/base/log.h"
 #include "lockstep/base/worker_env.h"
@@ -44,13 +45,11 @@ namespace {
 constexpr int kMaxEmulated = 64;
 
 int read_count() {
-  const char* v = std::getenv(env::kTestEmulateGpus);
-  if (v == nullptr || *v == '\0') return 0;
-  char* end = nullptr;
-  const long n = std::strtol(v, &end, 10);
-  LS_CHECK(end != v && *end == '\0' && n >= 1 && n <= kMaxEmulated, env::kTestEmulateGpus, "='",
-           v, "': expected the number of emulated GPUs, an integer in [1, ", kMaxEmulated,
-           "] (a test switch; unset it to use real GPUs)");
+  const auto count =
+      env_int(env::kTestEmulateGpus, 1, kMaxEmulated,
+              {.unit = "emulated GPUs", .note = "a test switch; unset it to use real GPUs"});
+  if (!count) return 0;
+  const int64_t n = *count;
   log_warning("EMULATED GPUs: ", env::kTestEmulateGpus, "=", n, " makes cuda:0..cuda:", n - 1,
               " host memory run by CPU kernels, with an emulated nccl backend; a test switch, "
               "nothing runs on a GPU");

@@ -8,14 +8,18 @@
 #include <cstdlib>
 #include <thread>
 
+#include "lockstep/base/env_var.h"
 #include "lockstep/base/error.h"
+#include "lockstep/base/worker_env.h"
 
 namespace lockstep {
 
 namespace {
 int initial_threads() {
-  if (const char* env = std::getenv("OMP_NUM_THREADS")) {
-    int n = std::atoi(env);
+  // OpenMP's variable, read as OpenMP reads it: "8,4" (a list for nested levels) is 8 here, and
+  // what does not start with a positive number leaves the choice to the hardware.
+  if (const auto v = env_string(env::kOmpNumThreads)) {
+    const int n = std::atoi(v->c_str());
     if (n > 0) return n;
   }
   unsigned hc = std::thread::hardware_concurrency();

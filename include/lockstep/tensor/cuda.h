@@ -132,7 +132,7 @@ void empty_cache();
 void record_stream(const Tensor& t, const Stream& s);
 
 // Whether f32 matrix products may use TF32 tensor cores (default off, as PyTorch; also
-// LOCKSTEP_ALLOW_TF32=1 at start).
+// LOCKSTEP_ALLOW_TF32=1, read at the first allow_tf32() unless set_allow_tf32 came first).
 void set_allow_tf32(bool allow);
 bool allow_tf32();
 

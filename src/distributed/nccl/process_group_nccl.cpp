@@ -13,6 +13,7 @@
 #include "distributed/call_signature.h"
 #include "distributed/nccl/nccl_check.h"
 #include "distributed/nccl/register.h"
+#include "lockstep/base/env_var.h"
 #include "lockstep/base/log.h"
 #include "lockstep/base/worker_env.h"
 #include "tensor/cuda/runtime.h"
@@ -117,8 +118,7 @@ std::string what_of(const std::exception_ptr& e) {
 constexpr size_t kSignatureBytes = sizeof(detail::CallSignature);
 
 bool nccl_check_enabled() {
-  const char* v = std::getenv(env::kNcclCheck);
-  return v == nullptr || std::string(v) != "0";
+  return env_flag(env::kNcclCheck, {.note = "0 turns the signature check off"}).value_or(true);
 }
 
 // Note [Stream-ordered works]

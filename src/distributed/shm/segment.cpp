@@ -24,6 +24,7 @@
 
 #include "distributed/machine.h"
 #include "lockstep/distributed/shm/process_group_shm.h"
+#include "lockstep/base/env_var.h"
 #include "lockstep/base/error.h"
 #include "lockstep/base/log.h"
 #include "lockstep/base/worker_env.h"
@@ -86,10 +87,10 @@ long futex(uint32_t* word, int op, uint32_t value, const timespec* timeout) {
 bool reached(uint32_t v, uint32_t target) { return static_cast<int32_t>(v - target) >= 0; }
 
 std::string sanitized_run_id() {
-  const char* id = std::getenv(env::kRunId);
+  const std::string id = env_string(env::kRunId).value_or("");
   std::string out;
-  for (const char* p = id ? id : ""; *p && out.size() < 32; ++p) {
-    const char c = *p;
+  for (const char c : id) {
+    if (out.size() >= 32) break;
     if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_') {
       out += c;
     }

@@ -12,6 +12,7 @@
 #include "distributed/store/kv_table.h"
 #include "distributed/store/tcp_store_client.h"
 #include "distributed/store/tcp_store_server.h"
+#include "lockstep/base/env_var.h"
 
 namespace lockstep::dist {
 
@@ -130,8 +131,7 @@ FrameWriter request(Op op) { return FrameWriter(static_cast<uint8_t>(op)); }
 
 std::string resolve_token(const TCPStoreOptions& opts) {
   if (opts.token) return *opts.token;
-  const char* token = std::getenv(env::kStoreToken);
-  return token ? std::string(token) : std::string();
+  return env_string(env::kStoreToken).value_or("");
 }
 
 std::string octal_mode(mode_t m) {

@@ -8,7 +8,9 @@
 #include <mutex>
 #include <string>
 
+#include "lockstep/base/env_var.h"
 #include "lockstep/base/log.h"
+#include "lockstep/base/worker_env.h"
 #include "tensor/cuda_emulated.h"
 
 namespace lockstep {
@@ -48,10 +50,10 @@ void check_index(int index, const char* what) {
 
 int resolve(int device) { return device < 0 ? t_device : device; }
 
-std::atomic<bool> g_allow_tf32{[] {
-  const char* e = std::getenv("LOCKSTEP_ALLOW_TF32");
-  return e != nullptr && std::string(e) == "1";
-}()};
+// LOCKSTEP_ALLOW_TF32 is read at the first allow_tf32(), not at static initialization, where a
+// bad value could only reach std::terminate; a set_allow_tf32() that came first wins.
+constexpr int kTf32Unset = -1;
+std::atomic<int> g_allow_tf32{kTf32Unset};
 }  // namespace
 
 void throw_cuda_error(cudaError_t err, const char* call, const char* file, int line) {
@@ -272,8 +274,16 @@ float Event::elapsed_ms(const Event& start) const {
   return ms;
 }
 
-void set_allow_tf32(bool allow) { g_allow_tf32.store(allow, std::memory_order_relaxed); }
-bool allow_tf32() { return g_allow_tf32.load(std::memory_order_relaxed); }
+void set_allow_tf32(bool allow) { g_allow_tf32.store(allow ? 1 : 0, std::memory_order_relaxed); }
+
+bool allow_tf32() {
+  const int v = g_allow_tf32.load(std::memory_order_relaxed);
+  if (v != kTf32Unset) return v == 1;
+  const bool from_env = env_flag(env::kAllowTf32).value_or(false);
+  int expected = kTf32Unset;
+  g_allow_tf32.compare_exchange_strong(expected, from_env ? 1 : 0);
+  return g_allow_tf32.load(std::memory_order_relaxed) == 1;
+}
 
 }  // namespace cuda
 }  // namespace lockstep
