@@ -191,6 +191,8 @@ TEST(TCPStore, TokenIsRequiredWhenTheServerHasOne) {
   expect_error([&] { client(p, "wrong"); },
                {"store rejected the connection: bad or missing token"});
   expect_error([&] { client(p, ""); }, {"store rejected the connection: bad or missing token"});
+  // Its own type: a definite answer that a caller retrying its connection stops at.
+  EXPECT_THROW(client(p, "wrong"), StoreTokenRejected);
   // From the environment when the option is unset.
   ::setenv(kStoreTokenEnv, "s3cret", 1);
   EXPECT_EQ(client(p, std::nullopt)->get_string("guarded"), "v");
