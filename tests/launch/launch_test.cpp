@@ -433,6 +433,36 @@ TEST_F(Launcher, MissingNodeFailsTheRendezvous) {
   EXPECT_TRUE(dir_is_empty(out_)) << "a worker ran without the whole job";
 }
 
+// Node 0 is up (its store answers) but in another job: node 1's rendezvous timeout says so
+// instead of calling node rank 0 missing.
+TEST_F(Launcher, ANodeWhoseNodeZeroRunsAnotherJobIsToldWhatIsTrue) {
+  const std::string port = std::to_string(free_port());
+  const std::vector<std::string> token = {"LOCKSTEP_STORE_TOKEN=shared"};
+  auto args = [&](const char* node, const char* nnodes, const char* run_id, const char* rdzv) {
+    return std::vector<std::string>{
+        "run",  "--nnodes",       nnodes, "--node-rank", node,  "--master-port", port, "--run-id",
+        run_id, "--rdzv-timeout", rdzv,   kWorker,       "env", out_.string()};
+  };
+  for (const bool elastic : {true, false}) {
+    SCOPED_TRACE(elastic ? "elastic node 0" : "another run id");
+    const Launch l0 =
+        start_launcher(args("0", elastic ? "2:2" : "2", elastic ? "job" : "other-job", "30"), dir_,
+                       "node0", token);
+    const Outcome o1 = run_launcher(args("1", "2", "job", "2"), dir_, "node1", token);
+    EXPECT_TRUE(o1.exited_with(1)) << o1.describe();
+    EXPECT_THAT(o1.err, HasSubstr("1 of 2 nodes joined; node 0 is up (its store answered) but "))
+        << o1.describe();
+    EXPECT_THAT(o1.err, HasSubstr(elastic ? "runs an elastic job (--nnodes MIN:MAX)"
+                                          : "another --run-id (this node's is 'job')"))
+        << o1.describe();
+    EXPECT_THAT(o1.err, ::testing::Not(HasSubstr("missing node ranks"))) << o1.describe();
+    ::kill(l0.pid, SIGTERM);
+    const Outcome o0 = wait_launcher(l0);
+    EXPECT_TRUE(o0.exited_with(128 + SIGTERM)) << o0.describe();
+  }
+  EXPECT_TRUE(dir_is_empty(out_));
+}
+
 TEST_F(Launcher, LogDirWithTeeWritesFilesAndTerminal) {
   const fs::path logs = dir_ / "logs";
   const Outcome o =

@@ -190,18 +190,33 @@ void Agent::rendezvous() {
     if (sig != 0) throw Interrupted(sig);
     std::string missing;
     int joined = 0;
+    bool zero_elsewhere = false;
     for (int r = 0; r < o_.nnodes; ++r) {
       if (store_->check({key("node" + std::to_string(r) + "/host")})) {
         ++joined;
+      } else if (r == 0) {
+        zero_elsewhere = true;  // its store answered this node: node 0 is up, in another job
       } else {
         missing += (missing.empty() ? "" : ", ") + std::to_string(r);
       }
     }
-    throw AgentError(
+    std::string why =
         "rendezvous timed out after " + std::to_string(static_cast<int>(o_.rdzv_timeout_s)) +
-        " s: " + std::to_string(joined) + " of " + std::to_string(o_.nnodes) +
-        " nodes joined; missing node ranks: " + missing + " (started with --node-rank " +
-        "and the same --master-addr/--master-port/--run-id?)");
+        " s: " + std::to_string(joined) + " of " + std::to_string(o_.nnodes) + " nodes joined";
+    if (zero_elsewhere) {
+      // An elastic node 0 takes join requests (Note [Elastic membership]) instead.
+      why += store_->check({key("join/next")})
+                 ? "; node 0 is up (its store answered) but runs an elastic job (--nnodes "
+                   "MIN:MAX): give this node node 0's --nnodes"
+                 : "; node 0 is up (its store answered) but has not joined this job: does it "
+                   "run with another --run-id (this node's is '" +
+                       o_.run_id + "')?";
+    }
+    if (!missing.empty()) {
+      why += "; missing node ranks: " + missing +
+             " (started with --node-rank and the same --master-addr/--master-port/--run-id?)";
+    }
+    throw AgentError(why);
   }
   for (int r = 0; r < o_.nnodes; ++r) {
     const std::string n = store_->get_string(key("node" + std::to_string(r) + "/nproc"));
