@@ -75,6 +75,57 @@ class Sha256 {
   std::unique_ptr<EVP_MD_CTX, void (*)(EVP_MD_CTX*)> ctx_;
 };
 
+// Note [No NaN in a checkpoint]
+// A run that diverged (a learning rate too large, say) has NaN or Inf in its parameters, and
+// every checkpoint it writes from then on would hold them; `--resume auto` would then pick the
+// newest, and the run could never get back. So a checkpoint never holds a non-finite value:
+// save_checkpoint refuses to write one (the previous files stay as they were, and every rank of
+// a distributed save fails with the message), and load_checkpoint refuses to read one (a file
+// written before this check), which makes latest_valid_checkpoint pass it over and say why.
+// Every floating tensor counts, buffers included: a model that keeps -inf in a buffer on
+// purpose (a mask) should compute it rather than store it.
+
+// Non-finite values of a floating tensor on the host, contiguous, by their bits: all exponent
+// bits set (an Inf when the mantissa is zero, else a NaN). A plain loop, not an op: a checkpoint
+// may be written by a process forked from a multithreaded one, where a thread pool would hang.
+template <typename Bits>
+void count_non_finite(const void* data, int64_t n, Bits exponent, Bits mantissa, int64_t* bad,
+                      int64_t* nan) {
+  const auto* v = static_cast<const Bits*>(data);
+  for (int64_t i = 0; i < n; ++i) {
+    if ((v[i] & exponent) != exponent) continue;
+    ++*bad;
+    if ((v[i] & mantissa) != 0) ++*nan;
+  }
+}
+
+// "" when every value of `t` (on the host, contiguous) is finite; else what is not, for errors.
+std::string non_finite_values(const Tensor& t) {
+  int64_t bad = 0, nan = 0;
+  const int64_t n = t.numel();
+  switch (t.dtype()) {
+    case kFloat64:
+      count_non_finite<uint64_t>(t.data_ptr(), n, 0x7ff0000000000000ull, 0x000fffffffffffffull,
+                                 &bad, &nan);
+      break;
+    case kFloat32:
+      count_non_finite<uint32_t>(t.data_ptr(), n, 0x7f800000u, 0x007fffffu, &bad, &nan);
+      break;
+    case kBFloat16:
+      count_non_finite<uint16_t>(t.data_ptr(), n, 0x7f80, 0x007f, &bad, &nan);
+      break;
+    case kFloat16:
+      count_non_finite<uint16_t>(t.data_ptr(), n, 0x7c00, 0x03ff, &bad, &nan);
+      break;
+    default:
+      LS_CHECK(!is_floating(t.dtype()), "checkpoint: no finiteness check for dtype ",
+               dtype_name(t.dtype()));
+  }
+  if (bad == 0) return "";
+  return std::to_string(bad) + " of its " + std::to_string(n) + " values are not finite (" +
+         std::to_string(nan) + " NaN, " + std::to_string(bad - nan) + " Inf)";
+}
+
 std::string format_double(double v) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.17g", v);
@@ -199,6 +250,10 @@ SafetensorsContents checkpoint_contents(const TrainingCheckpoint& ckpt) {
   for (auto& [name, t] : tensors) {
     LS_CHECK(t.defined(), "save_checkpoint: tensor '", name, "' is undefined");
     t = t.to(kCPU).contiguous();
+    const std::string bad = non_finite_values(t);
+    LS_CHECK(bad.empty(), "save_checkpoint: step ", ckpt.step, ": tensor '", name, "': ", bad,
+             "; the training has diverged, and a checkpoint holding NaN or Inf is not written "
+             "(the checkpoints already written are left as they are)");
     sha.update(t.data_ptr(), static_cast<size_t>(t.nbytes()));
   }
   meta["sha256"] = sha.hex();
@@ -240,6 +295,11 @@ TrainingCheckpoint checkpoint_from_contents(SafetensorsContents c, const std::st
   LS_CHECK(digest == get("sha256"), "load_checkpoint: ", path,
            ": the data is corrupt: its SHA-256 is ", digest, " but the header recorded ",
            get("sha256"));
+  for (const auto& [name, t] : c.tensors) {
+    const std::string bad = non_finite_values(t);
+    LS_CHECK(bad.empty(), "load_checkpoint: ", path, ": tensor '", name, "': ", bad,
+             "; the run that wrote it had diverged, and it cannot be resumed from");
+  }
 
   TrainingCheckpoint ckpt;
   ckpt.step = parse_number<int64_t>(path, "step", get("step"));

@@ -2,6 +2,7 @@
 // SHA-256 catches corrupt data, periodic files and pruning, and a writer killed with SIGKILL at
 // random moments never leaves a checkpoint that does not load.
 #include <gtest/gtest.h>
+#include <openssl/evp.h>
 
 #include <poll.h>
 #include <signal.h>
@@ -442,6 +443,91 @@ TEST(Checkpoint, LatestValidCheckpointSkipsCorruptNewerOnesAndTouchesNothing) {
   EXPECT_EQ(choice.skipped[3].path, io::checkpoint_path_for_step(base, 10));
   EXPECT_EQ(io::list_checkpoints(base).size(), 3u);
   EXPECT_TRUE(fs::exists(base));
+}
+
+// The file save_checkpoint wrote before it refused NaN (Note [No NaN in a checkpoint]): the
+// contents of a finite checkpoint with `t` put in place of tensor `name`, its SHA-256 recomputed
+// as the writer does (the metadata's keys and values with their NULs, then the tensors' bytes).
+void save_as_an_older_build(const std::string& path, const io::TrainingCheckpoint& finite,
+                            const std::string& name, const Tensor& t) {
+  io::SafetensorsContents c = io::checkpoint_contents(finite);
+  for (auto& [n, tensor] : c.tensors)
+    if (n == name) tensor = t.contiguous();
+  std::unique_ptr<EVP_MD_CTX, void (*)(EVP_MD_CTX*)> ctx(EVP_MD_CTX_new(), EVP_MD_CTX_free);
+  ASSERT_EQ(EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr), 1);
+  for (const auto& [k, v] : c.metadata) {
+    if (k == "sha256") continue;
+    EVP_DigestUpdate(ctx.get(), k.c_str(), k.size() + 1);
+    EVP_DigestUpdate(ctx.get(), v.c_str(), v.size() + 1);
+  }
+  for (const auto& [n, tensor] : c.tensors)
+    EVP_DigestUpdate(ctx.get(), tensor.data_ptr(), static_cast<size_t>(tensor.nbytes()));
+  unsigned char md[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  ASSERT_EQ(EVP_DigestFinal_ex(ctx.get(), md, &len), 1);
+  std::string hex;
+  for (unsigned int i = 0; i < len; ++i) {
+    hex += "0123456789abcdef"[md[i] >> 4];
+    hex += "0123456789abcdef"[md[i] & 15];
+  }
+  c.metadata["sha256"] = hex;
+  io::save_safetensors(path, c.tensors, c.metadata);
+}
+
+TEST(Checkpoint, NaNOrInfIsNeverWrittenAndTheFilesBeforeStay) {
+  TempDir dir;
+  const std::string path = dir.path("ck.safetensors");
+  Trained t;
+  io::save_checkpoint(path, t.checkpoint());
+  const std::string before = file_bytes(path);
+
+  for (double bad : {NAN, INFINITY, -INFINITY}) {
+    for (DType dtype : {kFloat32, kFloat64, kBFloat16, kFloat16}) {
+      io::TrainingCheckpoint c = t.checkpoint();
+      Tensor w = zeros({3, 4}, dtype);
+      w.set_at({2, 1}, bad);
+      c.model.emplace_back("diverged", w);
+      expect_error([&] { io::save_checkpoint(path, c); },
+                   {"save_checkpoint: step 1234567890123", "tensor 'model.diverged'",
+                    "1 of its 12 values are not finite", std::isnan(bad) ? "1 NaN" : "1 Inf",
+                    "diverged", "not written"});
+      EXPECT_EQ(file_bytes(path), before);
+    }
+  }
+  // Optimizer state too (a momentum buffer full of NaN after a NaN gradient).
+  io::TrainingCheckpoint c = t.checkpoint();
+  c.optimizer[0].second = full(c.optimizer[0].second.shape(), NAN);
+  expect_error([&] { io::save_checkpoint(path, c); }, {"tensor 'optim.", "NaN"});
+  EXPECT_EQ(file_bytes(path), before);
+  // Integers cannot hold NaN: an int64 buffer is written as it is.
+  c = t.checkpoint();
+  c.model.emplace_back("count", full({2}, 7.0, kInt64));
+  io::save_checkpoint(path, c);
+  EXPECT_EQ(io::checkpoint_problem(path), "");
+}
+
+TEST(Checkpoint, ResumeAutoPassesOverACheckpointHoldingNaN) {
+  TempDir dir;
+  const std::string base = dir.path("ck.safetensors");
+  Trained t;
+  io::TrainingCheckpoint c = t.checkpoint();
+  c.step = 10;
+  io::save_checkpoint(io::checkpoint_path_for_step(base, 10), c);
+  c.step = 20;
+  const std::string newest = io::checkpoint_path_for_step(base, 20);
+  Tensor w = t.model->state_dict()[0].second.clone();
+  w.set_at({0, 0}, NAN);
+  save_as_an_older_build(newest, c, "model." + t.model->state_dict()[0].first, w);
+  ASSERT_EQ(io::checkpoint_step(newest), 20);
+
+  expect_error([&] { io::load_checkpoint(newest); },
+               {newest, "1 NaN", "diverged", "cannot be resumed from"});
+  const io::CheckpointChoice choice = io::latest_valid_checkpoint(base);
+  EXPECT_EQ(choice.path, io::checkpoint_path_for_step(base, 10));
+  ASSERT_EQ(choice.skipped.size(), 1u);
+  EXPECT_EQ(choice.skipped[0].path, newest);
+  EXPECT_THAT(choice.skipped[0].reason, ::testing::HasSubstr("not finite"));
+  EXPECT_TRUE(fs::exists(newest));  // left for the user to look at
 }
 
 TEST(Checkpoint, EndOfRunFileComesBeforeAPeriodicFileOfItsStep) {
