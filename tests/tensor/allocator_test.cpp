@@ -109,11 +109,13 @@ TEST(AllocatorEnv, OutOfRangeAndGarbledSizesAreErrorsAndAGoodOneRuns) {
   const Child c = run_with_cache_mb("Allocator.ReusesFreedBlocksOfTheSameClass", "8");
   ASSERT_TRUE(WIFEXITED(c.status)) << c.output;
   EXPECT_EQ(WEXITSTATUS(c.status), 0) << c.output;
-  // Out of range and garbled numbers: the old strtoull read "-5" as 2^64 - 5.
-  for (const char* bad : {"-5", "99999999999999999999", "64GB"}) {
+  // Out of range and garbled numbers: the old strtoull read "-5" as 2^64 - 5 MiB.
+  for (const auto& [bad, said] : std::vector<std::pair<std::string, std::string>>{
+           {"-5", "=-5 is out of range"},
+           {"99999999999999999999", "=99999999999999999999 is out of range"},
+           {"64GB", "='64GB' is not an integer"}}) {
     const Child b = run_with_cache_mb("Allocator.ReusesFreedBlocksOfTheSameClass", bad);
     EXPECT_TRUE(WIFEXITED(b.status) && WEXITSTATUS(b.status) == 1) << bad << ":\n" << b.output;
-    EXPECT_THAT(b.output, ::testing::HasSubstr(std::string("LOCKSTEP_CPU_CACHE_MB")))
-        << b.output;
+    EXPECT_THAT(b.output, ::testing::HasSubstr("LOCKSTEP_CPU_CACHE_MB" + said)) << b.output;
   }
 }
