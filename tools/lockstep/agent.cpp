@@ -558,6 +558,7 @@ GenResult Agent::run_generation(int g) {
     }
   } remove_dead_segments{*this};
   GenResult result;
+  generation_started_ = Clock::now();
   try {
     start_workers(g);
   } catch (const std::exception& e) {
@@ -732,6 +733,31 @@ std::string Agent::host_of(int n) {
   }
 }
 
+double Agent::restart_delay() {
+  return backoff_.delay_after(
+      std::chrono::duration<double>(Clock::now() - generation_started_).count());
+}
+
+std::string Agent::restart_delay_text(double delay_s) {
+  if (delay_s <= 0) return "";
+  std::ostringstream s;
+  s << " in " << delay_s << " s";
+  return s.str();
+}
+
+int Agent::wait_before_restart(double delay_s) {
+  const auto deadline =
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                         std::chrono::duration<double>(std::max(0.0, delay_s)));
+  for (;;) {
+    if (const int sig = take_signal()) return sig;
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now());
+    if (left.count() <= 0) return 0;
+    pollfd p{sigfd_.get(), POLLIN, 0};
+    ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count(), 1000)));
+  }
+}
+
 std::chrono::milliseconds Agent::normal_exit_wait() const {
   return std::max<std::chrono::milliseconds>(
       kExitSyncTimeout,
@@ -768,10 +794,12 @@ int Agent::run_static() {
       return 128 + sig;
     }
     if (g < o_.max_restarts && !interrupted) {
+      const double delay = restart_delay();
       say("rank " + std::to_string(r.failure.value("rank", -1)) + " on node " +
           std::to_string(r.failure.value("node", -1)) + " ended with " +
-          r.failure.value("status", std::string("?")) + "; restarting the whole group (restart " +
-          std::to_string(g + 1) + " of " + std::to_string(o_.max_restarts) + ")");
+          r.failure.value("status", std::string("?")) + "; restarting the whole group" +
+          restart_delay_text(delay) + " (restart " + std::to_string(g + 1) + " of " +
+          std::to_string(o_.max_restarts) + ")");
       try {
         store_->add(gen_key(g, "stopped"), 1);
         int sig = 0;
@@ -793,6 +821,12 @@ int Agent::run_static() {
       } catch (const Error& e) {
         say("lost node 0's store while restarting: " + e.message());
         return kExitJobFailed;
+      }
+      if (const int sig = wait_before_restart(delay)) {
+        publish_interrupted(g + 1, sig);  // the other nodes meet it in generation g+1
+        say("received " + signal_name(sig) + " while waiting to restart; not restarting");
+        exit_sync(kExitSyncAfterSignal);
+        return 128 + sig;
       }
       continue;
     }

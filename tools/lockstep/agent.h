@@ -35,6 +35,9 @@ struct RunOptions {
   int master_port = 29500;  // 0: any free port (one machine)
   bool standalone = false;  // one machine; the store takes a free port on loopback
   int max_restarts = 0;
+  // Seconds before the first restart, doubling while generations fail quickly (Note [Restart
+  // backoff] in restart_backoff.h); 0: at once.
+  double restart_backoff_s = 1;
   double monitor_interval_s = 0.1;
   OutputOptions output;  // where the workers' lines go: terminal, log files (output.h)
   std::string run_id = "none";

@@ -419,8 +419,15 @@ bool Agent::next_generation(int g, const json& failure, std::string* why) {
       return false;
     }
     ++restarts_used_;
-    say("restarting the workers of every node (restart " + std::to_string(restarts_used_) + " of " +
-        std::to_string(o_.max_restarts) + ")");
+    // Note [Restart backoff]: node 0 waits; the other nodes wait for its next generation.
+    const double delay = restart_delay();
+    say("restarting the workers of every node" + restart_delay_text(delay) + " (restart " +
+        std::to_string(restarts_used_) + " of " + std::to_string(o_.max_restarts) + ")");
+    if (const int sig = wait_before_restart(delay)) {
+      store_->set(gen_key(g + 1, "members"),
+                  dump({{"abort", "the launcher on node 0 received " + signal_name(sig)}}));
+      throw Interrupted(sig);
+    }
   } else if (here.size() < members_.size()) {
     say(std::to_string(members_.size() - here.size()) + " node(s) gone; " +
         std::to_string(here.size()) + " remain (a membership change, not counted as a restart)");

@@ -24,6 +24,7 @@
 #include "lockstep/base/syscall.h"
 #include "lockstep/distributed/store/tcp_store.h"
 #include "output.h"
+#include "restart_backoff.h"
 #include "verdict.h"
 #include "why_died.h"
 #include "worker_process.h"
@@ -156,7 +157,11 @@ struct GenResult {
 class Agent {
  public:
   Agent(const RunOptions& o, Terminal& terminal)
-      : o_(o), terminal_(terminal), nnodes_(o.nnodes), node_rank_(o.node_rank) {}
+      : o_(o),
+        terminal_(terminal),
+        nnodes_(o.nnodes),
+        node_rank_(o.node_rank),
+        backoff_(o.restart_backoff_s) {}
   ~Agent() {
     workers_.clear();
     if (!tmp_dir_.empty()) {
@@ -205,6 +210,11 @@ class Agent {
                       int* interrupted);
   void exit_sync(std::chrono::milliseconds timeout);
   int run_static();
+  // Note [Restart backoff]: the wait before restarting after the generation that just ended,
+  // said as " in 0.4 s" (empty for none); then waited for, watching for a signal (returned, or 0).
+  double restart_delay();
+  static std::string restart_delay_text(double delay_s);
+  int wait_before_restart(double delay_s);
   // How long node 0 keeps the store up at the end for the others to read the outcome.
   std::chrono::milliseconds normal_exit_wait() const;
 
@@ -273,6 +283,8 @@ class Agent {
   int64_t unwritten_ticket_ = 0;
   std::optional<Clock::time_point> unwritten_since_;
   int restarts_used_ = 0;        // node 0: failures restarted (membership changes do not count)
+  RestartBackoff backoff_;       // Note [Restart backoff]
+  Clock::time_point generation_started_{};
   Fd sigfd_;
   int pending_signal_ = 0;
   std::string tmp_dir_;

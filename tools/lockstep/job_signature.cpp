@@ -18,8 +18,9 @@ namespace lockstep::launch {
 //             home or prefix on that machine), its name may not;
 //   args      every argument, as the launcher passes it, compared exactly;
 //   settings  the launcher's options that must agree: --nnodes (N or MIN:MAX), --max-restarts
-//             (it reaches the workers as LOCKSTEP_MAX_RESTARTS), --timeout (the collective
-//             timeout: ranks that give up at different times report the wrong rank), and
+//             (it reaches the workers as LOCKSTEP_MAX_RESTARTS), --restart-backoff (each
+//             static agent waits it out on its own: Note [Restart backoff]), --timeout (the
+//             collective timeout: ranks that give up at different times report the wrong rank), and
 //             --node-timeout (each agent judges the others by it). --nproc-per-node is checked
 //             on its own, first, as before.
 // What may differ: the environment (a per-machine path or device list belongs there, e.g.
@@ -77,10 +78,12 @@ JobSignature job_signature(const RunOptions& o) {
   const std::string nnodes = o.elastic
                                  ? std::to_string(o.min_nodes) + ":" + std::to_string(o.nnodes)
                                  : std::to_string(o.nnodes);
-  std::ostringstream node_timeout;
+  std::ostringstream node_timeout, backoff;
   node_timeout << o.node_timeout_s;
+  backoff << o.restart_backoff_s;
   s.settings = {{"--nnodes", nnodes},
                 {"--max-restarts", std::to_string(o.max_restarts)},
+                {"--restart-backoff", backoff.str()},
                 {"--timeout", o.timeout.empty() ? "(not set)" : o.timeout},
                 {"--node-timeout", node_timeout.str()}};
   return s;

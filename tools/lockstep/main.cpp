@@ -105,6 +105,11 @@ int main(int argc, char** argv) {
   option("--max-restarts", raw.max_restarts,
          "restart the whole group this many times after a failure")
       ->capture_default_str();
+  option("--restart-backoff", raw.restart_backoff,
+         "seconds before the first restart, doubling while generations fail within " +
+             std::to_string(static_cast<int>(kRestartBackoffReset)) + " s, up to " +
+             std::to_string(static_cast<int>(kMaxRestartBackoffS)) + " s (0: at once)")
+      ->capture_default_str();
   option("--monitor-interval", raw.monitor_interval,
          "seconds between checks of the other machines' state (at least 0.01)")
       ->capture_default_str();

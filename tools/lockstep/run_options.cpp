@@ -386,6 +386,8 @@ RunOptions check_run_options(const RawRunOptions& raw, const std::vector<std::st
   }
   o.max_restarts =
       static_cast<int>(parse_int(raw.max_restarts, src("--max-restarts"), 0, kMaxMaxRestarts));
+  o.restart_backoff_s = parse_seconds(raw.restart_backoff, src("--restart-backoff"), 0,
+                                      kMaxRestartBackoffOption);
   o.monitor_interval_s = parse_seconds(raw.monitor_interval, src("--monitor-interval"),
                                        kMinMonitorInterval, kMaxMonitorInterval);
   o.rdzv_timeout_s =

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "agent.h"
+#include "restart_backoff.h"
 
 namespace lockstep::launch {
 
@@ -40,6 +41,7 @@ struct RawRunOptions {
   std::string master_port = "29500";
   bool standalone = false;
   std::string max_restarts = "0";
+  std::string restart_backoff = "1";
   std::string monitor_interval = "0.1";
   std::string log_dir;
   bool tee = false;
