@@ -2,6 +2,7 @@
 #include "lockstep/base/syscall.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -34,6 +35,32 @@ int Fd::close() {
   const int rc = ::close(fd_);
   fd_ = -1;
   return rc;
+}
+
+std::string file_type_text(unsigned mode) {
+  if (S_ISREG(mode)) return "a regular file";
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "something else";
+}
+
+Fd open_regular_file(const std::string& path, const std::string& what, const std::string& context,
+                     struct stat* st) {
+  const int raw = retry_on_eintr(
+      [&] { return ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK); });
+  LS_CHECK(raw >= 0, context, "cannot open ", what, ": ", errno_text(errno));
+  Fd fd(raw);
+  struct stat local {};
+  struct stat& s = st != nullptr ? *st : local;
+  LS_SYSCHECK_MSG(::fstat(fd.get(), &s), context, "cannot stat ", what);
+  LS_CHECK(S_ISREG(s.st_mode), context, what, ": expected a regular file, found ",
+           file_type_text(s.st_mode));
+  const int flags = LS_SYSCHECK(::fcntl(fd.get(), F_GETFL));
+  LS_SYSCHECK(::fcntl(fd.get(), F_SETFL, flags & ~O_NONBLOCK));
+  return fd;
 }
 
 }  // namespace lockstep

@@ -63,13 +63,8 @@ std::string quote_bytes(const std::vector<unsigned char>& bytes, int64_t at) {
 
 // The whole file; throws naming it when it is missing, unreadable or not a regular file.
 std::vector<unsigned char> read_file(const std::string& path) {
-  Fd fd(LS_SYSCHECK_MSG(::open(path.c_str(), O_RDONLY | O_CLOEXEC),
-                        "prepare_text_corpus: cannot open ", path));
   struct stat st {};
-  LS_SYSCHECK_MSG(::fstat(fd.get(), &st), "prepare_text_corpus: cannot stat ", path);
-  LS_CHECK(S_ISREG(st.st_mode), "prepare_text_corpus: ", path,
-           ": expected a regular file of text, found ",
-           S_ISDIR(st.st_mode) ? "a directory" : "something else");
+  Fd fd = open_regular_file(path, path, "prepare_text_corpus: ", &st);
   std::vector<unsigned char> bytes(static_cast<size_t>(st.st_size));
   size_t done = 0;
   while (done < bytes.size()) {

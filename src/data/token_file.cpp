@@ -161,11 +161,8 @@ void write_token_file(const std::string& path, std::span<const uint16_t> tokens,
 
 TokenFile::TokenFile(const std::string& path, const TokenFileOpenOptions& options) : path_(path) {
   const std::string where = "token file " + path + ": ";
-  Fd fd(
-      LS_SYSCHECK_MSG(::open(path.c_str(), O_RDONLY | O_CLOEXEC), "cannot open token file ", path));
   struct stat st {};
-  LS_SYSCHECK_MSG(::fstat(fd.get(), &st), "cannot stat token file ", path);
-  LS_CHECK(S_ISREG(st.st_mode), where, "expected a regular file, found something else");
+  Fd fd = open_regular_file(path, "token file " + path, "", &st);
   const auto file_bytes = static_cast<int64_t>(st.st_size);
 
   // Header checks, in the order a reader needs them: is this a token file at all, of a version

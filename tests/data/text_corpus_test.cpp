@@ -131,11 +131,20 @@ TEST(PrepareTextCorpus, NonUtf8FileIsNamedWithTheOffset) {
   EXPECT_FALSE(fs::exists(dir.path("out")));
 }
 
+// A FIFO with no writer: opening it to read would block for ever; it is refused at once.
+TEST(PrepareTextCorpus, AFifoIsRefusedWithoutBlocking) {
+  TempDir dir;
+  ASSERT_EQ(::mkfifo(dir.path("fifo").c_str(), 0600), 0);
+  expect_error([&] { prepare_text_corpus({dir.path("fifo")}, dir.path("out")); },
+               {"prepare_text_corpus: ", "fifo: expected a regular file, found a FIFO"});
+  EXPECT_FALSE(fs::exists(dir.path("out")));
+}
+
 TEST(PrepareTextCorpus, DirectoriesNoFilesAndTinyCorporaSayWhy) {
   TempDir dir;
   fs::create_directories(dir.path("adir"));
   expect_error([&] { prepare_text_corpus({dir.path("adir")}, dir.path("out")); },
-               {"adir", "expected a regular file of text, found a directory"});
+               {"adir", "expected a regular file, found a directory"});
   expect_error([&] { prepare_text_corpus({}, dir.path("out")); },
                {"expected at least one text file"});
   const auto tiny = write_text(dir, "tiny.txt", "\n");

@@ -215,6 +215,15 @@ TEST(TokenFile, MissingFileNamesIt) {
                {"cannot open token file", "absent.tokens", "No such file"});
 }
 
+TEST(TokenFile, AFifoOrADeviceIsRefusedWithoutBlocking) {
+  TempDir dir;
+  ASSERT_EQ(::mkfifo(dir.path("fifo.tokens").c_str(), 0600), 0);
+  expect_error([&] { TokenFile f(dir.path("fifo.tokens")); },
+               {"token file ", "fifo.tokens: expected a regular file, found a FIFO"});
+  expect_error([&] { TokenFile f("/dev/null"); },
+               {"token file /dev/null: expected a regular file, found a character device"});
+}
+
 // ---- windows
 
 TEST(TokenWindowDataset, WindowsAreBlocksAtStrideTWithTargetsShiftedByOne) {

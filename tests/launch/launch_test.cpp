@@ -286,6 +286,29 @@ TEST_F(Launcher, GivesUpWhenNoRestartRemains) {
               HasSubstr("last words of rank 1 (stderr)"));
 }
 
+// Note [A rank that leaves before joining]: without the launcher's word rank 0 would wait 300 s
+// (the rendezvous timeout) in the join, past the test's hang guard.
+TEST_F(Launcher, ARankThatExitsZeroWithoutJoiningFailsTheOthersAtOnceNamingIt) {
+  const Outcome o =
+      run_launcher({"run", "--standalone", "--nproc-per-node", "2", kWorker, "leave-before-join"},
+                   dir_, "launch");
+  EXPECT_TRUE(o.exited_with(1)) << o.describe();
+  const std::string summary = summary_lines(o.err);
+  EXPECT_THAT(summary, HasSubstr("the job failed: rank 0")) << o.describe();
+  EXPECT_THAT(summary, HasSubstr("rank 1 (node 0, host ")) << o.describe();
+  EXPECT_THAT(summary, HasSubstr("exited with exit code 0 without joining the process group"))
+      << o.describe();
+}
+
+TEST_F(Launcher, ARankThatExitsZeroAfterJoiningDisturbsNoOne) {
+  const Outcome o =
+      run_launcher({"run", "--standalone", "--nproc-per-node", "2", kWorker, "leave-after-join"},
+                   dir_, "launch");
+  EXPECT_TRUE(o.exited_with(0)) << o.describe();
+  EXPECT_THAT(o.out, HasSubstr("[rank0]: rank 0 done")) << o.describe();
+  EXPECT_THAT(o.err, Not(HasSubstr("without joining"))) << o.describe();
+}
+
 class LauncherSignal : public Launcher, public ::testing::WithParamInterface<int> {};
 
 TEST_P(LauncherSignal, StopsEveryWorkerAndExitsWith128PlusSignal) {

@@ -404,6 +404,34 @@ void Agent::stop_workers(int sig) {
   drain_after_exit();
 }
 
+// Note [A rank that leaves before joining]
+// A worker that exits 0 without calling init_process_group is no failure to the launcher, but
+// the other ranks wait for it in the join (Note [Join check] in src/distributed/init.cpp) until
+// the rendezvous timeout, 300 s by default. The launcher knows at once, and the workers join
+// through its store under lockstep/<run-id>/gen<g>/: a rank that has not claimed rank/<r> by
+// the time it exited never will, so the agent writes the join's `error` key (compare_set: a
+// rank's own error stays first), and every rank waiting in the join fails at once with that
+// message, which the failure summary then quotes. A rank that joined (and finished its work)
+// and exits 0 has its claim in the store and changes nothing.
+void Agent::tell_ranks_waiting_to_join(int g) {
+  if (world_size() == 1) return;  // a world of one joins through no store
+  const std::string world = "lockstep/" + o_.run_id + "/gen" + std::to_string(g) + "/";
+  for (auto& w : workers_) {
+    const auto& st = w->proc->exit_status();
+    if (!st || !st->ok() || w->join_checked) continue;
+    w->join_checked = true;
+    if (store_->check({world + "rank/" + std::to_string(w->rank)})) continue;  // it joined
+    store_->compare_set(
+        world + "error", "",
+        "rank " + std::to_string(w->rank) + " (node " + std::to_string(node_rank_) + ", host " +
+            hostname() + ") exited with " + st->str() +
+            " without joining the process group, so the world of " +
+            std::to_string(world_size()) +
+            " ranks cannot form: every rank must call init_process_group (the launcher saw it "
+            "exit)");
+  }
+}
+
 json Agent::describe_failure(const Worker& w) const {
   const ExitStatus& s = *w.proc->exit_status();
   json f = {{"rank", w.rank},          {"local_rank", w.local_rank}, {"node", node_rank_},
@@ -635,6 +663,7 @@ GenResult Agent::run_generation(int g) {
           }
         }
       }
+      if (!published) tell_ranks_waiting_to_join(g);
       if (!published && !success_counted && all_exited()) {
         drain_after_exit();
         store_->add(gen_key(g, "succeeded"), 1);

@@ -119,6 +119,7 @@ struct Worker {
   std::string trace_file;                // Note [Collective trace]: the world group's ring
   int64_t stopped_since_ns = 0;          // first seen in state T (0: running)
   int64_t exited_ns = 0;                 // first seen exited
+  bool join_checked = false;             // exited 0: Note [A rank that leaves before joining]
   std::string log_dir;                   // its stdout.log and stderr.log, with --log-dir
   std::unique_ptr<WorkerOutput> output;  // where its lines go (output.h)
   std::unique_ptr<WorkerProcess> proc;
@@ -201,6 +202,8 @@ class Agent {
   // returns when all have exited and their output has been read.
   void stop_workers(int sig);
   void drain_after_exit();
+  // Note [A rank that leaves before joining]
+  void tell_ranks_waiting_to_join(int g);
   json describe_failure(const Worker& w) const;
   void publish_interrupted(int g, int sig);
   void print_summary(const json& f, int generation) const;

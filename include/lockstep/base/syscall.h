@@ -7,6 +7,8 @@
 #include <string>
 #include <string_view>
 
+#include <sys/stat.h>
+
 #include "lockstep/base/error.h"
 
 namespace lockstep {
@@ -72,6 +74,17 @@ class Fd {
  private:
   int fd_ = -1;
 };
+
+// Opens `path` for reading and returns it only when it is a regular file; else throws
+// "<context>cannot open <what>: <errno>" or "<context><what>: expected a regular file, found a
+// FIFO" (a directory, a device, a socket), where `what` names the file ("token file x.tokens").
+// The open does not block: a FIFO with no writer would otherwise hang the reader before any
+// check could run (O_NONBLOCK at open, cleared again on the regular file). `st` receives the
+// file's fstat when given.
+Fd open_regular_file(const std::string& path, const std::string& what,
+                     const std::string& context = "", struct stat* st = nullptr);
+// "a FIFO", "a directory", ... for a message about a file that is not what was expected.
+std::string file_type_text(unsigned mode);
 
 }  // namespace lockstep
 

@@ -370,6 +370,17 @@ int run(int argc, char** argv) {
     return 0;
   }
   if (mode == "sleep") return sleep_then_fail(120s);
+  if (mode == "leave-before-join" || mode == "leave-after-join") {
+    // Rank 1 ends (0) without joining, or once it joined; rank 0 joins with the default
+    // rendezvous timeout (300 s), then waits a moment and ends (0).
+    lockstep::dist::install_error_handler();
+    if (rank == 1 && mode == "leave-before-join") return 0;
+    lockstep::dist::init_process_group();
+    if (rank == 1) return 0;
+    std::this_thread::sleep_for(1s);
+    std::printf("rank 0 done\n");
+    return 0;
+  }
   if (mode == "shm-setup") return shm_setup();
   if (mode == "elastic" && argc >= 4) return elastic(argv[2], std::atoi(argv[3]));
   if (mode == "lines" && argc >= 3) return print_lines(std::atoi(argv[2]));
