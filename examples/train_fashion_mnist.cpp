@@ -474,15 +474,26 @@ struct Totals {
   std::optional<double> accuracy;  // the last evaluation's; none without --eval
 };
 
+// One split of --data, refused when it holds no samples: an empty training set would "train"
+// zero steps and exit 0, an empty test set divide by zero. Before the process group forms, so
+// that every rank says so at once instead of waiting for the others.
+std::shared_ptr<data::MnistDataset> load_split(const Config& cfg, data::Split split) {
+  auto set = data::load_mnist(cfg.data, split, {.normalize = true});
+  LS_CHECK(set->size() > 0, "--data ", cfg.data, ": the ", data::split_name(split),
+           " split holds no samples; ",
+           split == data::Split::kTrain ? "there is nothing to train on"
+                                        : "there is nothing to evaluate on (or pass --no-eval)");
+  return set;
+}
+
 class Trainer {
  public:
   // Setup, in the order the members are declared: the data, the world, the model, the
   // optimizer, the data loader, the schedule. Only rank 0 prints and saves.
   explicit Trainer(const Config& cfg)
       : cfg_(cfg),
-        train_data_(data::load_mnist(cfg.data, data::Split::kTrain, {.normalize = true})),
-        test_data_(cfg.eval ? data::load_mnist(cfg.data, data::Split::kTest, {.normalize = true})
-                            : nullptr),
+        train_data_(load_split(cfg, data::Split::kTrain)),
+        test_data_(cfg.eval ? load_split(cfg, data::Split::kTest) : nullptr),
         // A world of one without launcher variables; under `lockstep run` (or torchrun's
         // variables) one rank of a DDP job, each on its own shard of the data.
         pg_(dist::init_process_group({.backend = cfg.backend, .timeout = timeout_of(cfg)})),
@@ -832,7 +843,12 @@ std::optional<StepResult> Trainer::train_step(const data::Batch& batch, int64_t 
   const bool last = ++micro_ == window_.micro_batches;
   const double weight =
       static_cast<double>(batch.input.size(0)) / static_cast<double>(window_.samples);
-  step_loss_ += model_.forward_backward(batch, weight, /*sync=*/last);
+  const double loss = model_.forward_backward(batch, weight, /*sync=*/last);
+  // With --amp fp16 the scaler skips a step whose loss or gradients overflowed.
+  if (!scaler_.is_enabled())
+    optim::check_loss_is_finite(loss, pos_.step + 1,
+                                "Lower --lr, or clip the gradients with --clip-grad-norm.");
+  step_loss_ += loss;
   if (!last) return std::nullopt;
   micro_ = 0;
 

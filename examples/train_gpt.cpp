@@ -373,7 +373,10 @@ void Trainer::train() {
         }
         // Each micro-batch holds as many windows: the step's loss is their mean.
         mul(l, 1.0 / static_cast<double>(cfg_.accum_steps)).backward();
-        loss += l.item() / static_cast<double>(cfg_.accum_steps);
+        const double value = l.item();
+        optim::check_loss_is_finite(value, pos_.step + 1,
+                                    "Lower --lr, or clip harder with --grad-clip.");
+        loss += value / static_cast<double>(cfg_.accum_steps);
       }
       const double grad_norm = cfg_.grad_clip <= 0 ? 0.0
                                : zero_scatter_

@@ -457,4 +457,12 @@ double clip_grad_norm(const std::vector<Tensor>& params, double max_norm, double
   return total;
 }
 
+void check_loss_is_finite(double loss, int64_t step, const std::string& remedy) {
+  if (std::isfinite(loss)) return;
+  LS_THROW("step ", step, ": the loss is ", std::isnan(loss) ? "NaN" : loss > 0 ? "Inf" : "-Inf",
+           ": the training has diverged, so it stops here (no checkpoint holding NaN or Inf is "
+           "written; the last one written, if any, is the state to go back to). ",
+           remedy);
+}
+
 }  // namespace lockstep::optim

@@ -109,6 +109,20 @@ EOF
     expect_exit 2 "has none: use --model cnn-bn" --sync-bn
     expect_exit 2 "sync-bn needs a process group" --sync-bn --model cnn-bn --dp 2
     expect_exit 0 "cnn-bn" --help
+    # An empty split (IDX files of 0 items) is refused, not "trained" for zero steps with exit 0.
+    mkdir -p "$work/empty"
+    printf '\x00\x00\x08\x03\x00\x00\x00\x00\x00\x00\x00\x1c\x00\x00\x00\x1c' \
+      > "$work/empty/train-images-idx3-ubyte"
+    printf '\x00\x00\x08\x01\x00\x00\x00\x00' > "$work/empty/train-labels-idx1-ubyte"
+    expect_exit 1 "the train split holds no samples; there is nothing to train on" \
+      --data "$work/empty" --no-eval
+    ;;
+  diverged)
+    # --lr 1e300 sends SGD's parameters to Inf at the first step: the next loss is not finite, and
+    # the run stops naming the step (exit 1) instead of training on NaN to exit 0.
+    expect_exit 1 "step 2: the loss is \(NaN\|Inf\): the training has diverged" --lr 1e300 \
+      --max-steps 20 --threads 1 --no-eval
+    grep -q -- "--clip-grad-norm" "$work/out" || fail "the message offers no remedy"
     ;;
   save)
     "$exe" --log-every 0 --max-steps 3 --no-eval --save "$work/model.safetensors" > "$work/out" 2>&1 \

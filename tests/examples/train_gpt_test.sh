@@ -165,6 +165,24 @@ case "$case_name" in
     expect_exit 0 "starting from step 0" "${small[@]}" --max-steps 8 --warmup-steps 2 --resume auto \
       --save "$work/fresh/ck.safetensors"
     ;;
+  diverged)
+    # --lr 1e300: AdamW's first step puts Inf in the parameters, and the next step's loss is NaN.
+    # The run stops naming that step (exit 1, not 0 with a NaN model); no checkpoint holding NaN
+    # or Inf is ever written, so --resume auto goes on from the last finite one.
+    prepare_tiny
+    args=("${small[@]}" --batch-size 8 --warmup-steps 1 --eval-every 100)
+    expect_exit 1 "step 2: the loss is NaN: the training has diverged" "${args[@]}" --max-steps 20 \
+      --lr 1e300
+    grep -q -- "--grad-clip" "$work/out" || fail "the message offers no remedy"
+    expect_exit 0 "^final " "${args[@]}" --max-steps 4 --save "$work/ck/ck.safetensors" --save-every 2
+    before=$(cd "$work/ck" && ls -l --time-style=+%s.%N)
+    expect_exit 1 "save_checkpoint: step 5: tensor 'model\..*values are not finite" "${args[@]}" \
+      --max-steps 20 --lr 1e300 --save "$work/ck/ck.safetensors" --save-every 1 --resume auto
+    [ "$(cd "$work/ck" && ls -l --time-style=+%s.%N)" = "$before" ] \
+      || fail "a diverged run changed the checkpoints: $(ls -l "$work/ck")"
+    expect_exit 0 "resumed .*ck.safetensors: step 4" "${args[@]}" --max-steps 6 \
+      --save "$work/ck/ck.safetensors" --resume auto
+    ;;
   zero)
     # --zero 1 with 2 ranks writes the checkpoint of plain DDP, byte for byte (Note [ZeRO-1]),
     # and each rank keeps half the optimizer state that each plain rank keeps (the line
@@ -268,6 +286,13 @@ case "$case_name" in
       --prepare "$work/ok.txt" "$work/latin1.txt" --out "$work/d"
     [ ! -e "$work/d" ] || fail "a failed --prepare left $work/d behind"
     expect_exit 1 "is not a directory" --prepare --fortunes-dir "$work/nowhere" --out "$work/d"
+    # A FIFO (no writer) would block an open for ever: it is refused at once.
+    mkfifo "$work/fifo"
+    timeout 60 "$exe" --prepare "$work/fifo" --out "$work/d" > "$work/out" 2>&1
+    rc=$?
+    [ "$rc" -eq 1 ] || { cat "$work/out"; fail "--prepare of a FIFO exited $rc, expected 1"; }
+    grep -q "fifo: expected a regular file, found a FIFO" "$work/out" \
+      || { cat "$work/out"; fail "--prepare of a FIFO does not say what it found"; }
     ;;
   usage)
     expect_exit 1 "$work/d/train.tokens" --data "$work/d"

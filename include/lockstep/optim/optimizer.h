@@ -126,4 +126,12 @@ class AdamW : public Optimizer {
 // that step anyway). norm_type 2 (Euclidean) or infinity.
 double clip_grad_norm(const std::vector<Tensor>& params, double max_norm, double norm_type = 2.0);
 
+// Throws when the loss of optimizer step `step` (1-based) is NaN or Inf: the training has
+// diverged, and going on would only carry NaN into the parameters (io::save_checkpoint refuses
+// to write them, Note [No NaN in a checkpoint]).
+// The message names the step and the loss and ends with `remedy` (what the program's flags
+// offer, e.g. "lower --lr"). A loop with a GradScaler skips such steps instead (fp16's overflow
+// is expected and handled there) and does not call this.
+void check_loss_is_finite(double loss, int64_t step, const std::string& remedy);
+
 }  // namespace lockstep::optim
