@@ -41,12 +41,15 @@ std::string identity() {
 // Note [Join check]
 // Before any backend connects, every process announces itself through the store:
 //   world_size  the first process's WORLD_SIZE (compare_set); a different one is an error;
+//   backend     the first process's backend name, likewise (shm on one rank and gloo on
+//               another would each wait for peers that connect elsewhere, until the timeout);
 //   rank/<r>    who claimed rank r (compare_set); a second claimant is an error;
 //   joined      a counter of the processes that got this far.
 // A process that finds a problem writes it under `error` before throwing, and every process
 // waiting for the others polls that key, so all of them fail with the same message instead of
 // the others waiting out the rendezvous timeout for a rank that will never come.
-void join(Store& store, const DistEnv& env, std::chrono::milliseconds timeout) {
+void join(Store& store, const DistEnv& env, const std::string& backend,
+          std::chrono::milliseconds timeout) {
   const std::string me = identity();
   auto fail = [&](const std::string& msg) {
     store.set("error", msg);
@@ -58,6 +61,13 @@ void join(Store& store, const DistEnv& env, std::chrono::milliseconds timeout) {
     fail(lockstep::detail::str_cat("ranks disagree on the world size: rank ", env.rank, " (", me,
                                    ") has ", env::kWorldSize, "=", ws,
                                    ", the first process to join had ", first_ws));
+  }
+  const std::string first_backend = store.compare_set("backend", "", backend);
+  if (first_backend != backend) {
+    fail(lockstep::detail::str_cat(
+        "ranks disagree on the backend: rank ", env.rank, " (", me, ") asks for '", backend,
+        "', the first process to join asked for '", first_backend, "'; give every rank the same ",
+        env::kBackend, " (or --backend)"));
   }
   const std::string key = "rank/" + std::to_string(env.rank);
   const std::string owner = store.compare_set(key, "", me);
@@ -280,7 +290,7 @@ World connect_world(DistEnv env, const InitOptions& opts) {
     w.store->set("error", lockstep::detail::str_cat("rank ", env.rank, ": ", e.message()));
     throw;
   }
-  join(*w.store, env, rendezvous_timeout);
+  join(*w.store, env, backend, rendezvous_timeout);
 
   BackendConfig config;
   config.store = std::make_shared<PrefixStore>("group/world", w.store);

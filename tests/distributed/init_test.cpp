@@ -398,8 +398,10 @@ TEST(ConnectWorld, ARankThatCannotReachTheStoreFailsAtTheRendezvousTimeoutNaming
 }
 
 // Runs connect_world for several (rank, world_size) claims as threads over one HashStore.
+// `backends`, when given, is each claim's InitOptions::backend.
 std::vector<std::string> join_threads(const std::vector<std::pair<int, int>>& claims,
-                                      std::chrono::milliseconds timeout = 30s) {
+                                      std::chrono::milliseconds timeout = 30s,
+                                      const std::vector<std::string>& backends = {}) {
   auto store = std::make_shared<HashStore>(30s);
   std::vector<std::string> errors(claims.size());
   std::vector<std::thread> ts;
@@ -411,6 +413,7 @@ std::vector<std::string> join_threads(const std::vector<std::pair<int, int>>& cl
         o.rank = claims[i].first;
         o.world_size = claims[i].second;
         o.timeout = timeout;
+        if (!backends.empty()) o.backend = backends[i];
         World w = connect_world(DistEnv{}, o);
         w.group->barrier()->wait();
       } catch (const std::exception& e) {
@@ -438,6 +441,18 @@ TEST(ConnectWorld, DifferentWorldSizesFailEveryRank) {
   const auto errors = join_threads({{0, 2}, {1, 3}});
   for (const auto& e : errors) {
     EXPECT_THAT(e, ::testing::HasSubstr("ranks disagree on the world size"));
+  }
+}
+
+// shm on one rank and gloo on the other: each would wait for a peer that connects elsewhere
+// until the timeout; the join check stops both at once, naming both backends.
+TEST(ConnectWorld, DifferentBackendsFailEveryRankAtOnce) {
+  const auto errors = join_threads({{0, 2}, {1, 2}}, 30s, {"shm", "gloo"});
+  for (const auto& e : errors) {
+    EXPECT_THAT(e, ::testing::HasSubstr("ranks disagree on the backend"));
+    EXPECT_THAT(e, ::testing::HasSubstr("'shm'"));
+    EXPECT_THAT(e, ::testing::HasSubstr("'gloo'"));
+    EXPECT_THAT(e, ::testing::HasSubstr("LOCKSTEP_BACKEND"));
   }
 }
 
