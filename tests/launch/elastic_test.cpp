@@ -336,8 +336,8 @@ TEST_F(Elastic, ANodeWithAnotherTokenStopsAtOnceSayingSo) {
       start_launcher(args("1:2", 0, 2), dir_, "node0", {"LOCKSTEP_STORE_TOKEN=the-jobs-token"});
   ASSERT_TRUE(wait_report(0, 0, l0)) << wait_launcher(l0).describe();
   const auto start = std::chrono::steady_clock::now();
-  const Outcome o1 = run_launcher(args("1:2", 1, 2), dir_, "node1",
-                                  {"LOCKSTEP_STORE_TOKEN=another-token"});
+  const Outcome o1 =
+      run_launcher(args("1:2", 1, 2), dir_, "node1", {"LOCKSTEP_STORE_TOKEN=another-token"});
   EXPECT_LT(std::chrono::steady_clock::now() - start, 60s) << "well under the 900 s timeout";
   EXPECT_TRUE(o1.exited_with(1)) << o1.describe();
   EXPECT_THAT(o1.err, HasSubstr("node 0's store at 127.0.0.1:" + port_ +
@@ -347,6 +347,32 @@ TEST_F(Elastic, ANodeWithAnotherTokenStopsAtOnceSayingSo) {
   ::kill(l0.pid, SIGTERM);
   const Outcome o0 = wait_launcher(l0);
   EXPECT_TRUE(o0.exited_with(128 + SIGTERM)) << o0.describe();
+}
+
+// A node admitted to a running job whose workers fail at once (before the generation ran with
+// it) is refused, told why, and the job goes on with the nodes it had, without counting a
+// restart (--max-restarts 0); a healthy node then joins as usual.
+TEST_F(Elastic, ANewNodeWhoseWorkersFailAtTheStartIsRefusedAndTheJobGoesOn) {
+  const Launch l0 = start_launcher(args("1:2", 0, 2), dir_, "node0");
+  ASSERT_TRUE(wait_report(0, 0, l0)) << wait_launcher(l0).describe();
+  const Outcome bad = run_launcher(args("1:2", 1, 2), dir_, "bad", {"LAUNCH_TEST_ELASTIC_FAIL=1"});
+  EXPECT_TRUE(bad.exited_with(1)) << bad.describe();
+  EXPECT_THAT(bad.err, HasSubstr("node 0 refused this node: its workers failed at the start of "
+                                 "generation 1, before the job ran with them (rank 1 on node 1 "))
+      << bad.describe();
+  ASSERT_TRUE(wait_report(2, 0, l0)) << wait_launcher(l0).describe();
+  EXPECT_EQ(generation(2).at(0)["WORLD_SIZE"], "1");
+  const Outcome o1 = run_launcher(args("1:2", 1, 2), dir_, "node1");
+  const Outcome o0 = wait_launcher(l0);
+  ASSERT_TRUE(o0.exited_with(0)) << o0.describe();
+  EXPECT_TRUE(o1.exited_with(0)) << o1.describe();
+  EXPECT_EQ(generation(3).size(), 2u) << o0.describe();
+  EXPECT_THAT(o0.err, HasSubstr("node --node-rank 1 (host "));
+  EXPECT_THAT(o0.err, HasSubstr(") joined generation 1, but its workers failed before the "
+                                "generation ran with it; it is refused and the job goes on "
+                                "without it"))
+      << o0.describe();
+  EXPECT_THAT(o0.err, Not(HasSubstr("no restarts left"))) << o0.describe();
 }
 
 }  // namespace

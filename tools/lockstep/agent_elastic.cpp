@@ -31,6 +31,8 @@ namespace lockstep::launch::agent_detail {
 //   gen<g>/members         {"nodes": [{id, host, ticket}, ...]} (by id), or {"abort": why}
 //   gen<g>/stopped/<id>    after generation g failed: this node has stopped its workers
 //   gen<g>/withdrawn/<id>  the node stopped waiting for generation g to start
+//   gen<g>/refused/<id>    node 0 left the node out of generation g: why (its workers failed
+//                          at the start of g-1, the generation it had just joined)
 //
 // A rendezvous (node 0, form_generation): the members it already has, plus join requests as
 // they come (each checked: --nproc-per-node must match, and so must the job's signature, Note
@@ -51,6 +53,11 @@ namespace lockstep::launch::agent_detail {
 // exits, the others go on) is not waited for. A generation that lost a node is a membership
 // change, as is one stopped for a joining node: neither counts against --max-restarts. A
 // failure after which every node is back counts (torchrun's rule: restarts bound failures).
+// Except one: a node new in generation g (admitted for it) whose workers fail before the
+// generation ran with it (none of its ranks finished a collective; a program that makes none
+// never ran with it either) is refused (gen<g+1>/refused/<id>: why, read by that node, which
+// exits 1 saying so), and the others go on as a membership change: a machine that cannot run
+// the job (a missing file, a broken device) must not cost the healthy job a restart.
 // Fewer than MIN nodes left: the rendezvous waits for joins up to --rdzv-timeout, then fails.
 // A signal to node 0 stops the whole job, as without elasticity.
 
@@ -63,6 +70,11 @@ std::string nodes_text(const std::vector<Member>& ms) {
   }
   return s;
 }
+
+// adopt_members: node 0 left this node out of the generation (refused, or found lost).
+struct LeftOut : AgentError {
+  using AgentError::AgentError;
+};
 
 std::string seconds_text(double s) {
   std::ostringstream o;
@@ -313,12 +325,22 @@ void Agent::adopt_members(int g) {
   const auto me =
       std::find_if(ms.begin(), ms.end(), [&](const Member& m) { return m.id == o_.node_rank; });
   if (me == ms.end()) {
-    throw AgentError("node 0 left this node (--node-rank " + std::to_string(o_.node_rank) +
-                     ") out of generation " + std::to_string(g) + " (" + nodes_text(ms) +
-                     "): it found this node lost (no heartbeat for --node-timeout), or this "
-                     "node did not say in time that it had stopped its workers");
+    if (auto refused = try_get(gen_key(g, "refused/" + std::to_string(o_.node_rank)))) {
+      throw LeftOut("node 0 refused this node: " + *refused);
+    }
+    throw LeftOut("node 0 left this node (--node-rank " + std::to_string(o_.node_rank) +
+                  ") out of generation " + std::to_string(g) + " (" + nodes_text(ms) +
+                  "): it found this node lost (no heartbeat for --node-timeout), or this "
+                  "node did not say in time that it had stopped its workers");
   }
   restarts_used_ = j.value("restarts_used", restarts_used_);
+  newcomers_.clear();
+  for (const auto& m : ms) {
+    if (std::none_of(members_.begin(), members_.end(),
+                     [&](const Member& o) { return o.id == m.id; })) {
+      newcomers_.insert(m.id);
+    }
+  }
   members_ = std::move(ms);
   nnodes_ = static_cast<int>(members_.size());
   node_rank_ = static_cast<int>(me - members_.begin());
@@ -375,6 +397,21 @@ bool Agent::next_generation(int g, const json& failure, std::string* why) {
   if ((failure.value("lost", false) || failure.value("left", false)) && failed_node > 0 &&
       failed_node < nnodes_) {
     gone.insert(members_[failed_node].id);
+  }
+  // A node just admitted whose workers failed before the generation ran with it: it goes, told
+  // why, and the others go on as before (a membership change; Note [Elastic membership]).
+  if (const auto m = newcomer_failed_at_start(g, failure)) {
+    const std::string what = event_text(failure);
+    say("node --node-rank " + std::to_string(m->id) + " (host " + m->host + ") joined generation " +
+        std::to_string(g) +
+        ", but its workers failed before the generation ran with it; it is refused and the job "
+        "goes on without it");
+    store_->set(gen_key(g + 1, "refused/" + std::to_string(m->id)),
+                "its workers failed at the start of generation " + std::to_string(g) +
+                    ", before the job ran with them (" + what +
+                    "); the job goes on without this node: fix what failed on this machine and "
+                    "start it again");
+    gone.insert(m->id);
   }
   // The others say they stopped their workers; one that does not within --node-timeout is lost.
   const auto deadline =
@@ -439,6 +476,36 @@ bool Agent::next_generation(int g, const json& failure, std::string* why) {
   std::vector<Member> next = here;
   next.insert(next.end(), pending_.begin(), pending_.end());
   return form_generation(g + 1, next, why);
+}
+
+std::optional<Member> Agent::newcomer_failed_at_start(int g, const json& failure) {
+  // Generation 0 has no members from before to go on with; a node lost, leaving, or stopped for
+  // a joiner is no failure of its workers.
+  if (g == 0 || failure.value("membership", false) || failure.value("left", false) ||
+      failure.value("lost", false) || failure.value("interrupted", false)) {
+    return std::nullopt;
+  }
+  const int n = failure.value("node", -1);
+  if (n <= 0 || n >= nnodes_ || !newcomers_.count(members_[n].id)) return std::nullopt;
+  // "Ran with it": one of its ranks finished a collective of this generation (the final views,
+  // published before the workers were stopped: Note [Collective trace]).
+  std::vector<RankView> views;
+  try {
+    views = all_views(g, "final", final_views_);
+  } catch (const Error&) {
+    return std::nullopt;  // unknown: a failure like any other
+  }
+  for (const auto& v : views) {
+    if (v.node != n || !v.trace) continue;
+    const auto& t = *v.trace;
+    const bool finished_one =
+        t.finished > static_cast<int64_t>(t.records.size()) ||
+        std::any_of(t.records.begin(), t.records.end(), [](const dist::TraceRecord& r) {
+          return r.state == dist::TraceState::finished;
+        });
+    if (finished_one) return std::nullopt;
+  }
+  return members_[n];
 }
 
 // One line for every node: why generation g ended.
@@ -536,7 +603,9 @@ int Agent::run_elastic(int g) {
     } catch (const AgentError& e) {
       print_summary(r.failure, restarts_used_);
       say(e.what());
-      exit_sync(kExitSyncAfterSignal);  // node 0 need not wait for this node at the end
+      // An aborted job: node 0 need not wait for this node at the end. A node left out is no
+      // member: its count would let node 0 end before a member that is still running.
+      if (dynamic_cast<const LeftOut*>(&e) == nullptr) exit_sync(kExitSyncAfterSignal);
       return kExitJobFailed;
     } catch (const Error& e) {
       say("lost node 0's store while restarting: " + e.message());

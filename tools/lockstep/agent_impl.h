@@ -252,6 +252,9 @@ class Agent {
                           const std::string& what);
   void publish_leaving(int g, int sig);
   std::string event_text(const json& failure) const;
+  // Node 0, after generation g failed: the node new in g whose workers failed before the
+  // generation ran with it (none of its ranks finished a collective), if that is the failure.
+  std::optional<Member> newcomer_failed_at_start(int g, const json& failure);
 
   // Note [Stall watch]
   std::optional<std::string> try_get(const std::string& k);
@@ -279,6 +282,7 @@ class Agent {
   // Note [Elastic membership]
   std::vector<Member> members_;  // the current generation's, by id
   std::vector<Member> pending_;  // node 0: admitted to the next generation
+  std::set<int> newcomers_;      // node 0: ids in the current generation, not in the one before
   int64_t next_ticket_ = 1;      // node 0: the first join request not yet read
   std::set<int64_t> admitted_;   // node 0: join requests answered with a generation
   // node 0: a ticket taken but its request not written yet, since when (skipped after

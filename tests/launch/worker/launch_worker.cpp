@@ -129,7 +129,7 @@ int report_env(const fs::path& out_dir, int argc, char** argv) {
 // Elastic tests: reports the environment as OUT/gen<LOCKSTEP_RESTART_COUNT>/rank<RANK>.env, then
 // ends (0) in a world of `want` ranks (LAUNCH_TEST_ELASTIC_WANT, where set, instead: every node
 // of a job runs the same arguments, Note [Job signature]), and in any other waits to be stopped
-// for a new generation.
+// for a new generation; with LAUNCH_TEST_ELASTIC_FAIL=1 it fails (3) at once instead.
 int elastic(const fs::path& out, int want) {
   want = env_int("LAUNCH_TEST_ELASTIC_WANT", want);
   const fs::path dir = out / ("gen" + std::to_string(env_int("LOCKSTEP_RESTART_COUNT", -1)));
@@ -137,6 +137,10 @@ int elastic(const fs::path& out, int want) {
   char* argv[] = {nullptr, nullptr, nullptr};
   report_env(dir, 3, argv);
   std::fflush(stdout);
+  if (env_int("LAUNCH_TEST_ELASTIC_FAIL", 0) != 0) {  // a machine that cannot run the job
+    std::fprintf(stderr, "cannot open the data set on this machine\n");
+    return 3;
+  }
   if (env_int("WORLD_SIZE", -1) == want) return 0;
   return sleep_then_fail(60s);
 }
