@@ -98,4 +98,82 @@ void check_in_sync(const nn::Module& module, ProcessGroup& pg) {
   }
 }
 
+namespace {
+
+// A string's 64-bit hash (the same mix as tensor_hash, over its bytes and length).
+uint64_t text_hash(uint64_t h, const std::string& s) {
+  h = mix(h, s.size());
+  for (size_t i = 0; i < s.size(); i += 8) {
+    uint64_t w = 0;
+    std::memcpy(&w, s.data() + i, std::min<size_t>(8, s.size() - i));
+    h = mix(h, w);
+  }
+  return h;
+}
+
+// Every rank's `text`, through two all-gathers (the lengths, then the bytes in int64 words).
+std::vector<std::string> all_gather_text(ProcessGroup& pg, const std::string& text) {
+  const int n = pg.size();
+  Tensor lengths = empty({n}, kInt64);
+  pg.all_gather_host(lengths, full({1}, static_cast<double>(text.size()), kInt64));
+  int64_t longest = 0;
+  for (int r = 0; r < n; ++r) longest = std::max(longest, lengths.data<int64_t>()[r]);
+  const int64_t words = (longest + 7) / 8;
+  std::vector<int64_t> mine(static_cast<size_t>(std::max<int64_t>(words, 1)), 0);
+  std::memcpy(mine.data(), text.data(), text.size());
+  Tensor all = empty({n * static_cast<int64_t>(mine.size())}, kInt64);
+  pg.all_gather_host(all, from_vector(mine, {static_cast<int64_t>(mine.size())}));
+  std::vector<std::string> out;
+  for (int r = 0; r < n; ++r) {
+    const auto* bytes = reinterpret_cast<const char*>(all.data<int64_t>() + r * mine.size());
+    out.emplace_back(bytes, static_cast<size_t>(lengths.data<int64_t>()[r]));
+  }
+  return out;
+}
+
+}  // namespace
+
+void check_same_settings(ProcessGroup& pg, const std::vector<Setting>& settings,
+                         const std::string& why) {
+  if (pg.size() == 1) return;
+  // The count first, then a hash per setting; only a difference costs the values.
+  const auto count = static_cast<int64_t>(settings.size());
+  std::vector<int64_t> mine;
+  for (const Setting& s : settings)
+    mine.push_back(static_cast<int64_t>(text_hash(text_hash(0, s.name), s.value)));
+  Tensor counts = empty({pg.size()}, kInt64);
+  pg.all_gather_host(counts, full({1}, static_cast<double>(count), kInt64));
+  const auto* c = counts.data<int64_t>();
+  for (int r = 1; r < pg.size(); ++r) {
+    LS_CHECK(c[r] == c[0], "ranks disagree on the settings they check: rank 0 checks ", c[0],
+             ", rank ", r, " checks ", c[r], " (every rank must run the same program)");
+  }
+  if (count == 0) return;
+  Tensor all = empty({pg.size() * count}, kInt64);
+  pg.all_gather_host(all, from_vector(mine, {count}));
+  const auto* h = all.data<int64_t>();
+  for (int64_t i = 0; i < count; ++i) {
+    bool same = true;
+    for (int r = 1; r < pg.size(); ++r) same = same && h[r * count + i] == h[i];
+    if (same) continue;
+    const Setting& s = settings[static_cast<size_t>(i)];
+    const std::vector<std::string> values = all_gather_text(pg, s.value);
+    // The ranks of each value, rank 0's first.
+    std::vector<std::pair<std::string, std::vector<int>>> sides;
+    for (int r = 0; r < pg.size(); ++r) {
+      auto it = std::find_if(sides.begin(), sides.end(),
+                             [&](const auto& side) { return side.first == values[r]; });
+      if (it == sides.end()) it = sides.insert(sides.end(), {values[r], {}});
+      it->second.push_back(r);
+    }
+    std::string what;
+    for (size_t k = 0; k < sides.size(); ++k) {
+      what += str_cat(k == 0 ? "" : (k + 1 == sides.size() ? ", and " : ", "),
+                      rank_list(sides[k].second), sides[k].second.size() == 1 ? " has " : " have ",
+                      sides[k].first.empty() ? "nothing" : sides[k].first);
+    }
+    LS_THROW("ranks disagree on ", s.name, ": ", what, ". ", why);
+  }
+}
+
 }  // namespace lockstep::dist

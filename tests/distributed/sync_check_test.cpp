@@ -107,3 +107,37 @@ TEST(SyncCheck, ANegativePeriodIsAnError) {
 }
 
 }  // namespace
+
+// Note [Same settings]: ranks that agree pass; a setting that differs stops every rank with the
+// same message, naming it and the value of each side (long values too: they travel in words).
+TEST(SameSettings, ADifferentSettingStopsEveryRankNamingItAndBothValues) {
+  const std::string long_path(1000, 'd');
+  const auto errors = run_ranks(3, [&](int r, ProcessGroupPtr pg) {
+    check_same_settings(*pg, {{"--seed", "1"}, {"--lr", "0.05"}}, "why");
+    check_same_settings(
+        *pg, {{"--seed", "1"}, {"--batch-size", r == 2 ? "32" : "64"}, {"the data", long_path}},
+        "Start every rank with the same flags.");
+  });
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_THAT(errors[r],
+                ::testing::HasSubstr("ranks disagree on --batch-size: ranks 0, 1 have 64, and "
+                                     "rank 2 has 32. Start every rank with the same flags."))
+        << "rank " << r;
+    EXPECT_EQ(errors[r], errors[0]) << "every rank reports the same";
+  }
+  const auto long_errors = run_ranks(2, [&](int r, ProcessGroupPtr pg) {
+    check_same_settings(*pg, {{"the data", r == 0 ? long_path : long_path + "x"}}, "");
+  });
+  EXPECT_THAT(long_errors[1], ::testing::HasSubstr("rank 1 has " + long_path + "x"));
+  EXPECT_THAT(long_errors[1], ::testing::HasSubstr("rank 0 has " + long_path + ","));
+}
+
+TEST(SameSettings, ADifferentCountOfSettingsIsAnErrorNotAHang) {
+  const auto errors = run_ranks(2, [&](int r, ProcessGroupPtr pg) {
+    std::vector<Setting> s{{"--seed", "1"}};
+    if (r == 1) s.push_back({"--lr", "1"});
+    check_same_settings(*pg, s, "");
+  });
+  for (int r = 0; r < 2; ++r)
+    EXPECT_THAT(errors[r], ::testing::HasSubstr("ranks disagree on the settings they check"));
+}
