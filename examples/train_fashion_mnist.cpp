@@ -37,6 +37,7 @@
 #include "lockstep/base/worker_env.h"
 #include "lockstep/data/data.h"
 #include "lockstep/distributed/checkpoint.h"
+#include "lockstep/distributed/sync_check.h"
 #include "lockstep/distributed/zero.h"
 #include "lockstep/io/checkpoint.h"
 #include "lockstep/io/metrics.h"
@@ -486,6 +487,61 @@ std::shared_ptr<data::MnistDataset> load_split(const Config& cfg, data::Split sp
   return set;
 }
 
+// A number as the user would write it: the shortest text that reads back as the same double.
+std::string number_text(double v) {
+  char buf[32];
+  const auto r = std::to_chars(buf, buf + sizeof(buf), v);
+  return std::string(buf, r.ptr);
+}
+
+// Note [Same settings] for this program: what every rank must agree on (the flags that decide
+// the data each rank reads, the model, the optimization and the collectives each rank calls),
+// and the training data itself (its size and a hash of every image and label), where --data may
+// name another path on each machine. Flags that may differ per rank (--threads, --workers,
+// --metrics, --timeout) are not compared. Returns true so that it can run as a member's
+// initializer, right after the process group forms and before the model is broadcast.
+bool check_job_settings(const Config& cfg, dist::ProcessGroup& pg,
+                        const data::MnistDataset& train) {
+  const auto text = [](auto v) { return std::to_string(v); };
+  const auto yes_no = [](bool b) { return std::string(b ? "yes" : "no"); };
+  dist::check_same_settings(
+      pg,
+      {{"--seed", text(cfg.seed)},
+       {"--model", cfg.model},
+       {"--batch-size", text(cfg.batch_size)},
+       {"--accum-steps", text(cfg.accum_steps)},
+       {"--epochs", text(cfg.epochs)},
+       {"--max-steps", text(cfg.max_steps)},
+       {"--lr", number_text(cfg.lr)},
+       {"--momentum", number_text(cfg.momentum)},
+       {"--weight-decay", number_text(cfg.weight_decay)},
+       {"--lr-scaling", cfg.lr_scaling},
+       {"--base-batch", text(cfg.base_batch)},
+       {"--warmup-steps", text(cfg.warmup_steps)},
+       {"--schedule", cfg.schedule},
+       {"--clip-grad-norm", number_text(cfg.clip_grad_norm)},
+       {"--amp", cfg.amp},
+       {"--device", cfg.device},
+       {"--zero", text(cfg.zero)},
+       {"--uneven", yes_no(cfg.uneven)},
+       {"--sync-bn", yes_no(cfg.sync_bn)},
+       {"--eval", yes_no(cfg.eval)},
+       {"--save given", yes_no(!cfg.save.empty())},
+       {"--save-every", text(cfg.save_every)},
+       {"--resume", cfg.resume},
+       {"--check-sync-every", text(cfg.check_sync_every)},
+       {"--bucket-mb", number_text(cfg.bucket_mb)},
+       {"--comm-hook", cfg.comm_hook},
+       {"the training data (--data)",
+        std::to_string(train.size()) + " samples, hash " +
+            std::to_string(dist::tensor_hash(train.images()) ^
+                           (dist::tensor_hash(train.labels()) * 31))}},
+      "Every rank must train with the same settings: start every rank with the same flags and "
+      "data (a rank-dependent --seed, say, shuffles each rank's data its own way, so that some "
+      "samples are trained twice and others never).");
+  return true;
+}
+
 class Trainer {
  public:
   // Setup, in the order the members are declared: the data, the world, the model, the
@@ -499,6 +555,7 @@ class Trainer {
         pg_(dist::init_process_group({.backend = cfg.backend, .timeout = timeout_of(cfg)})),
         world_(pg_->size()),
         main_rank_(pg_->rank() == 0),
+        settings_agree_(check_job_settings(cfg, *pg_, *train_data_)),
         gen_(cfg.seed),
         // f16 needs loss scaling (its range ends at 65504); bf16 has f32's range and does without.
         scaler_({.enabled = cfg.amp == "fp16"}),
@@ -571,6 +628,7 @@ class Trainer {
   std::shared_ptr<dist::ProcessGroup> pg_;
   const int world_;
   const bool main_rank_;
+  const bool settings_agree_;  // check_job_settings, before anything else is collective
   Generator gen_;
   amp::GradScaler scaler_;
   Model model_;

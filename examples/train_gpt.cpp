@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -36,6 +37,7 @@
 #include "lockstep/base/worker_env.h"
 #include "lockstep/data/data.h"
 #include "lockstep/distributed/checkpoint.h"
+#include "lockstep/distributed/sync_check.h"
 #include "lockstep/distributed/zero.h"
 #include "lockstep/io/checkpoint.h"
 #include "lockstep/io/metrics.h"
@@ -205,6 +207,61 @@ struct Position {
   int64_t epoch_consumed = 0;
 };
 
+// A number as the user would write it: the shortest text that reads back as the same double.
+std::string number_text(double v) {
+  char buf[32];
+  const auto r = std::to_chars(buf, buf + sizeof(buf), v);
+  return std::string(buf, r.ptr);
+}
+
+// A token file as the settings check compares it: its size and the checksum its header records.
+std::string token_file_text(const data::TokenFile& f) {
+  return std::to_string(f.size()) + " tokens, checksum " + std::to_string(f.checksum());
+}
+
+// Note [Same settings] for this program: the flags that decide the data each rank reads, the
+// model, the optimization and the collectives each rank calls, and the token files themselves
+// (--data may name another path on each machine). --threads, --workers, --metrics, --timeout,
+// --sample and its flags may differ per rank. Runs as a member's initializer, right after the
+// process group forms and before the model is broadcast.
+bool check_job_settings(const GptConfig& cfg, dist::ProcessGroup& pg,
+                        const data::TokenWindowDataset& train,
+                        const data::TokenWindowDataset& val) {
+  const auto text = [](auto v) { return std::to_string(v); };
+  dist::check_same_settings(
+      pg,
+      {{"--seed", text(cfg.seed)},
+       {"--block-size", text(cfg.block_size)},
+       {"--batch-size", text(cfg.batch_size)},
+       {"--accum-steps", text(cfg.accum_steps)},
+       {"--n-layer", text(cfg.n_layer)},
+       {"--n-head", text(cfg.n_head)},
+       {"--n-embd", text(cfg.n_embd)},
+       {"--max-steps", text(cfg.max_steps)},
+       {"--warmup-steps", text(cfg.warmup_steps)},
+       {"--lr", number_text(cfg.lr)},
+       {"--min-lr-factor", number_text(cfg.min_lr_factor)},
+       {"--weight-decay", number_text(cfg.weight_decay)},
+       {"--beta1", number_text(cfg.beta1)},
+       {"--beta2", number_text(cfg.beta2)},
+       {"--grad-clip", number_text(cfg.grad_clip)},
+       {"--amp", cfg.amp},
+       {"--device", cfg.device},
+       {"--zero", text(cfg.zero)},
+       {"--zero-reduce-scatter", text(cfg.zero_reduce_scatter)},
+       {"--eval-every", text(cfg.eval_every)},
+       {"--eval-batches", text(cfg.eval_batches)},
+       {"--save given", text(!cfg.save.empty())},
+       {"--save-every", text(cfg.save_every)},
+       {"--resume", cfg.resume},
+       {"the training tokens (--data)", token_file_text(train.tokens())},
+       {"the validation tokens (--data)", token_file_text(val.tokens())}},
+      "Every rank must train with the same settings: start every rank with the same flags and "
+      "data (a rank-dependent --seed, say, shuffles each rank's windows its own way, so that "
+      "some are trained twice and others never).");
+  return true;
+}
+
 class Trainer {
  public:
   explicit Trainer(const GptConfig& cfg)
@@ -214,6 +271,7 @@ class Trainer {
         pg_(dist::init_process_group({.backend = cfg.backend, .timeout = timeout_of(cfg)})),
         world_(pg_->size()),
         main_rank_(pg_->rank() == 0),
+        settings_agree_(check_job_settings(cfg, *pg_, *train_data_, *val_data_)),
         device_(train_device(cfg)),
         gen_(cfg.seed),
         gpt_(build_gpt(cfg, train_data_->tokens().vocab_size(), gen_, device_)),
@@ -261,6 +319,7 @@ class Trainer {
   std::shared_ptr<dist::ProcessGroup> pg_;
   const int world_;
   const bool main_rank_;
+  const bool settings_agree_;  // check_job_settings, before anything else is collective
   const Device device_;  // where the model, its batches and its gradients live
   Generator gen_;
   std::shared_ptr<examples::Gpt> gpt_;

@@ -164,6 +164,21 @@ EOF
     last=$(tail -n 1 "$work/rank0")
     [[ "$last" =~ ^final\ test_accuracy=([0-9.]+) ]] || fail "last line: $last"
     awk -v a="${BASH_REMATCH[1]}" 'BEGIN { exit !(a >= 0.70) }' || fail "accuracy ${BASH_REMATCH[1]}"
+    # A rank-dependent --seed (and another --momentum on rank 1) would shuffle each rank's shard
+    # its own way: every rank refuses at the start, naming the first setting and both values
+    # (Note [Same settings]).
+    port=$((20000 + RANDOM % 20000))
+    for r in 0 1; do
+      RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 \
+        MASTER_PORT=$port OMP_NUM_THREADS=1 \
+        "$exe" --max-steps 5 --threads 1 --seed $((7 + r)) --momentum 0.$((9 - r)) > "$work/rank$r" 2>&1 &
+      pids[$r]=$!
+    done
+    for r in 0 1; do
+      wait "${pids[$r]}" && { cat "$work/rank$r"; fail "rank $r trained with another rank's --seed"; }
+      grep -q "ranks disagree on --seed: rank 0 has 7, and rank 1 has 8. Every rank must train" \
+        "$work/rank$r" || { cat "$work/rank$r"; fail "rank $r does not name the --seed values"; }
+    done
     ;;
   demo)
     # What `make demo` runs, shortened: DDP on 2 processes through `lockstep run --standalone`;

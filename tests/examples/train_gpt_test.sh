@@ -132,6 +132,20 @@ case "$case_name" in
     cat "$work/rank0"
     [ ! -s "$work/rank1" ] || { cat "$work/rank1"; fail "rank 1 printed"; }
     grep -q "world_size=2" "$work/rank0" || fail "not 2 ranks"
+    # Another --batch-size on rank 1 would count the consumed windows wrong: both ranks refuse at
+    # the start, naming it and both values (Note [Same settings]).
+    port2=$((20000 + RANDOM % 20000))
+    for r in 0 1; do
+      RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 \
+        MASTER_PORT=$port2 OMP_NUM_THREADS=1 \
+        "$exe" "${args[@]}" 12 --batch-size $((4 + 4 * r)) > "$work/bad$r" 2>&1 &
+      pids[$r]=$!
+    done
+    for r in 0 1; do
+      wait "${pids[$r]}" && { cat "$work/bad$r"; fail "rank $r trained with another --batch-size"; }
+      grep -q "ranks disagree on --batch-size: rank 0 has 4, and rank 1 has 8" "$work/bad$r" \
+        || { cat "$work/bad$r"; fail "rank $r does not name the --batch-size values"; }
+    done
     check_peak_rss "$work/rank0" 2
     OMP_NUM_THREADS=1 "$exe" "${args[@]}" 12 --batch-size 8 --save "$work/one.safetensors" > "$work/one" 2>&1 \
       || { cat "$work/one"; fail "one process failed"; }
