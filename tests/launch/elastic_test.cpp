@@ -375,4 +375,23 @@ TEST_F(Elastic, ANewNodeWhoseWorkersFailAtTheStartIsRefusedAndTheJobGoesOn) {
   EXPECT_THAT(o0.err, Not(HasSubstr("no restarts left"))) << o0.describe();
 }
 
+// An elastic node whose node 0 runs a job of fixed size is told so at once, rather than waiting
+// for an answer that never comes.
+TEST_F(Elastic, ANodeWhoseNodeZeroIsNotElasticIsToldAtOnce) {
+  std::vector<std::string> fixed = args("1:2", 0, 2);
+  fixed[2] = "2";  // --nnodes 2
+  const Launch l0 = start_launcher(fixed, dir_, "node0");
+  std::this_thread::sleep_for(1s);  // node 0's store is up and it has joined its rendezvous
+  const auto start = std::chrono::steady_clock::now();
+  const Outcome o1 = run_launcher(args("1:2", 1, 2), dir_, "node1");
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 60s);
+  EXPECT_TRUE(o1.exited_with(1)) << o1.describe();
+  EXPECT_THAT(o1.err, HasSubstr("node 0 runs a job of a fixed size (--nnodes N), not an elastic "
+                                "one: give this node node 0's --nnodes"))
+      << o1.describe();
+  ::kill(l0.pid, SIGTERM);
+  const Outcome o0 = wait_launcher(l0);
+  EXPECT_TRUE(o0.exited_with(128 + SIGTERM)) << o0.describe();
+}
+
 }  // namespace

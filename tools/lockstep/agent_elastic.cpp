@@ -357,6 +357,13 @@ void Agent::adopt_members(int g) {
 }
 
 int Agent::join_job() {
+  // A node 0 of fixed size (Note [Agent protocol]) writes node0/host as soon as its store is up,
+  // and would never answer a join request.
+  if (store_->check({key("node0/host")})) {
+    throw AgentError(
+        "node 0 runs a job of a fixed size (--nnodes N), not an elastic one: give "
+        "this node node 0's --nnodes");
+  }
   const int64_t t = store_->add(key("join/next"), 1);
   const json request = {{"id", o_.node_rank},
                         {"host", hostname()},
