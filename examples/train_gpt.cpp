@@ -214,6 +214,14 @@ std::string number_text(double v) {
   return std::string(buf, r.ptr);
 }
 
+// The settings a checkpoint records so that a resumed run can say when it differs: the resume
+// is exact either way, but what the steps mean changes.
+std::vector<std::pair<std::string, std::string>> resumed_settings(const GptConfig& cfg) {
+  return {{"seed", std::to_string(cfg.seed)},
+          {"batch-size", std::to_string(cfg.batch_size)},
+          {"accum-steps", std::to_string(cfg.accum_steps)}};
+}
+
 // A token file as the settings check compares it: its size and the checksum its header records.
 std::string token_file_text(const data::TokenFile& f) {
   return std::to_string(f.size()) + " tokens, checksum " + std::to_string(f.checksum());
@@ -363,6 +371,18 @@ void Trainer::resume() {
     LS_THROW("--resume ", choice.path, " holds another model than --n-layer ", cfg_.n_layer,
              " --n-head ", cfg_.n_head, " --n-embd ", cfg_.n_embd, " --block-size ",
              cfg_.block_size, ": ", e.message());
+  }
+  // Another --seed shuffles the epoch another way, so the windows consumed before the checkpoint
+  // are no longer the prefix of the order this run skips: say so (as train_fashion_mnist does).
+  for (const auto& [key, value] : resumed_settings(cfg_)) {
+    auto it = ckpt.user.find(key);
+    if (main_rank_ && (it == ckpt.user.end() || it->second != value))
+      log_warning("--resume ", choice.path, " was written with --", key, " ",
+                  it == ckpt.user.end() ? "(unset: an older checkpoint)" : it->second,
+                  ", this run has --", key, " ", value,
+                  key == "seed" ? " (the epoch's windows are shuffled another way: some of this "
+                                  "epoch will be trained twice and some never)"
+                                : " (the steps from here on hold another number of windows)");
   }
   opt_->load_state_dict(ckpt.optimizer);
   pos_ = {.step = ckpt.step, .epoch = ckpt.epoch, .epoch_consumed = ckpt.epoch_samples};
@@ -582,6 +602,7 @@ io::TrainingCheckpoint Trainer::checkpoint() const {
                {"n_head", std::to_string(cfg_.n_head)},
                {"n_embd", std::to_string(cfg_.n_embd)},
                {"block_size", std::to_string(cfg_.block_size)}};
+  for (auto& [key, value] : resumed_settings(cfg_)) ckpt.user[key] = value;
   return ckpt;
 }
 

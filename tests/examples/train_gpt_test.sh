@@ -175,6 +175,12 @@ case "$case_name" in
       cmp "$work/a/ck.safetensors" "$work/r$s/ck.safetensors" \
         || fail "resumed from step $s, the run ends elsewhere than the uninterrupted one"
     done
+    # Another --seed or --batch-size than the checkpoint's: said, not silent.
+    expect_exit 0 "was written with --seed 0, this run has --seed 5 (the epoch's windows are shuffled another way" \
+      "${args[@]}" --seed 5 --resume "$work/a/ck.step00000050.safetensors" --save "$work/s/ck.safetensors"
+    expect_exit 0 "was written with --batch-size 8, this run has --batch-size 4" "${small[@]}" \
+      --batch-size 4 --max-steps 60 --warmup-steps 5 --eval-every 30 \
+      --resume "$work/a/ck.step00000050.safetensors" --save "$work/b/ck.safetensors"
     # --resume auto with nothing beside --save starts afresh.
     expect_exit 0 "starting from step 0" "${small[@]}" --max-steps 8 --warmup-steps 2 --resume auto \
       --save "$work/fresh/ck.safetensors"
