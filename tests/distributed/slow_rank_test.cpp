@@ -168,7 +168,10 @@ class SlowRankDDP : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(SlowRankDDP, TheSleepingRankIsNamedOnEveryRankAndRankZeroWarns) {
   constexpr auto kSlow = 120ms, kOthers = 15ms;  // 8x: robust to a loaded machine
-  constexpr int kWarnAfter = 4, kSteps = 5;
+  // One step more than the streak needs, for the first: its allocations and the buckets'
+  // rebuild can hold a fast rank back past the slow one on a loaded machine (it did once under
+  // the sanitizer build: a streak of 4 of 5).
+  constexpr int kWarnAfter = 4, kSteps = 6;
   DDPOptions o;
   o.slow_rank_steps = kWarnAfter;
   if (GetParam() == "bf16") o.comm_hook = bf16_compress_hook();
@@ -188,7 +191,8 @@ TEST_P(SlowRankDDP, TheSleepingRankIsNamedOnEveryRankAndRankZeroWarns) {
     EXPECT_EQ(s.slowest_rank_ms, s.rank_compute_ms[2]);
     EXPECT_GE(s.median_rank_ms, kOthers.count() * (1 - precision));
     EXPECT_GT(s.slowest_rank_ms, 1.5 * s.median_rank_ms);
-    EXPECT_EQ(s.slow_rank_streak, kSteps);
+    EXPECT_GE(s.slow_rank_streak, kSteps - 1);
+    EXPECT_LE(s.slow_rank_streak, kSteps);
     EXPECT_THAT(s.str(), ::testing::HasSubstr("slowest rank 2: "));
     // Every rank read the same sums.
     EXPECT_EQ(s.rank_compute_ms, stats[0].rank_compute_ms);
