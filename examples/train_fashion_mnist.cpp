@@ -55,6 +55,7 @@ constexpr int64_t kEvalBatch = 1000;
 
 using Clock = std::chrono::steady_clock;
 using examples::Config;
+using examples::number_text;
 
 // ---------------------------------------------------------------------------------------------
 // Choices made once, before training
@@ -487,19 +488,12 @@ std::shared_ptr<data::MnistDataset> load_split(const Config& cfg, data::Split sp
   return set;
 }
 
-// A number as the user would write it: the shortest text that reads back as the same double.
-std::string number_text(double v) {
-  char buf[32];
-  const auto r = std::to_chars(buf, buf + sizeof(buf), v);
-  return std::string(buf, r.ptr);
-}
-
-// Note [Same settings] for this program: what every rank must agree on (the flags that decide
-// the data each rank reads, the model, the optimization and the collectives each rank calls),
-// and the training data itself (its size and a hash of every image and label), where --data may
-// name another path on each machine. Flags that may differ per rank (--threads, --workers,
-// --metrics, --timeout) are not compared. Returns true so that it can run as a member's
-// initializer, right after the process group forms and before the model is broadcast.
+// Note [Same settings] for this program: what every rank must agree on (the flags that decide the
+// data each rank reads, the model, the optimization and the collectives each rank calls), and the
+// training data itself (its size and a hash of every image and label): ranks started by hand or by
+// a scheduler may name it by another path on each machine. Flags that may differ per rank
+// (--threads, --workers, --metrics, --timeout) are not compared. Returns true so that it can run as
+// a member's initializer, right after the process group forms and before the model is broadcast.
 bool check_job_settings(const Config& cfg, dist::ProcessGroup& pg,
                         const data::MnistDataset& train) {
   const auto text = [](auto v) { return std::to_string(v); };
@@ -526,7 +520,7 @@ bool check_job_settings(const Config& cfg, dist::ProcessGroup& pg,
        {"--uneven", yes_no(cfg.uneven)},
        {"--sync-bn", yes_no(cfg.sync_bn)},
        {"--eval", yes_no(cfg.eval)},
-       {"--save given", yes_no(!cfg.save.empty())},
+       {"--save (given or not)", yes_no(!cfg.save.empty())},
        {"--save-every", text(cfg.save_every)},
        {"--resume", cfg.resume},
        {"--check-sync-every", text(cfg.check_sync_every)},

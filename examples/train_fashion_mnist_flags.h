@@ -139,6 +139,14 @@ constexpr int64_t kMaxCount = 1'000'000'000;
 constexpr int64_t kMaxThreads = 4096;
 constexpr double kMaxBucketMb = 1 << 20;  // 1 TiB
 
+// A number as the user would write it: the shortest text that reads back as the same double
+// (for messages that quote a flag's value, e.g. the settings check's).
+inline std::string number_text(double v) {
+  char buf[32];
+  const auto r = std::to_chars(buf, buf + sizeof(buf), v);
+  return std::string(buf, r.ptr);
+}
+
 inline int usage_error(const std::string& what) {
   std::fprintf(stderr, "error: %s\n", what.c_str());
   return kUsageError;

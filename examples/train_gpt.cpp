@@ -53,6 +53,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using examples::GptConfig;
+using examples::number_text;
 
 double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
@@ -207,13 +208,6 @@ struct Position {
   int64_t epoch_consumed = 0;
 };
 
-// A number as the user would write it: the shortest text that reads back as the same double.
-std::string number_text(double v) {
-  char buf[32];
-  const auto r = std::to_chars(buf, buf + sizeof(buf), v);
-  return std::string(buf, r.ptr);
-}
-
 // The settings a checkpoint records so that a resumed run can say when it differs: the resume
 // is exact either way, but what the steps mean changes.
 std::vector<std::pair<std::string, std::string>> resumed_settings(const GptConfig& cfg) {
@@ -227,15 +221,16 @@ std::string token_file_text(const data::TokenFile& f) {
   return std::to_string(f.size()) + " tokens, checksum " + std::to_string(f.checksum());
 }
 
-// Note [Same settings] for this program: the flags that decide the data each rank reads, the
-// model, the optimization and the collectives each rank calls, and the token files themselves
-// (--data may name another path on each machine). --threads, --workers, --metrics, --timeout,
-// --sample and its flags may differ per rank. Runs as a member's initializer, right after the
-// process group forms and before the model is broadcast.
+// Note [Same settings] for this program: the flags that decide the data each rank reads, the model,
+// the optimization and the collectives each rank calls, and the token files themselves (ranks
+// started by hand or by a scheduler may name them by another path on each machine). --threads,
+// --workers, --metrics, --timeout, --sample and its flags may differ per rank. Runs as a member's
+// initializer, right after the process group forms and before the model is broadcast.
 bool check_job_settings(const GptConfig& cfg, dist::ProcessGroup& pg,
                         const data::TokenWindowDataset& train,
                         const data::TokenWindowDataset& val) {
   const auto text = [](auto v) { return std::to_string(v); };
+  const auto yes_no = [](bool b) { return std::string(b ? "yes" : "no"); };
   dist::check_same_settings(
       pg,
       {{"--seed", text(cfg.seed)},
@@ -256,10 +251,10 @@ bool check_job_settings(const GptConfig& cfg, dist::ProcessGroup& pg,
        {"--amp", cfg.amp},
        {"--device", cfg.device},
        {"--zero", text(cfg.zero)},
-       {"--zero-reduce-scatter", text(cfg.zero_reduce_scatter)},
+       {"--zero-reduce-scatter", yes_no(cfg.zero_reduce_scatter)},
        {"--eval-every", text(cfg.eval_every)},
        {"--eval-batches", text(cfg.eval_batches)},
-       {"--save given", text(!cfg.save.empty())},
+       {"--save (given or not)", yes_no(!cfg.save.empty())},
        {"--save-every", text(cfg.save_every)},
        {"--resume", cfg.resume},
        {"the training tokens (--data)", token_file_text(train.tokens())},

@@ -3,6 +3,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -49,10 +50,10 @@ std::string file_type_text(unsigned mode) {
 
 Fd open_regular_file(const std::string& path, const std::string& what, const std::string& context,
                      struct stat* st) {
-  const int raw = retry_on_eintr(
-      [&] { return ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK); });
-  LS_CHECK(raw >= 0, context, "cannot open ", what, ": ", errno_text(errno));
-  Fd fd(raw);
+  Fd fd(LS_SYSCHECK_MSG(retry_on_eintr([&] {
+                          return ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+                        }),
+                        context, "cannot open ", what));
   struct stat local {};
   struct stat& s = st != nullptr ? *st : local;
   LS_SYSCHECK_MSG(::fstat(fd.get(), &s), context, "cannot stat ", what);

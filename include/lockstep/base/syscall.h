@@ -7,9 +7,9 @@
 #include <string>
 #include <string_view>
 
-#include <sys/stat.h>
-
 #include "lockstep/base/error.h"
+
+struct stat;  // <sys/stat.h>, for open_regular_file
 
 namespace lockstep {
 
@@ -77,7 +77,8 @@ class Fd {
 
 // Opens `path` for reading and returns it only when it is a regular file; else throws
 // "<context>cannot open <what>: <errno>" or "<context><what>: expected a regular file, found a
-// FIFO" (a directory, a device, a socket), where `what` names the file ("token file x.tokens").
+// FIFO" (or a directory, a device), where `what` names the file ("token file x.tokens"); a
+// socket fails at the open ("No such device or address").
 // The open does not block: a FIFO with no writer would otherwise hang the reader before any
 // check could run (O_NONBLOCK at open, cleared again on the regular file). `st` receives the
 // file's fstat when given.
