@@ -218,8 +218,19 @@ void Agent::rendezvous() {
     }
     throw AgentError(why);
   }
+  // Every node wrote its keys before it counted itself in `joined`; one that did not is of
+  // another lockstep version, and a get would wait for it until the store's timeout.
+  const auto written_by = [&](int r, const std::string& name, const std::string& what) {
+    const std::string k = key("node" + std::to_string(r) + "/" + name);
+    if (!store_->check({k})) {
+      throw AgentError("node " + std::to_string(r) + "'s " + what +
+                       " is malformed (another lockstep version?): it joined without writing "
+                       "it; run the same lockstep version on every machine");
+    }
+    return store_->get_string(k);
+  };
   for (int r = 0; r < o_.nnodes; ++r) {
-    const std::string n = store_->get_string(key("node" + std::to_string(r) + "/nproc"));
+    const std::string n = written_by(r, "nproc", "--nproc-per-node");
     if (n != std::to_string(o_.nproc_per_node)) {
       throw AgentError("nodes disagree on --nproc-per-node: " + std::to_string(o_.nproc_per_node) +
                        " here (node " + std::to_string(o_.node_rank) + "), " + n + " on node " +
@@ -230,8 +241,7 @@ void Agent::rendezvous() {
   // the start with the same message.
   const auto signature_of = [&](int r) {
     try {
-      return JobSignature::from_json(
-          json::parse(store_->get_string(key("node" + std::to_string(r) + "/signature"))));
+      return JobSignature::from_json(json::parse(written_by(r, "signature", "job signature")));
     } catch (const json::exception& e) {
       throw AgentError("node " + std::to_string(r) + "'s job signature is malformed (another " +
                        "lockstep version?): " + e.what());

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -33,6 +34,8 @@ namespace lockstep::launch::agent_detail {
 //   gen<g>/withdrawn/<id>  the node stopped waiting for generation g to start
 //   gen<g>/refused/<id>    node 0 left the node out of generation g: why (its workers failed
 //                          at the start of g-1, the generation it had just joined)
+//   gen<g>/restart_delay   seconds node 0 waits before publishing gen<g>/members after a
+//                          failure that counts (Note [Restart backoff]); the others wait longer
 //
 // A rendezvous (node 0, form_generation): the members it already has, plus join requests as
 // they come (each checked: --nproc-per-node must match, and so must the job's signature, Note
@@ -284,12 +287,15 @@ bool Agent::form_generation(int g, std::vector<Member> members, std::string* why
 }
 
 void Agent::wait_for_node_zero(const std::string& k, const std::string& withdrawn,
-                               const std::string& what) {
+                               const std::string& what, const std::string& delay_key,
+                               const std::function<void()>& recheck) {
   // Node 0 may first have to stop a running generation (a stop grace, a kill wait and the
   // verdict's wait) and hear from the nodes: that on top of the rendezvous.
-  const double wait_s = o_.rdzv_timeout_s + o_.node_timeout_s + kAnswerMargin.count();
-  const auto deadline =
-      Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(wait_s * 1000));
+  double wait_s = o_.rdzv_timeout_s + o_.node_timeout_s + kAnswerMargin.count();
+  std::string bound =
+      "--rdzv-timeout + --node-timeout + " + std::to_string(kAnswerMargin.count()) + " s";
+  auto deadline = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(wait_s * 1000));
+  bool delay_read = delay_key.empty();
   auto withdraw = [&] {
     if (withdrawn.empty()) return;
     try {
@@ -302,11 +308,32 @@ void Agent::wait_for_node_zero(const std::string& k, const std::string& withdraw
       withdraw();
       throw Interrupted(sig);
     }
+    if (recheck) {
+      try {
+        recheck();
+      } catch (const AgentError&) {
+        withdraw();
+        throw;
+      }
+    }
+    // Note [Restart backoff]: node 0 says how long it waits before the generation, and this
+    // node waits that much longer.
+    if (!delay_read) {
+      if (const auto text = try_get(delay_key)) {
+        delay_read = true;
+        double delay_s = 0;
+        try {
+          delay_s = std::max(0.0, json::parse(*text).get<double>());
+        } catch (const json::exception&) {
+        }
+        wait_s += delay_s;
+        bound += " + node 0's restart backoff of " + seconds_text(delay_s) + " s";
+        deadline += std::chrono::milliseconds(static_cast<int64_t>(delay_s * 1000));
+      }
+    }
     if (Clock::now() >= deadline) {
       withdraw();
-      throw AgentError(what + " within " + seconds_text(wait_s) +
-                       " s (--rdzv-timeout + --node-timeout + " +
-                       std::to_string(kAnswerMargin.count()) + " s)");
+      throw AgentError(what + " within " + seconds_text(wait_s) + " s (" + bound + ")");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
@@ -317,7 +344,7 @@ void Agent::adopt_members(int g) {
   // A node that stops waiting says so, so that node 0 does not start a generation with it.
   wait_for_node_zero(
       k, o_.node_rank == 0 ? "" : gen_key(g, "withdrawn/" + std::to_string(o_.node_rank)),
-      "node 0 did not start generation " + std::to_string(g));
+      "node 0 did not start generation " + std::to_string(g), gen_key(g, "restart_delay"));
   const json j = json::parse(store_->get_string(k));
   if (j.contains("abort")) throw AgentError("the job failed: " + j["abort"].get<std::string>());
   std::vector<Member> ms;
@@ -358,12 +385,16 @@ void Agent::adopt_members(int g) {
 
 int Agent::join_job() {
   // A node 0 of fixed size (Note [Agent protocol]) writes node0/host as soon as its store is up,
-  // and would never answer a join request.
-  if (store_->check({key("node0/host")})) {
-    throw AgentError(
-        "node 0 runs a job of a fixed size (--nnodes N), not an elastic one: give "
-        "this node node 0's --nnodes");
-  }
+  // and would never answer a join request: looked at before asking and while waiting, since this
+  // node may have reached the store a moment before node 0 wrote it.
+  const auto fixed_size_node_zero = [&] {
+    if (store_->check({key("node0/host")})) {
+      throw AgentError(
+          "node 0 runs a job of a fixed size (--nnodes N), not an elastic one: give "
+          "this node node 0's --nnodes");
+    }
+  };
+  fixed_size_node_zero();
   const int64_t t = store_->add(key("join/next"), 1);
   const json request = {{"id", o_.node_rank},
                         {"host", hostname()},
@@ -372,7 +403,7 @@ int Agent::join_job() {
   store_->set(key("join/" + std::to_string(t)), dump(request));
   const std::string k = key("join/" + std::to_string(t) + "/reply");
   wait_for_node_zero(k, key("join/" + std::to_string(t) + "/withdrawn"),
-                     "node 0 did not admit this node");
+                     "node 0 did not admit this node", "", fixed_size_node_zero);
   const json reply = json::parse(store_->get_string(k));
   if (reply.contains("refused")) {
     throw AgentError("node 0 refused this node: " + reply["refused"].get<std::string>());
@@ -463,10 +494,12 @@ bool Agent::next_generation(int g, const json& failure, std::string* why) {
       return false;
     }
     ++restarts_used_;
-    // Note [Restart backoff]: node 0 waits; the other nodes wait for its next generation.
+    // Note [Restart backoff]: node 0 waits; the other nodes, told how long, wait that much
+    // longer for its next generation.
     const double delay = restart_delay();
     say("restarting the workers of every node" + restart_delay_text(delay) + " (restart " +
         std::to_string(restarts_used_) + " of " + std::to_string(o_.max_restarts) + ")");
+    if (delay > 0) store_->set(gen_key(g + 1, "restart_delay"), dump(json(delay)));
     if (const int sig = wait_before_restart(delay)) {
       store_->set(gen_key(g + 1, "members"),
                   dump({{"abort", "the launcher on node 0 received " + signal_name(sig)}}));

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <ctime>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -247,9 +248,13 @@ class Agent {
   // AgentError when the job was aborted or this node was left out.
   void adopt_members(int g);
   // Waits for node 0 to write key k; on a signal (Interrupted) or past the deadline (AgentError
-  // starting with `what`) it first sets `withdrawn` (unless empty) for node 0 to see.
+  // starting with `what`) it first sets `withdrawn` (unless empty) for node 0 to see. Once
+  // `delay_key` (unless empty) holds node 0's restart backoff, the deadline moves by it (Note
+  // [Restart backoff]); `recheck` (unless empty) runs at every look and may throw an AgentError
+  // (withdrawn first too).
   void wait_for_node_zero(const std::string& k, const std::string& withdrawn,
-                          const std::string& what);
+                          const std::string& what, const std::string& delay_key = "",
+                          const std::function<void()>& recheck = {});
   void publish_leaving(int g, int sig);
   std::string event_text(const json& failure) const;
   // Node 0, after generation g failed: the node new in g whose workers failed before the
