@@ -9,6 +9,7 @@
 
 #include "job_signature.h"
 #include "launch/launcher_process.h"
+#include "lockstep/distributed/store/tcp_store.h"
 
 namespace {
 
@@ -378,13 +379,12 @@ TEST_F(Elastic, ANewNodeWhoseWorkersFailAtTheStartIsRefusedAndTheJobGoesOn) {
 // An elastic node whose node 0 runs a job of fixed size is told so at once, rather than waiting
 // for an answer that never comes.
 TEST_F(Elastic, ANodeWhoseNodeZeroIsNotElasticIsToldAtOnce) {
-  std::vector<std::string> fixed = args("1:2", 0, 2);
+  std::vector<std::string> fixed = args("1:2", 0, 2, {"--rdzv-timeout", "300"});
   fixed[2] = "2";  // --nnodes 2
   const Launch l0 = start_launcher(fixed, dir_, "node0");
-  std::this_thread::sleep_for(1s);  // node 0's store is up and it has joined its rendezvous
-  const auto start = std::chrono::steady_clock::now();
-  const Outcome o1 = run_launcher(args("1:2", 1, 2), dir_, "node1");
-  EXPECT_LT(std::chrono::steady_clock::now() - start, 60s);
+  ASSERT_TRUE(wait_for_stderr(l0, "the store listens on")) << wait_launcher(l0).describe();
+  // Without the answer, node 1 would wait --rdzv-timeout + --node-timeout + 30 s: 330 s.
+  const Outcome o1 = run_launcher(args("1:2", 1, 2, {"--rdzv-timeout", "300"}), dir_, "node1");
   EXPECT_TRUE(o1.exited_with(1)) << o1.describe();
   EXPECT_THAT(o1.err, HasSubstr("node 0 runs a job of a fixed size (--nnodes N), not an elastic "
                                 "one: give this node node 0's --nnodes"))
@@ -392,6 +392,52 @@ TEST_F(Elastic, ANodeWhoseNodeZeroIsNotElasticIsToldAtOnce) {
   ::kill(l0.pid, SIGTERM);
   const Outcome o0 = wait_launcher(l0);
   EXPECT_TRUE(o0.exited_with(128 + SIGTERM)) << o0.describe();
+}
+
+// The joiner looks again, while it waits for its answer, whether node 0 runs a fixed-size job:
+// it may reach the store before node 0 says so. The test hosts the store and writes node 0's key
+// only once the joiner waits.
+TEST_F(Elastic, AJoinerThatReachedTheStoreFirstIsStillToldNodeZeroIsNotElastic) {
+  lockstep::dist::TCPStoreOptions so;
+  so.port = static_cast<uint16_t>(std::stoi(port_));
+  so.is_server = true;
+  so.wait_for_workers = false;
+  so.token = "shared";
+  lockstep::dist::TCPStore store(so);
+  const Launch l1 = start_launcher(args("1:2", 1, 2, {"--rdzv-timeout", "30"}), dir_, "node1",
+                                   {"LOCKSTEP_STORE_TOKEN=shared"});
+  const std::string agent = "lockstep/elastic/agent/";
+  const auto deadline = std::chrono::steady_clock::now() + 60s;
+  while (!store.check({agent + "join/1"}) && running(l1.pid) &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(20ms);
+  }
+  ASSERT_TRUE(store.check({agent + "join/1"})) << wait_launcher(l1).describe();
+  store.set(agent + "node0/host", "fixed");
+  const Outcome o1 = wait_launcher(l1);
+  EXPECT_TRUE(o1.exited_with(1)) << o1.describe();
+  EXPECT_THAT(o1.err, HasSubstr("node 0 runs a job of a fixed size (--nnodes N), not an elastic "
+                                "one: give this node node 0's --nnodes"))
+      << o1.describe();
+  EXPECT_TRUE(store.check({agent + "join/1/withdrawn"})) << "node 0 was not told";
+}
+
+// Note [Restart backoff]: in an elastic job node 0 waits before the next generation, here 38 s,
+// longer than the others would wait for it (--rdzv-timeout 3 + --node-timeout 2 + 30 s); it
+// says how long first, and node 1 waits it out and trains in the generation after.
+TEST_F(Elastic, TheOtherNodesWaitOutNodeZerosRestartBackoff) {
+  const std::vector<std::string> extra = {"--rdzv-timeout", "3", "--restart-backoff", "38",
+                                          "--max-restarts", "1"};
+  const Launch l0 = start_launcher(args("1:2", 0, 2, extra), dir_, "node0",
+                                   {"LAUNCH_TEST_ELASTIC_FAIL_IN_GEN=1"});
+  ASSERT_TRUE(wait_report(0, 0, l0)) << wait_launcher(l0).describe();
+  const Launch l1 = start_launcher(args("1:2", 1, 2, extra), dir_, "node1");
+  const Outcome o0 = wait_launcher(l0), o1 = wait_launcher(l1);
+  ASSERT_TRUE(o1.exited_with(0)) << o1.describe();
+  ASSERT_TRUE(o0.exited_with(0)) << o0.describe();
+  EXPECT_THAT(o0.err, HasSubstr("restarting the workers of every node in 38 s (restart 1 of 1)"))
+      << o0.describe();
+  EXPECT_EQ(generation(2).size(), 2u) << o0.describe();
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include <gmock/gmock.h>
 
 #include "launch/launcher_process.h"
+#include "lockstep/distributed/store/tcp_store.h"
 
 using namespace lockstep::testing::launch;
 using ::testing::ContainsRegex;
@@ -300,13 +301,16 @@ TEST_F(Launcher, ARankThatExitsZeroWithoutJoiningFailsTheOthersAtOnceNamingIt) {
       << o.describe();
 }
 
+// A rank that joined leaves nothing for the launcher to say: rank 0, still running, finds no
+// join `error` key in the store after the launcher reaped rank 1 (launch_worker fails, naming
+// the key's text, when it does).
 TEST_F(Launcher, ARankThatExitsZeroAfterJoiningDisturbsNoOne) {
   const Outcome o =
       run_launcher({"run", "--standalone", "--nproc-per-node", "2", kWorker, "leave-after-join"},
                    dir_, "launch");
   EXPECT_TRUE(o.exited_with(0)) << o.describe();
   EXPECT_THAT(o.out, HasSubstr("[rank0]: rank 0 done")) << o.describe();
-  EXPECT_THAT(o.err, Not(HasSubstr("without joining"))) << o.describe();
+  EXPECT_THAT(o.out + o.err, Not(HasSubstr("without joining"))) << o.describe();
 }
 
 class LauncherSignal : public Launcher, public ::testing::WithParamInterface<int> {};
@@ -468,10 +472,13 @@ TEST_F(Launcher, ANodeWhoseNodeZeroRunsAnotherJobIsToldWhatIsTrue) {
   };
   for (const bool elastic : {true, false}) {
     SCOPED_TRACE(elastic ? "elastic node 0" : "another run id");
+    // Node 0 outlasts node 1's rendezvous; node 1 starts once node 0's store is up, and its
+    // timeout (also its store requests') leaves room for a loaded machine.
     const Launch l0 =
-        start_launcher(args("0", elastic ? "2:2" : "2", elastic ? "job" : "other-job", "30"), dir_,
+        start_launcher(args("0", elastic ? "2:2" : "2", elastic ? "job" : "other-job", "300"), dir_,
                        "node0", token);
-    const Outcome o1 = run_launcher(args("1", "2", "job", "2"), dir_, "node1", token);
+    ASSERT_TRUE(wait_for_stderr(l0, "the store listens on")) << wait_launcher(l0).describe();
+    const Outcome o1 = run_launcher(args("1", "2", "job", "8"), dir_, "node1", token);
     EXPECT_TRUE(o1.exited_with(1)) << o1.describe();
     EXPECT_THAT(o1.err, HasSubstr("1 of 2 nodes joined; node 0 is up (its store answered) but "))
         << o1.describe();
@@ -484,6 +491,34 @@ TEST_F(Launcher, ANodeWhoseNodeZeroRunsAnotherJobIsToldWhatIsTrue) {
     EXPECT_TRUE(o0.exited_with(128 + SIGTERM)) << o0.describe();
   }
   EXPECT_TRUE(dir_is_empty(out_));
+}
+
+// A node of another lockstep version joins without writing its job signature: node 0 says so at
+// once instead of waiting for the key until its store's timeout (--rdzv-timeout). The test plays
+// that node, writing only the keys an older agent wrote.
+TEST_F(Launcher, ANodeThatWritesNoSignatureIsCalledAnotherVersionAtOnce) {
+  const std::string port = std::to_string(free_port());
+  const Launch l0 = start_launcher(
+      {"run", "--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1", "--master-port", port,
+       "--run-id", "old", "--rdzv-timeout", "100", kWorker, "env", out_.string()},
+      dir_, "node0", {"LOCKSTEP_STORE_TOKEN=shared"});
+  ASSERT_TRUE(wait_for_stderr(l0, "the store listens on")) << wait_launcher(l0).describe();
+  lockstep::dist::TCPStoreOptions so;
+  so.port = static_cast<uint16_t>(std::stoi(port));
+  so.wait_for_workers = false;
+  so.token = "shared";
+  lockstep::dist::TCPStore older(so);
+  const std::string agent = "lockstep/old/agent/";
+  older.add(agent + "node1/claims", 1);
+  older.set(agent + "node1/host", "older");
+  older.set(agent + "node1/nproc", "1");
+  older.add(agent + "joined", 1);
+  const Outcome o0 = wait_launcher(l0);
+  EXPECT_TRUE(o0.exited_with(1)) << o0.describe();
+  EXPECT_THAT(o0.err, HasSubstr("node 1's job signature is malformed (another lockstep "
+                                "version?): it joined without writing it"))
+      << o0.describe();
+  EXPECT_TRUE(dir_is_empty(out_)) << "a worker ran";
 }
 
 TEST_F(Launcher, LogDirWithTeeWritesFilesAndTerminal) {

@@ -286,6 +286,17 @@ inline void kill_leftovers(const fs::path& pid_dir) {
   }
 }
 
+// Until the launcher `l` has written `needle` to its stderr (a sign of readiness, such as node
+// 0's "the store listens on"), it ended, or a minute passed; whether it wrote it.
+inline bool wait_for_stderr(const Launch& l, const std::string& needle) {
+  const auto deadline = std::chrono::steady_clock::now() + 60s;
+  for (;;) {
+    if (read_text(l.err).find(needle) != std::string::npos) return true;
+    if (!running(l.pid) || std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(20ms);
+  }
+}
+
 // Lines of `text` that contain `needle`.
 inline size_t count_lines_with(const std::string& text, const std::string& needle) {
   size_t n = 0;

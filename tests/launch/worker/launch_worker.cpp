@@ -30,6 +30,7 @@ extern char** environ;
 #include "lockstep/distributed/error_file.h"
 #include "lockstep/distributed/init.h"
 #include "lockstep/distributed/shm/process_group_shm.h"
+#include "lockstep/distributed/store/tcp_store.h"
 #include "lockstep/lockstep.h"
 
 namespace fs = std::filesystem;
@@ -129,7 +130,8 @@ int report_env(const fs::path& out_dir, int argc, char** argv) {
 // Elastic tests: reports the environment as OUT/gen<LOCKSTEP_RESTART_COUNT>/rank<RANK>.env, then
 // ends (0) in a world of `want` ranks (LAUNCH_TEST_ELASTIC_WANT, where set, instead: every node
 // of a job runs the same arguments, Note [Job signature]), and in any other waits to be stopped
-// for a new generation; with LAUNCH_TEST_ELASTIC_FAIL=1 it fails (3) at once instead.
+// for a new generation; with LAUNCH_TEST_ELASTIC_FAIL=1 it fails (3) at once instead, and so it
+// does in generation G with LAUNCH_TEST_ELASTIC_FAIL_IN_GEN=G.
 int elastic(const fs::path& out, int want) {
   want = env_int("LAUNCH_TEST_ELASTIC_WANT", want);
   const fs::path dir = out / ("gen" + std::to_string(env_int("LOCKSTEP_RESTART_COUNT", -1)));
@@ -141,8 +143,50 @@ int elastic(const fs::path& out, int want) {
     std::fprintf(stderr, "cannot open the data set on this machine\n");
     return 3;
   }
+  if (env_int("LAUNCH_TEST_ELASTIC_FAIL_IN_GEN", -1) ==
+      env_int("LOCKSTEP_RESTART_COUNT", -1)) {  // a failure that counts as a restart
+    std::fprintf(stderr, "fails in this generation\n");
+    return 3;
+  }
   if (env_int("WORLD_SIZE", -1) == want) return 0;
   return sleep_then_fail(60s);
+}
+
+// Rank 1 ends (0) once it joined. Rank 0 waits until the launcher has reaped rank 1, then looks
+// for the join's `error` key for a while (Note [A rank that leaves before joining]: the launcher
+// must not write it for a rank that joined): it fails (4) naming the key's text if it appears.
+int leave_after_join(int rank) {
+  lockstep::dist::install_error_handler();
+  lockstep::dist::init_process_group();
+  lockstep::dist::TCPStoreOptions so;
+  so.host = std::getenv("MASTER_ADDR");
+  so.port = static_cast<uint16_t>(env_int("MASTER_PORT", 0));
+  so.wait_for_workers = false;
+  lockstep::dist::TCPStore store(so);  // the launcher's: the token is LOCKSTEP_STORE_TOKEN
+  const std::string world = std::string("lockstep/") + std::getenv("LOCKSTEP_RUN_ID") + "/gen" +
+                            std::to_string(env_int("LOCKSTEP_RESTART_COUNT", -1)) + "/";
+  if (rank == 1) {
+    store.set(world + "test/leaver_pid", std::to_string(::getpid()));
+    return 0;
+  }
+  const pid_t leaver = std::stoi(store.get_string(world + "test/leaver_pid"));
+  const auto reaped_by = std::chrono::steady_clock::now() + 60s;
+  while (fs::exists("/proc/" + std::to_string(leaver)) &&
+         std::chrono::steady_clock::now() < reaped_by) {
+    std::this_thread::sleep_for(10ms);
+  }
+  // The launcher looks right after it reaps; two seconds is far more than it takes.
+  const auto look_until = std::chrono::steady_clock::now() + 2s;
+  while (std::chrono::steady_clock::now() < look_until) {
+    if (store.check({world + "error"})) {
+      std::printf("the join's error key was written: %s\n",
+                  store.get_string(world + "error").c_str());
+      return 4;
+    }
+    std::this_thread::sleep_for(20ms);
+  }
+  std::printf("rank 0 done\n");
+  return 0;
 }
 
 // N lines of `R:i:` and 200 copies of the digit R, through stdio's buffer (which splits writes
@@ -374,17 +418,15 @@ int run(int argc, char** argv) {
     return 0;
   }
   if (mode == "sleep") return sleep_then_fail(120s);
-  if (mode == "leave-before-join" || mode == "leave-after-join") {
-    // Rank 1 ends (0) without joining, or once it joined; rank 0 joins with the default
-    // rendezvous timeout (300 s), then waits a moment and ends (0).
+  if (mode == "leave-before-join") {
+    // Rank 1 ends (0) without joining; rank 0 joins with the default rendezvous timeout (300 s).
     lockstep::dist::install_error_handler();
-    if (rank == 1 && mode == "leave-before-join") return 0;
-    lockstep::dist::init_process_group();
     if (rank == 1) return 0;
-    std::this_thread::sleep_for(1s);
+    lockstep::dist::init_process_group();
     std::printf("rank 0 done\n");
     return 0;
   }
+  if (mode == "leave-after-join") return leave_after_join(rank);
   if (mode == "shm-setup") return shm_setup();
   if (mode == "elastic" && argc >= 4) return elastic(argv[2], std::atoi(argv[3]));
   if (mode == "lines" && argc >= 3) return print_lines(std::atoi(argv[2]));
