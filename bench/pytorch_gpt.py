@@ -4,6 +4,8 @@
     /usr/bin/python3 bench/pytorch_gpt.py --data build/gpt-data [--nproc 2] [--amp bf16]
         [--steps 300] [--skip 5] [--threads 1] [--json OUT]
     /usr/bin/python3 bench/pytorch_gpt.py --data build/gpt-data --check CKPT
+    python3 bench/pytorch_gpt.py --data DIR --device cuda [--compile] --amp bf16 --n-layer 12
+        --n-head 12 --n-embd 768 --block-size 1024 --vocab-size 50304 --batch-size 8 --steps 20
 
 Needs Debian's python3-torch (1.13) and numpy; not part of the build or the tests. One job: the
 script re-runs itself once per rank with torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR,
@@ -15,10 +17,15 @@ beside train_gpt.
 prints its validation loss over the windows train_gpt's one-process evaluation reads, which
 must be train_gpt's val_loss for the same parameters if the two models compute the same
 function (gpt_compare.py checks this before it measures).
+--device cuda (PyTorch 2, one GPU per rank, NCCL between them) runs the same model on the GPU
+with F.scaled_dot_product_attention, AdamW fused, and reports the peak of device memory in
+tensors (torch.cuda.max_memory_allocated) beside tokens/s; --compile wraps the model in
+torch.compile (its first steps compile: keep them in --skip). scripts/gpu-check.sh runs it beside
+train_gpt on GPT-2 124M.
 
 The same model as examples/gpt_model.h: token + learned position embeddings, pre-LayerNorm
-blocks of causal self-attention (one Linear for q, k, v; torch 1.13 has no
-F.scaled_dot_product_attention, so q k^T * D^-1/2, the causal mask, softmax, @ v) and a
+blocks of causal self-attention (one Linear for q, k, v; F.scaled_dot_product_attention where
+the torch has it, else, as in torch 1.13, q k^T * D^-1/2, the causal mask, softmax, @ v) and a
 tanh-GELU MLP, a final LayerNorm, the head tied to the token embedding; GPT-2's init (N(0, 0.02),
 the two projections into the residual stream at 0.02 / sqrt(2 n_layer), zero biases). The same
 training: AdamW (decay on the matrices only, eps 1e-8), linear warmup then cosine to
@@ -73,6 +80,13 @@ def lr_factor(step, warmup, max_steps, min_factor):
     return min_factor + (1 - min_factor) * 0.5 * (1 + math.cos(math.pi * s / total))
 
 
+def model_vocab(a, data_vocab):
+    """train_gpt's: --vocab-size pads the data's vocabulary, 0 keeps it."""
+    if a.vocab_size and a.vocab_size < data_vocab:
+        sys.exit(f"pytorch_gpt: --vocab-size {a.vocab_size} is below the data's {data_vocab}")
+    return a.vocab_size or data_vocab
+
+
 def build_model(torch, vocab, a):
     nn, F = torch.nn, torch.nn.functional
     C, H, L, T = a.n_embd, a.n_head, a.n_layer, a.block_size
@@ -90,11 +104,16 @@ def build_model(torch, vocab, a):
             self.c_attn = linear(C, 3 * C, 0.02)
             self.c_proj = linear(C, C, resid_std)
             # A plain attribute, not a buffer: DDP would broadcast a buffer before every forward.
-            self.future = torch.ones(T, T, dtype=torch.bool).triu(1)
+            self.future = None
 
         def forward(self, x):  # (B,T,C)
             B, t, _ = x.shape
             q, k, v = self.c_attn(x).view(B, t, 3, H, C // H).permute(2, 0, 3, 1, 4)  # (B,H,t,D)
+            if hasattr(F, "scaled_dot_product_attention"):
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                return self.c_proj(y.transpose(1, 2).contiguous().view(B, t, C))
+            if self.future is None:
+                self.future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(C // H))  # (B,H,t,t)
             att = att.masked_fill(self.future[:t, :t], float("-inf")).softmax(dim=-1)
             y = (att @ v).transpose(1, 2).contiguous().view(B, t, C)
@@ -128,7 +147,7 @@ def build_model(torch, vocab, a):
             self.ln_f = nn.LayerNorm(C)
 
         def forward(self, idx):  # (B,T) i64 -> (B,T,V)
-            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
             for block in self.h:
                 x = block(x)
             return F.linear(self.ln_f(x), self.wte.weight)  # tied head
@@ -170,16 +189,25 @@ def worker(a, out_dir):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.manual_seed(a.seed)
     tokens, vocab = read_tokens(os.path.join(a.data, "train.tokens"))
-    gpt = build_model(torch, vocab, a)
+    cuda = a.device == "cuda"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else None
+    if cuda:
+        torch.cuda.set_device(device)
+    gpt = build_model(torch, model_vocab(a, vocab), a)
+    if cuda:
+        gpt = gpt.to(device)
     model = gpt
     if world > 1:
-        dist.init_process_group("gloo")
-        model = torch.nn.parallel.DistributedDataParallel(gpt)  # broadcasts rank 0's parameters
+        dist.init_process_group("nccl" if cuda else "gloo")
+        # Broadcasts rank 0's parameters.
+        model = torch.nn.parallel.DistributedDataParallel(gpt, device_ids=[device] if cuda else None)
+    if a.compile:
+        model = torch.compile(model)
     params = list(gpt.parameters())
     opt = torch.optim.AdamW(
         [{"params": [p for p in params if p.dim() >= 2], "weight_decay": a.weight_decay},
          {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-        lr=a.lr, betas=(a.beta1, a.beta2), eps=1e-8)
+        lr=a.lr, betas=(a.beta1, a.beta2), eps=1e-8, **({"fused": True} if cuda else {}))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, a.warmup_steps, a.steps, a.min_lr_factor))
     data = Windows(tokens, a.block_size, a.batch_size, rank, world, a.seed).batches()
@@ -188,7 +216,9 @@ def worker(a, out_dir):
     for _ in range(a.steps):
         t0 = time.perf_counter()
         x, y = next(data)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        if cuda:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with torch.autocast(a.device, dtype=torch.bfloat16, enabled=bf16):
             logits = model(x)
         loss = torch.nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]),
                                                  y.reshape(-1))
@@ -198,7 +228,7 @@ def worker(a, out_dir):
         opt.step()
         sched.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(loss.item())  # waits for the step (a GPU's too)
         times.append(time.perf_counter() - t0)
     measured = times[a.skip:]
     result = {
@@ -208,6 +238,8 @@ def worker(a, out_dir):
         "last_loss": losses[-1],
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
     }
+    if cuda:
+        result["peak_device_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     if world > 1:
@@ -237,7 +269,7 @@ def check(a):
         state[name] = torch.from_numpy(np.frombuffer(data[b:e], dtype=np.float32).copy()
                                        .reshape(v["shape"]))
     tokens, vocab = read_tokens(os.path.join(a.data, "val.tokens"))
-    gpt = build_model(torch, vocab, a)
+    gpt = build_model(torch, model_vocab(a, vocab), a)
     gpt.load_state_dict(state)  # strict: every parameter, no other
     T = a.block_size
     count = min((len(tokens) - 1) // T, a.eval_batches * a.batch_size)
@@ -280,9 +312,12 @@ def run_job(a):
     out = dict(per_rank[0])
     del out["rank"]
     out["peak_rss_mib"] = [p["peak_rss_mib"] for p in per_rank]
+    if "peak_device_mib" in out:
+        out["peak_device_mib"] = [p["peak_device_mib"] for p in per_rank]
     import torch
     out.update(torch=torch.__version__, nproc=a.nproc, threads=a.threads, amp=a.amp,
-               steps=a.steps, skip=a.skip)
+               steps=a.steps, skip=a.skip, device=a.device, compile=a.compile,
+               batch_size=a.batch_size, block_size=a.block_size)
     return out
 
 
@@ -293,6 +328,9 @@ def parse(argv):
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
     ap.add_argument("--amp", choices=["none", "bf16"], default="none")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: each rank on GPU LOCAL_RANK, NCCL between ranks (PyTorch 2)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model")
     ap.add_argument("--steps", type=int, default=300,
                     help="optimizer steps (the schedule's length, train_gpt's --max-steps)")
     ap.add_argument("--skip", type=int, default=5, help="first steps left out of tokens/s")
@@ -306,6 +344,8 @@ def parse(argv):
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--n-head", type=int, default=4)
     ap.add_argument("--n-embd", type=int, default=128)
+    ap.add_argument("--vocab-size", type=int, default=0,
+                    help="the model's vocabulary padded beyond the data's (0: the data's)")
     ap.add_argument("--warmup-steps", type=int, default=30)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--min-lr-factor", type=float, default=0.1)

@@ -126,6 +126,26 @@ class GptBlock : public nn::Module {
   std::shared_ptr<GptMlp> mlp_;
 };
 
+// The parameters of a Gpt of `c`, counted without building it (train_gpt --plan): the token and
+// position embeddings (V C + block_size C), per block two LayerNorms (2 x 2C), c_attn
+// (3C^2 + 3C), attention's c_proj (C^2 + C), c_fc (4C^2 + 4C) and the MLP's c_proj (4C^2 + C),
+// and ln_f (2C); the tied head adds none. The Gpt constructor checks it against the model it
+// built.
+inline int64_t gpt_num_parameters(const GptModelConfig& c) {
+  const int64_t C = c.n_embd;
+  const int64_t block = 4 * C + (3 * C * C + 3 * C) + (C * C + C) + (4 * C * C + 4 * C) +
+                        (4 * C * C + C);
+  return (c.vocab_size + c.block_size) * C + c.n_layer * block + 2 * C;
+}
+
+// Model FLOPs per trained token (forward and backward) at context T, as llm.c and nanoGPT count
+// them: 6 per parameter (the embeddings' lookups included, a slight overcount) plus the
+// attention's q k^T and (att) v, 12 L T C.
+inline double gpt_flops_per_token(const GptModelConfig& c, int64_t T) {
+  return 6.0 * static_cast<double>(gpt_num_parameters(c)) +
+         12.0 * static_cast<double>(c.n_layer * T * c.n_embd);
+}
+
 class Gpt : public nn::Module {
  public:
   Gpt(const GptModelConfig& cfg, Generator& gen) : nn::Module("Gpt"), cfg_(cfg) {
@@ -139,6 +159,8 @@ class Gpt : public nn::Module {
       blocks_.push_back(
           register_module("h" + std::to_string(i), std::make_shared<GptBlock>(cfg, gen)));
     ln_f_ = register_module("ln_f", std::make_shared<nn::LayerNorm>(Dims{cfg.n_embd}));
+    LS_CHECK(num_parameters() == gpt_num_parameters(cfg), "gpt_num_parameters counts ",
+             gpt_num_parameters(cfg), " parameters, the model has ", num_parameters());
   }
 
   const GptModelConfig& config() const { return cfg_; }
@@ -155,13 +177,8 @@ class Gpt : public nn::Module {
     return linear(x, wte_->weight());                       // (B,T,V), tied head
   }
 
-  // Model FLOPs per trained token (forward and backward), as llm.c and nanoGPT count them:
-  // 6 per parameter (the embeddings' lookups included, a slight overcount) plus the attention's
-  // q k^T and (att) v, 12 L T C.
-  double flops_per_token(int64_t T) const {
-    return 6.0 * static_cast<double>(num_parameters()) +
-           12.0 * static_cast<double>(cfg_.n_layer * T * cfg_.n_embd);
-  }
+  // gpt_flops_per_token of this model.
+  double flops_per_token(int64_t T) const { return gpt_flops_per_token(cfg_, T); }
 
  private:
   GptModelConfig cfg_;

@@ -2,6 +2,7 @@
 //
 //   train_gpt --prepare [FILES...] --out DIR    text -> DIR/train.tokens, DIR/val.tokens
 //   train_gpt --data DIR --max-steps 2000 ...   training, one process or under `lockstep run`
+//   train_gpt --preset gpt2-124m --plan          GPT-2 small's size and cost, nothing trained
 //
 // --prepare checks every file (missing, empty, not UTF-8: an error naming the file), splits the
 // concatenated bytes 90/10 (Note [Text corpus]) and prints the unigram entropy of the training
@@ -142,6 +143,16 @@ Device train_device(const GptConfig& cfg) {
   return cfg.device == "cuda" ? cuda_device(cuda::current_device()) : kCPU;
 }
 
+// The model's vocabulary: --vocab-size, padded beyond the data's (Note [GPT-2 124M preset]),
+// else the data's own.
+int64_t model_vocab_size(const GptConfig& cfg, int64_t data_vocab) {
+  LS_CHECK(cfg.vocab_size == 0 || cfg.vocab_size >= data_vocab, "--vocab-size ", cfg.vocab_size,
+           " is below the vocabulary of the data (", data_vocab, " tokens in ", cfg.data,
+           "/train.tokens): the model could not predict every token; give at least ", data_vocab,
+           ", or 0 for the data's own");
+  return cfg.vocab_size == 0 ? data_vocab : cfg.vocab_size;
+}
+
 // The model, initialized on the CPU from `gen` (the same values on any device), then moved to
 // `device` before DDP and the optimizer see its parameters.
 std::shared_ptr<examples::Gpt> build_gpt(const GptConfig& cfg, int64_t vocab_size, Generator& gen,
@@ -240,6 +251,7 @@ bool check_job_settings(const GptConfig& cfg, dist::ProcessGroup& pg,
        {"--n-layer", text(cfg.n_layer)},
        {"--n-head", text(cfg.n_head)},
        {"--n-embd", text(cfg.n_embd)},
+       {"--vocab-size", text(cfg.vocab_size)},
        {"--max-steps", text(cfg.max_steps)},
        {"--warmup-steps", text(cfg.warmup_steps)},
        {"--lr", number_text(cfg.lr)},
@@ -277,7 +289,8 @@ class Trainer {
         settings_agree_(check_job_settings(cfg, *pg_, *train_data_, *val_data_)),
         device_(train_device(cfg)),
         gen_(cfg.seed),
-        gpt_(build_gpt(cfg, train_data_->tokens().vocab_size(), gen_, device_)),
+        gpt_(build_gpt(cfg, model_vocab_size(cfg, train_data_->tokens().vocab_size()), gen_,
+                       device_)),
         // Several ranks: DDP averages the gradients across them during the last backward of
         // each step (its constructor broadcasts rank 0's parameters).
         ddp_(world_ > 1 ? std::make_shared<dist::DistributedDataParallel>(gpt_, pg_) : nullptr),
@@ -563,6 +576,8 @@ void Trainer::sample() {
     std::vector<int64_t> window(context.end() - T, context.end());
     Tensor logits = gpt_->forward(from_vector(window, {1, T}).to(device_));  // (1,T,V)
     std::vector<double> z = logits.select(1, T - 1).to(kCPU).to_vector<double>();  // (V)
+    // A padded vocabulary's extra rows name no token of the data (Note [GPT-2 124M preset]).
+    z.resize(static_cast<size_t>(train_data_->tokens().vocab_size()));
     std::vector<double> sorted = z;
     const size_t k = std::min<size_t>(static_cast<size_t>(cfg_.top_k), z.size());
     std::nth_element(sorted.begin(), sorted.begin() + (k - 1), sorted.end(),
@@ -671,8 +686,34 @@ void Trainer::finish() {
       seconds_ > 0 ? tokens_ / seconds_ : 0.0, entropy_nats_);
 }
 
+// --plan: what the model of these flags costs, counted without building it: parameters
+// (gpt_num_parameters, which every built model checks), model FLOPs per token (Note [MFU]) and
+// the bytes of its f32 weights, gradients and AdamW moments on one rank (activations depend on
+// the batch and are not counted). Needs no data: the vocabulary is --vocab-size, else 256 byte
+// tokens.
+int plan(const GptConfig& cfg) {
+  const examples::GptModelConfig model{.vocab_size = model_vocab_size(cfg, 256),
+                                       .block_size = cfg.block_size,
+                                       .n_layer = cfg.n_layer,
+                                       .n_head = cfg.n_head,
+                                       .n_embd = cfg.n_embd};
+  const int64_t params = examples::gpt_num_parameters(model);
+  const double mib = static_cast<double>(params) * 4 / 1048576.0;  // f32
+  std::printf("gpt n_layer=%lld n_head=%lld n_embd=%lld block_size=%lld vocab=%lld params=%lld\n",
+              static_cast<long long>(cfg.n_layer), static_cast<long long>(cfg.n_head),
+              static_cast<long long>(cfg.n_embd), static_cast<long long>(cfg.block_size),
+              static_cast<long long>(model.vocab_size), static_cast<long long>(params));
+  std::printf("plan flops_per_token=%.4g tokens_per_step=%lld weights_mib=%.1f grads_mib=%.1f "
+              "adamw_mib=%.1f\n",
+              examples::gpt_flops_per_token(model, cfg.block_size),
+              static_cast<long long>(cfg.batch_size * cfg.accum_steps * cfg.block_size), mib, mib,
+              2 * mib);
+  return 0;
+}
+
 int run(const GptConfig& cfg) {
   if (cfg.prepare) return prepare(cfg);
+  if (cfg.plan) return plan(cfg);
   if (cfg.threads > 0) set_num_threads(static_cast<int>(cfg.threads));
   Trainer trainer(cfg);
   trainer.resume();

@@ -32,9 +32,12 @@ struct GptConfig {
   int64_t batch_size = 16;                // examples per rank and micro-batch (B)
   uint64_t seed = 0;                      // the model's init and the sampler's shuffle
   // The model (examples/gpt_model.h).
+  std::string preset;  // "gpt2-124m": GPT-2 small's shape (Note [GPT-2 124M preset])
   int64_t n_layer = 4;
   int64_t n_head = 4;
   int64_t n_embd = 128;
+  int64_t vocab_size = 0;  // the model's vocabulary; 0: the data's (256 byte tokens)
+  bool plan = false;       // --plan: print the model's size and cost, train nothing
   // The optimization: AdamW, warmup then cosine decay to min_lr_factor * lr over max_steps.
   int64_t max_steps = 300;
   int64_t warmup_steps = 30;
@@ -68,6 +71,30 @@ struct GptConfig {
   double timeout = 0;
 };
 
+// Note [GPT-2 124M preset]
+// `--preset gpt2-124m` is GPT-2 small as llm.c trains it: 12 blocks of 12 heads, 768 wide, a
+// context of 1024, the vocabulary padded from GPT-2's 50257 tokens to 50304 (a multiple of 128,
+// so that the output layer's GEMM fills whole tiles on a GPU), the head tied to the token
+// embedding and GPT-2's init (both as every train_gpt model has them), and GPT-3's peak learning
+// rate for that size, 6e-4. The data stays byte tokens: only the first 256 rows of the
+// embedding are ever looked up and the other rows learn to predict nothing, but every step
+// pays for the full vocabulary, as GPT-2's does. 124,475,904 parameters. A flag given beside
+// the preset overrides its value (`--preset gpt2-124m --block-size 256`).
+struct GptPreset {
+  int64_t n_layer, n_head, n_embd, block_size, vocab_size;
+  double lr;
+};
+constexpr GptPreset kGpt2Small{.n_layer = 12,
+                               .n_head = 12,
+                               .n_embd = 768,
+                               .block_size = 1024,
+                               .vocab_size = 50304,
+                               .lr = 6e-4};
+
+// Upper bound of --vocab-size: the output layer is (vocabulary, C) and each step's logits are
+// (B T, vocabulary).
+constexpr int64_t kMaxVocabSize = 1 << 20;
+
 // Upper bound of --block-size: a window is copied per sample, and the model's attention is
 // (T, T) per head.
 constexpr int64_t kMaxBlockSize = 1 << 16;
@@ -98,9 +125,18 @@ inline int parse_gpt_flags(int argc, char** argv, GptConfig& cfg) {
   add_number(app, "--batch-size", cfg.batch_size, I{1, kMaxCount}, "Examples per rank and step");
   add_number(app, "--seed", cfg.seed, Range<uint64_t>{0},
              "Seed of the model's init and the data order");
+  app.add_option("--preset", cfg.preset,
+                 "A model shape by name: gpt2-124m (GPT-2 small: 12 layers, 12 heads, 768 wide, "
+                 "--block-size 1024, --vocab-size 50304, --lr 6e-4); flags given beside it win")
+      ->check(CLI::IsMember({"gpt2-124m"}));
   add_number(app, "--n-layer", cfg.n_layer, I{1, 1024}, "Transformer blocks");
   add_number(app, "--n-head", cfg.n_head, I{1, 1024}, "Attention heads (divide --n-embd)");
   add_number(app, "--n-embd", cfg.n_embd, I{1, 1 << 16}, "Width of the residual stream (C)");
+  add_number(app, "--vocab-size", cfg.vocab_size, I{0, kMaxVocabSize},
+             "The model's vocabulary, padded beyond the data's 256 byte tokens (0: the data's)");
+  app.add_flag("--plan", cfg.plan,
+               "Print the model's parameters, FLOPs per token and the memory of its weights, "
+               "gradients and AdamW moments, then stop (nothing built, no data needed)");
   add_number(app, "--max-steps", cfg.max_steps, I{1, kMaxCount},
              "Optimizer steps of the whole run (the cosine decay ends there)");
   add_number(app, "--warmup-steps", cfg.warmup_steps, I{0, kMaxCount},
@@ -159,6 +195,18 @@ inline int parse_gpt_flags(int argc, char** argv, GptConfig& cfg) {
     return rc == 0 ? 0 : kUsageError;
   }
   cfg.prepare = prepare->count() > 0;
+  if (cfg.preset == "gpt2-124m") {
+    const GptPreset& p = kGpt2Small;
+    const auto unless_given = [&](const char* flag, auto& field, auto value) {
+      if (app.get_option(flag)->count() == 0) field = value;
+    };
+    unless_given("--n-layer", cfg.n_layer, p.n_layer);
+    unless_given("--n-head", cfg.n_head, p.n_head);
+    unless_given("--n-embd", cfg.n_embd, p.n_embd);
+    unless_given("--block-size", cfg.block_size, p.block_size);
+    unless_given("--vocab-size", cfg.vocab_size, p.vocab_size);
+    unless_given("--lr", cfg.lr, p.lr);
+  }
   // CLI11 gives a bare `--prepare` one empty value; no file has an empty name.
   std::erase(cfg.prepare_files, std::string());
   if (!cfg.prepare && app.get_option("--out")->count() > 0)
@@ -171,7 +219,8 @@ inline int parse_gpt_flags(int argc, char** argv, GptConfig& cfg) {
                        " must be divisible by --n-head " + std::to_string(cfg.n_head));
   if (cfg.warmup_steps >= cfg.max_steps)
     return usage_error("--warmup-steps must be below --max-steps");
-  if (cfg.prepare) return -1;
+  if (cfg.prepare && cfg.plan) return usage_error("--plan and --prepare: choose one");
+  if (cfg.prepare || cfg.plan) return -1;
   if (const int rc = check_device_flags(cfg.device, cfg.backend); rc >= 0) return rc;
   // CUDA tensors go through NCCL unless the user says otherwise, as in PyTorch.
   if (cfg.device == "cuda" && cfg.backend.empty() && !env_string(env::kBackend))

@@ -15,12 +15,17 @@
 # finds the CUDA libraries the image has (the toolkit's lib dirs, and the nvidia-* Python
 # packages beside PyTorch for cuDNN and NCCL), runs test_cuda (the `gpu` tests), cuda_bench
 # (GEMM through lockstep and through cuBLASLt directly, copy bandwidth, Fashion-MNIST training
-# steps) and bench/pytorch_cuda.py (the same in PyTorch eager), and writes into OUTDIR:
+# steps) and bench/pytorch_cuda.py (the same in PyTorch eager), then GPT-2 124M in bf16 at
+# batch 8 and 16, T 1024 (Note [GPT-2 124M preset] in examples/train_gpt_flags.h): train_gpt
+# against bench/pytorch_gpt.py eager and torch.compile on the same card and data (the fortunes
+# corpus, prepared here and packed): tokens/s, MFU, peak device memory. Writes into OUTDIR:
 # summary.md, results.json, test_cuda.json (GoogleTest's), test_cuda.log, cuda_bench.json,
-# pytorch_cuda.json, bench.log. Finishes in well under 8 minutes on an H200.
+# pytorch_cuda.json, bench.log, gpt_plan.txt, gpt-*.log and gpt-torch-*.json. Aims at 8 minutes;
+# the GPT runs that would start past GPU_CHECK_BUDGET_S (default 450) seconds are reported as
+# not run. The dry mode writes gpt_plan.txt too: the model's size and FLOPs per token.
 #
-# With the device tool of this workplace, after a dry run here:
-#   run(command="bash scripts/gpu-check.sh --device $OUT", carry=["build/gpu-pack"])
+# On a GPU machine that receives the working tree and build/gpu-pack (docs/GPU.md), after a dry
+# run here:  bash scripts/gpu-check.sh --device OUTDIR
 #
 # Exit status: 0 when everything ran and every test passed (or the dry run packed within the
 # limit), 1 when a test failed or a step broke, 2 on bad usage.
@@ -93,10 +98,10 @@ build() {
   cmake -S "$repo" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_CUDA_ARCHITECTURES=90-real "${launcher[@]}" >"$out/build.log" 2>&1 || {
     log "configure failed (see $out/build.log)"; return 1; }
-  local targets=(test_cuda)
-  if grep -q '^cuda_bench:' <(ninja -C "$build_dir" -t targets all 2>/dev/null); then
-    targets+=(cuda_bench)
-  fi
+  local targets=(test_cuda) t
+  for t in cuda_bench train_gpt; do
+    if grep -q "^$t:" <(ninja -C "$build_dir" -t targets all 2>/dev/null); then targets+=("$t"); fi
+  done
   log "building ${targets[*]} in $build_dir"
   ninja -C "$build_dir" -j "${GPU_CHECK_JOBS:-2}" "${targets[@]}" >>"$out/build.log" 2>&1 || {
     log "build failed (see $out/build.log)"; return 1; }
@@ -108,6 +113,7 @@ pack() {
   mkdir -p "$stage/bin" "$stage/lib"
   local bins=("$build_dir/tests/test_cuda")
   [ -x "$build_dir/bench/cuda_bench" ] && bins+=("$build_dir/bench/cuda_bench")
+  [ -x "$build_dir/examples/train_gpt" ] && bins+=("$build_dir/examples/train_gpt")
   local bin
   {
     echo "# lockstep GPU pack, $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown)"
@@ -126,6 +132,12 @@ pack() {
       done
   } >"$pack_dir/manifest.txt"
   cp "$pack_dir/manifest.txt" "$stage/"
+  # The GPT's data: the fortunes corpus as byte tokens (~2.5 MB), the same files for train_gpt
+  # and pytorch_gpt.py on the GPU machine.
+  if [ -x "$build_dir/examples/train_gpt" ]; then
+    "$build_dir/examples/train_gpt" --prepare --out "$stage/gpt-data" >>"$out/build.log" 2>&1 || {
+      log "train_gpt --prepare failed (see $out/build.log)"; return 1; }
+  fi
   # gzip: about a quarter of the size in a few seconds of one core (xz -6 halves that again but
   # takes ten times longer, too slow for the ctest); python3's tarfile unpacks it on the device.
   tar -C "$stage" -czf "$tarball" . || return 1
@@ -133,6 +145,17 @@ pack() {
 }
 
 pack_bytes() { du -cb "$pack_dir" | tail -1 | cut -f1; }
+
+# GPT-2 124M's plan (train_gpt --plan): parameters, FLOPs per token, memory of the weights; the
+# summary's MFU divides by its FLOPs per token.
+readonly gpt_flags=(--preset gpt2-124m)
+gpt_plan() {
+  local exe=$1 b
+  [ -x "$exe" ] || { echo "no train_gpt in this build" >"$out/gpt_plan.txt"; return 0; }
+  for b in 8 16; do
+    "$exe" "${gpt_flags[@]}" --batch-size "$b" --plan || return 1
+  done >"$out/gpt_plan.txt" 2>&1
+}
 
 # ---------------------------------------------------------------------------------------------
 # On the GPU machine: unpack, find the CUDA libraries, run.
@@ -273,8 +296,48 @@ EOF
   PYTHONUNBUFFERED=1 timeout 90 python3 "$repo/bench/pytorch_cuda.py" --json "$out/pytorch_cuda.json" \
     >>"$out/bench.log" 2>&1 || {
     step_rc=$?; echo "pytorch_cuda.py exited with $step_rc" >>"$out/bench.log"; }
+  run_gpt "$dest" || step_rc=1
   [ "$test_rc" -ne 0 ] && return "$test_rc"
   return "$step_rc"
+}
+
+# GPT-2 124M, bf16, T 1024, batch 8 and 16: train_gpt, then pytorch_gpt.py eager and compiled,
+# 30 steps each from the same flags; tokens/s is over the steps after the first 10 (the
+# allocator's warm-up, torch.compile's compilation). Each run's log or JSON goes to OUTDIR.
+run_gpt() {
+  local dest=$1 rc=0 b mode budget=${GPU_CHECK_BUDGET_S:-450}
+  if [ ! -x "$dest/bin/train_gpt" ]; then
+    echo "train_gpt not in the pack" >>"$out/bench.log"
+    return 1
+  fi
+  gpt_plan "$dest/bin/train_gpt" || { log "train_gpt --plan failed (see gpt_plan.txt)"; rc=1; }
+  local common=(--data "$dest/gpt-data" --amp bf16 --warmup-steps 2)
+  for b in 8 16; do
+    if [ $(( $(date +%s) - started )) -ge "$budget" ]; then
+      echo "NOT RUN (time) lockstep b$b" >"$out/gpt-lockstep-b$b.log"; continue
+    fi
+    log "train_gpt GPT-2 124M bf16, batch $b"
+    timeout 150 "$dest/bin/train_gpt" "${gpt_flags[@]}" "${common[@]}" --device cuda \
+      --batch-size "$b" --max-steps 30 --eval-every 30 --eval-batches 1 \
+      --metrics "$out/gpt-lockstep-b$b.jsonl" >"$out/gpt-lockstep-b$b.log" 2>&1 || {
+      echo "train_gpt batch $b exited with $?" >>"$out/bench.log"; rc=1; }
+  done
+  for mode in eager compile; do
+    for b in 8 16; do
+      if [ $(( $(date +%s) - started )) -ge "$budget" ]; then
+        echo "NOT RUN (time)" >"$out/gpt-torch-$mode-b$b.log"; continue
+      fi
+      log "bench/pytorch_gpt.py GPT-2 124M bf16 $mode, batch $b"
+      local extra=()
+      [ "$mode" = compile ] && extra=(--compile)
+      PYTHONUNBUFFERED=1 timeout 200 python3 "$repo/bench/pytorch_gpt.py" "${common[@]}" \
+        --device cuda "${extra[@]}" --n-layer 12 --n-head 12 --n-embd 768 --block-size 1024 \
+        --vocab-size 50304 --lr 6e-4 --batch-size "$b" --steps 30 --skip 10 \
+        --json "$out/gpt-torch-$mode-b$b.json" >"$out/gpt-torch-$mode-b$b.log" 2>&1 || {
+        echo "pytorch_gpt.py $mode batch $b exited with $?" >>"$out/bench.log"; rc=1; }
+    done
+  done
+  return "$rc"
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -315,6 +378,14 @@ md = [f"# lockstep GPU check ({mode})", "",
 if not any(f["kind"] == "bin" and f["name"] == "cuda_bench" for f in files):
     md += ["The pack holds no cuda_bench: it was built without CUDA, so its tests would only "
            "skip on a GPU (build where nvcc is, or pass a CUDA build with --build-dir).", ""]
+try:
+    plan = [l.rstrip() for l in open(os.path.join(out, "gpt_plan.txt")) if l.strip()]
+except OSError:
+    plan = []
+res["gpt_plan"] = plan
+if plan:
+    md += ["GPT-2 124M as the GPT runs plan it (train_gpt --preset gpt2-124m --plan, batch 8 "
+           "and 16):", "", "```"] + plan + ["```", ""]
 if status != "ran":
     md += [f"GPU part: **skipped** ({reason}).", ""]
 else:
@@ -405,19 +476,82 @@ else:
                            "torch_samples_per_s": p.get("samples_per_s"), "vs_torch": ratio})
         md.append(f"| {r['model']} | {r['batch']} | {r['dtype']} | {r['samples_per_s']:.0f} | "
                   f"{p.get('samples_per_s', 0):.0f} | {'-' if ratio is None else f'{ratio:.2f}'} |")
-    res["gpu"]["ratios"] = {"gemm": gemm_rows, "train": train_rows}
+    # GPT-2 124M (run_gpt): tokens/s over steps 11-30, MFU against the card's dense bf16 peak.
+    flops = None
+    try:
+        for line in open(os.path.join(out, "gpt_plan.txt")):
+            if line.startswith("plan ") and "flops_per_token=" in line:
+                flops = float(line.split("flops_per_token=")[1].split()[0])
+                break
+    except (OSError, ValueError):
+        pass
+    name = res["gpu"]["device"]
+    # Dense bf16 tensor-core peaks from NVIDIA's data sheets (FLOP/s).
+    peak = next((v for k, v in (("H200", 989.4e12), ("H100 PCIe", 756e12), ("H100", 989.4e12),
+                                ("A100", 312e12), ("L40S", 362e12)) if k in name), None)
+
+    def lockstep_gpt(b):
+        try:
+            recs = [json.loads(l) for l in open(os.path.join(out, f"gpt-lockstep-b{b}.jsonl"))]
+        except (OSError, ValueError):
+            return None
+        steps = [r for r in recs if r.get("kind") == "train" and r.get("step", 0) > 10]
+        if not steps:
+            return None
+        secs = sum(b / r["samples_per_s"] for r in steps)
+        row = {"tokens_per_s": len(steps) * b * 1024 / secs}
+        try:
+            for line in open(os.path.join(out, f"gpt-lockstep-b{b}.log")):
+                if line.startswith("peak device memory per rank:"):
+                    row["peak_device_mib"] = float(line.split(":")[1].split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+        return row
+
+    gpt_rows = []
+    md += ["", "## GPT-2 124M, bf16, T 1024 (tokens/s; MFU against "
+           + (f"{peak / 1e12:.0f} TFLOP/s" if peak else "an unknown peak") + ")", "",
+           "| batch | lockstep | PyTorch eager | torch.compile | vs eager | vs compile | "
+           "MFU lockstep | peak MiB lockstep / eager / compile |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for b in (8, 16):
+        ls_row = lockstep_gpt(b)
+        eager, comp = load(f"gpt-torch-eager-b{b}.json"), load(f"gpt-torch-compile-b{b}.json")
+        tl = ls_row and ls_row["tokens_per_s"]
+        te, tc = eager and eager.get("tokens_per_s"), comp and comp.get("tokens_per_s")
+        row = {"batch": b, "lockstep_tokens_per_s": tl, "eager_tokens_per_s": te,
+               "compile_tokens_per_s": tc,
+               "vs_eager": tl / te if tl and te else None, "vs_compile": tl / tc if tl and tc else None,
+               "mfu": tl * flops / peak if tl and flops and peak else None,
+               "peak_device_mib": [ls_row and ls_row.get("peak_device_mib"),
+                                   eager and (eager.get("peak_device_mib") or [None])[0],
+                                   comp and (comp.get("peak_device_mib") or [None])[0]]}
+        gpt_rows.append(row)
+        f0 = lambda v: "-" if v is None else f"{v:.0f}"
+        f2 = lambda v: "-" if v is None else f"{v:.2f}"
+        md.append(f"| {b} | {f0(tl)} | {f0(te)} | {f0(tc)} | {f2(row['vs_eager'])} | "
+                  f"{f2(row['vs_compile'])} | "
+                  + ("-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%") + " | "
+                  + " / ".join(f0(v) for v in row["peak_device_mib"]) + " |")
+    res["gpu"]["ratios"] = {"gemm": gemm_rows, "train": train_rows, "gpt": gpt_rows}
     res["gpu"]["bench_errors"] = errors
     goals = {
         # Tests that skipped (no GPU seen) prove nothing: some must have run.
         "ops_within_tolerance": bool(tests) and t["failed"] == 0 and t["passed"] > 0,
         "gemm_ge_90pct_cublaslt": bool(gemm_rows) and not any("gemm" in e.get("what", "") for e in errors)
                                   and all(g["vs_cublaslt"] >= 0.9 for g in gemm_rows),
+        "gpt_ge_compile_and_1_3x_eager": bool(gpt_rows) and all(
+            g["vs_compile"] is not None and g["vs_eager"] is not None
+            and g["vs_compile"] >= 1.0 and g["vs_eager"] >= 1.3
+            for g in gpt_rows),
+        "gpt_mfu_ge_40pct": bool(gpt_rows) and all(
+            g["mfu"] is not None and g["mfu"] >= 0.4 for g in gpt_rows),
         "train_ge_pytorch": bool(train_rows) and not any("train" in e.get("what", "") for e in errors)
                             and all(
             g["vs_torch"] is not None and g["vs_torch"] >= 1.0 for g in train_rows),
     }
     res["gpu"]["goals"] = goals
-    md += ["", "## Goals (issue 16)", ""] + [f"- {k}: {'met' if v else 'NOT met'}"
+    md += ["", "## Goals", ""] + [f"- {k}: {'met' if v else 'NOT met'}"
                                              for k, v in goals.items()]
     md.append("")
 with open(os.path.join(out, "results.json"), "w") as f:
@@ -432,7 +566,7 @@ EOF
 
 rc=0
 if [ "$mode" = dry ]; then
-  if build && pack; then
+  if build && pack && gpt_plan "$build_dir/examples/train_gpt"; then
     bytes=$(pack_bytes)
     log "pack: $bytes bytes in $pack_dir (limit $limit_bytes)"
     if [ "$bytes" -gt "$limit_bytes" ]; then

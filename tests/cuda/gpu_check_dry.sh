@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # ctest scripts.gpu_check_dry: scripts/gpu-check.sh --dry on this build's test_cuda (and
-# cuda_bench in a CUDA build), without rebuilding: the pack is made and fits what travels, and
-# summary.md and results.json report the GPU part as skipped.
+# cuda_bench in a CUDA build, train_gpt with the GPT's data), without rebuilding: the pack is made
+# and fits what travels, summary.md and results.json report the GPU part as skipped, and the
+# GPT-2 124M plan is there.
 #   gpu_check_dry.sh SOURCE_DIR BUILD_DIR WORK_DIR
 set -euo pipefail
 src=$1 build=$2 work=$3
@@ -22,6 +23,10 @@ assert r["gpu"]["status"] == "skipped" and r["gpu"]["reason"], r["gpu"]
 assert r["pack"]["fits"] and 0 < r["pack"]["bytes"] <= r["pack"]["limit_bytes"], r["pack"]
 names = [f["name"] for f in r["pack"]["files"] if f["kind"] == "bin"]
 assert "test_cuda" in names, names
+# A build with the examples packs train_gpt and plans GPT-2 124M (the GPU runs' model).
+if "train_gpt" in names:
+    assert any("vocab=50304 params=124475904" in l for l in r["gpt_plan"]), r["gpt_plan"]
+    assert any(l.startswith("plan flops_per_token=") for l in r["gpt_plan"]), r["gpt_plan"]
 print("gpu-check dry run: pack of", r["pack"]["bytes"], "bytes,", ", ".join(names))
 PY
 grep -q "skipped" "$work/out/summary.md"

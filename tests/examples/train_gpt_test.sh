@@ -324,6 +324,34 @@ case "$case_name" in
     expect_exit 2 "--block-size must be an integer from 1 to 65536, got '0'" --block-size 0
     expect_exit 0 "--prepare" --help
     ;;
+  preset)
+    # --preset gpt2-124m is GPT-2 small with llm.c's padded vocabulary: 124,475,904 parameters
+    # (Note [GPT-2 124M preset]); --plan prints what it costs, without data.
+    expect_exit 0 "^gpt n_layer=12 n_head=12 n_embd=768 block_size=1024 vocab=50304 params=124475904$" \
+      --preset gpt2-124m --plan
+    # 6 per parameter and 12 L T C for the attention (Note [MFU]); f32 weights of 474.8 MiB.
+    grep -q "^plan flops_per_token=8.601e+08 tokens_per_step=16384 weights_mib=474.8 grads_mib=474.8 adamw_mib=949.7$" \
+      "$work/out" || { cat "$work/out"; fail "the plan's numbers"; }
+    # A flag beside the preset wins: 768 fewer position rows per 256 of context.
+    expect_exit 0 "block_size=256 vocab=50304 params=123886080$" --preset gpt2-124m --plan \
+      --block-size 256
+    expect_exit 2 "--preset" --preset gpt2-xl --plan
+    # A padded vocabulary trains on bytes: at GPT-2's init the first loss is ln 384, not ln 256.
+    prepare_tiny
+    expect_exit 0 "^final " "${small[@]}" --vocab-size 384 --batch-size 8 --max-steps 3 \
+      --warmup-steps 1 --eval-every 1 --sample 16
+    built=$(grep "^gpt .*vocab=384 params=" "$work/out") \
+      || { cat "$work/out"; fail "the model's vocabulary is not 384"; }
+    first=$(grep "^step 1/3 " "$work/out") || fail "no line for step 1"
+    [[ "$first" =~ loss\ ([0-9.]+)\ val_loss ]] || fail "step 1's line: $first"
+    awk -v l="${BASH_REMATCH[1]}" 'BEGIN { d = l - log(384); exit !(d < 0.05 && d > -0.05) }' \
+      || fail "step 1's loss ${BASH_REMATCH[1]} is not ln 384"
+    # --plan counts without building; the built model has as many parameters.
+    expect_exit 0 "^${built%% world_size=*}$" "${small[@]}" --vocab-size 384 --plan
+    # Smaller than the data's vocabulary: refused, naming both.
+    expect_exit 1 "--vocab-size 100 is below the vocabulary of the data (256 tokens" "${small[@]}" \
+      --vocab-size 100
+    ;;
   *) fail "unknown case $case_name" ;;
 esac
 echo "PASS: $case_name"
