@@ -1,5 +1,5 @@
 // scaled_dot_product_attention: checks, dtypes and the backward it records; the device's kernels
-// compute it tile by tile (src/ops/cpu/attention.cpp).
+// compute it tile by tile (src/ops/cpu/attention.cpp, src/ops/cuda/attention.cu).
 #include "lockstep/ops/attention.h"
 
 #include <algorithm>
@@ -11,9 +11,6 @@
 #include <vector>
 
 #include "lockstep/autograd/node.h"
-#include "lockstep/ops/elementwise.h"
-#include "lockstep/ops/linalg.h"
-#include "lockstep/ops/nn.h"
 #include "lockstep/tensor/tensor_impl.h"
 #include "ops/common.h"
 #include "ops/kernels.h"
@@ -167,35 +164,11 @@ bool sibling_gradients(const Tensor& q, const Tensor& k, const Tensor& v, Tensor
   return true;
 }
 
-// Note [Composed attention]
-// A device whose table has no attention kernel (CUDA, until its fused kernel) computes the op
-// as softmax(q k^T * scale + mask) v from matmul, masked_fill and softmax, in the compute dtype,
-// with their backwards. It holds the (T, T) probabilities of every head (Note [Fused attention])
-// but gives the same values, within rounding, on any device those ops run on.
-Tensor composed_attention(const Tensor& q, const Tensor& k, const Tensor& v,
-                          const AttentionOptions& opts) {
-  const DType dt = q.dtype();
-  const DType ct = is_half(dt) ? kFloat32 : dt;
-  const double scale = opts.scale != 0.0 ? opts.scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
-  Tensor scores = mul(matmul(q.to(ct), k.to(ct).transpose(-2, -1)), scale);  // (..., Tq, Tk)
-  if (opts.is_causal) {
-    const int64_t t = q.size(-2);
-    const auto on = TensorOptions(kInt64).with_device(q.device());
-    // Key j is hidden from query i when j > i.
-    const Tensor hidden = gt(arange(t, on).reshape({1, t}), arange(t, on).reshape({t, 1}));
-    scores = masked_fill(scores, hidden, -INFINITY);
-  }
-  return matmul(softmax(scores, -1), v.to(ct)).to(dt);
-}
-
 }  // namespace
 
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                     const AttentionOptions& opts) {
   check_inputs(q, k, v, opts.is_causal);
-  if (!detail::has_kernel(&Kernels::attention, q.device()) &&
-      detail::kernels_of(q.device().type) != nullptr)
-    return composed_attention(q, k, v, opts);
   const auto forward = detail::kernel(&Kernels::attention, q.device(), kOp);
   const DType dt = q.dtype();
   const DType ct = is_half(dt) ? kFloat32 : dt;

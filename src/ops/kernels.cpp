@@ -14,19 +14,14 @@ namespace lockstep::detail {
 // src/tensor/cuda_emulated.cpp): the CPU's kernels, which read the host memory behind those
 // devices, so an emulated run computes the bits of the same run on CPUs (the copy kernel takes
 // either side on the CPU or on an emulated GPU, which is how data moves between them, and how
-// the CPU kernels' own f32 scratch reaches a bf16 output). Less every entry the CUDA table
-// leaves null, so that an op without a CUDA kernel fails on an emulated GPU as on a real one
+// the CPU kernels' own f32 scratch reaches a bf16 output). The CUDA table has every kernel the
+// CPU's has, so an op fails on an emulated GPU only where it would on a real one
 // (Emulated.KernelTableLacksWhatTheCudaTableLacks in tests/cuda/emulated_test.cpp compares the
-// two tables in a CUDA build); and less the multi-tensor entries the CPU leaves to loops, so
-// optimizers and the GradScaler take their host loops there (the CUDA multi-tensor kernels are
-// checked on a GPU only).
+// two tables in a CUDA build; an entry CUDA leaves null must be nulled here). The multi-tensor
+// entries, which the CPU leaves to loops, stay null, so optimizers and the GradScaler take
+// their host loops there (the CUDA multi-tensor kernels are checked on a GPU only).
 const Kernels& emulated_kernels() {
-  static const Kernels k = [] {
-    Kernels t = kCpuKernels;
-    t.attention = nullptr;  // no CUDA attention kernel yet
-    t.attention_backward = nullptr;
-    return t;
-  }();
+  static const Kernels k = kCpuKernels;
   return k;
 }
 

@@ -792,6 +792,47 @@ TEST_F(BackendOps, LayerNorm) {
   }
 }
 
+// The fused attention (src/ops/cuda/attention.cu) against the CPU's: full and causal, head dims
+// that fill the kernel's register rows (64) and that do not (16, 80, 200), fewer queries than
+// keys, and the GPT's q, k, v: sibling views of one (B, T, 3, H, D) projection (Note [Strided
+// attention inputs]), whose gradients land in one buffer. bf16 inputs compute in f32.
+TEST_F(BackendOps, Attention) {
+  struct Case {
+    int64_t b, h, tq, tk, d, dv;
+    bool causal;
+  };
+  const std::vector<Case> cases = {{2, 3, 70, 70, 64, 64, true},  {1, 2, 33, 150, 16, 16, false},
+                                   {2, 1, 129, 129, 80, 80, true}, {1, 2, 40, 40, 24, 200, false},
+                                   {1, 1, 1, 1, 64, 64, true}};
+  for (DType dt : {kFloat32, kFloat64, DType::bf16})
+    for (const Case& c : cases) {
+      const std::string name = std::string(dt_name(dt)) + " (" + std::to_string(c.b) + ", " +
+                               std::to_string(c.h) + ", " + std::to_string(c.tq) + "/" +
+                               std::to_string(c.tk) + ", " + std::to_string(c.d) + "/" +
+                               std::to_string(c.dv) + ")" + (c.causal ? " causal" : "");
+      check("attention " + name,
+            [c](const auto& x) {
+              return std::vector{scaled_dot_product_attention(x[0], x[1], x[2],
+                                                              {.is_causal = c.causal})};
+            },
+            {in({c.b, c.h, c.tq, c.d}, dt), in({c.b, c.h, c.tk, c.d}, dt, Layout::strided),
+             in({c.b, c.h, c.tk, c.dv}, dt, Layout::transposed)},
+            tol_sum(dt));
+    }
+  for (DType dt : {kFloat32, DType::bf16}) {
+    // GPT-2's layout at a small T: one (B, T, 3C) projection viewed as q, k, v (B, H, T, D).
+    const int64_t B = 2, T = 96, H = 4, D = 64;
+    check(std::string("attention of a GPT's qkv views ") + dt_name(dt),
+          [](const auto& x) {
+            std::vector<Tensor> qkv = unbind(x[0].view({B, T, 3, H, D}), 2);
+            return std::vector{scaled_dot_product_attention(
+                qkv[0].transpose(1, 2), qkv[1].transpose(1, 2), qkv[2].transpose(1, 2),
+                {.is_causal = true})};
+          },
+          {in({B, T, 3 * H * D}, dt)}, tol_sum(dt));
+  }
+}
+
 TEST_F(BackendOps, BatchNorm) {
   for (DType dt : {kFloat32, kFloat64})
     for (const Dims& shape : {Dims{8, 6, 5, 5}, Dims{16, 6}, Dims{4, 6, 33}}) {
@@ -954,6 +995,12 @@ TEST_F(BackendOps, GradcheckOnCuda) {
   gradcheck_on_gpu("conv2d stride pad dilation groups", [](V x) {
     return conv2d(x[0], x[1], x[2], {2, 1, 1, 1, 1, 2, 2});
   }, {f64({1, 4, 6, 7}), f64({2, 2, 3, 3}), f64({2})}, 1e-5, 1e-3);
+  gradcheck_on_gpu("scaled_dot_product_attention causal", [](V x) {
+    return scaled_dot_product_attention(x[0], x[1], x[2], {.is_causal = true});
+  }, {f64({1, 2, 5, 3}), f64({1, 2, 5, 3}), f64({1, 2, 5, 4})});
+  gradcheck_on_gpu("scaled_dot_product_attention full", [](V x) {
+    return scaled_dot_product_attention(x[0], x[1], x[2]);
+  }, {f64({2, 3, 3}), f64({2, 4, 3}), f64({2, 4, 2})});
   gradcheck_on_gpu("max_pool2d avg_pool2d", [](V x) {
     return add(sum(max_pool2d(x[0], Pool2dOptions::square(2, 1))),
                sum(avg_pool2d(x[0], Pool2dOptions::square(3, 2, 1))));

@@ -13,7 +13,6 @@
 #include "lockstep/distributed/checkpoint.h"
 #include "lockstep/distributed/init.h"
 #include "lockstep/distributed/store/hash_store.h"
-#include "lockstep/ops/attention.h"
 #include "ops/kernels.h"
 #include "testing.h"
 
@@ -173,36 +172,10 @@ TEST(Emulated, KernelTableLacksWhatTheCudaTableLacks) {
     if (c[i] == nullptr) EXPECT_EQ(e[i], nullptr) << "entry " << i << ": CUDA has no kernel";
   }
 #endif
-  EXPECT_EQ(emu.attention, nullptr);
-  EXPECT_EQ(emu.attention_backward, nullptr);
+  // CUDA has a fused attention (src/ops/cuda/attention.cu): the emulated GPUs run the CPU's.
+  EXPECT_EQ(emu.attention, lockstep::detail::kCpuKernels.attention);
+  EXPECT_EQ(emu.attention_backward, lockstep::detail::kCpuKernels.attention_backward);
   EXPECT_EQ(emu.gemm, lockstep::detail::kCpuKernels.gemm);
-}
-
-// Note [Composed attention]: where the device has no attention kernel the op is composed of
-// matmul, masked_fill and softmax, and gives the fused CPU kernel's values and gradients.
-TEST(Emulated, ComposedAttentionMatchesTheFusedCpuKernel) {
-  LS_REQUIRE_EMULATION();
-  for (bool causal : {false, true}) {
-    Generator gen(7);
-    Tensor q = randn({2, 3, 9, 4}, gen), k = randn({2, 3, 9, 4}, gen), v = randn({2, 3, 9, 4}, gen);
-    Tensor g = randn({2, 3, 9, 4}, gen);
-    auto run = [&](Device d) {
-      Tensor qd = q.to(d).detach().requires_grad_(true), kd = k.to(d).detach().requires_grad_(true),
-             vd = v.to(d).detach().requires_grad_(true);
-      Tensor y = scaled_dot_product_attention(qd, kd, vd, {.is_causal = causal});
-      sum(mul(y, g.to(d))).backward();
-      return std::vector<Tensor>{y.to(kCPU), qd.grad().to(kCPU), kd.grad().to(kCPU),
-                                 vd.grad().to(kCPU)};
-    };
-    const auto cpu = run(kCPU), emulated = run(cuda_device(0));
-    for (size_t i = 0; i < cpu.size(); ++i) {
-      const auto a = cpu[i].to_vector<double>(), b = emulated[i].to_vector<double>();
-      ASSERT_EQ(a.size(), b.size());
-      for (size_t j = 0; j < a.size(); ++j)
-        ASSERT_NEAR(a[j], b[j], 1e-5 + 1e-5 * std::abs(a[j]))
-            << (causal ? "causal" : "full") << " output/grad " << i << " element " << j;
-    }
-  }
 }
 
 }  // namespace

@@ -16,6 +16,7 @@ Kernels make_table() {
   fill_conv_kernels(k);
   fill_loss_kernels(k);
   fill_norm_kernels(k);
+  fill_attention_kernels(k);
   fill_multi_tensor_kernels(k);
   return k;
 }

@@ -19,6 +19,7 @@ void fill_linalg_kernels(Kernels& k);       // gemm (cuBLASLt), sum_rows (linalg
 void fill_conv_kernels(Kernels& k);         // conv2d (cuDNN), pooling (conv.cu)
 void fill_loss_kernels(Kernels& k);         // cross_entropy, mse_loss (loss.cu)
 void fill_norm_kernels(Kernels& k);         // layer_norm, batch_norm (norm.cu)
+void fill_attention_kernels(Kernels& k);    // attention, attention_backward (attention.cu)
 void fill_multi_tensor_kernels(Kernels& k); // unscale_check, sgd_update, adamw_update
 
 // The table, filled once on first use.
