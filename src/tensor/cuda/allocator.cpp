@@ -7,12 +7,12 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <set>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
 #include "lockstep/base/log.h"
+#include "tensor/block_cache.h"
 #include "tensor/cuda/runtime.h"
 #include "tensor/cuda_emulated.h"
 
@@ -23,98 +23,55 @@ namespace {
 constexpr int kMaxDevices = 64;
 
 // Note [CUDA caching allocator]
-// cudaMalloc and cudaFree synchronize the device and cost tens of microseconds to milliseconds;
-// a training step allocates hundreds of tensors. So freed blocks stay cached per device and are
-// handed out again, and a step in steady state calls cudaMalloc never (memory_stats().
-// cuda_mallocs stops growing after the first step; tests/cuda checks it).
-// - Sizes are rounded to 512 bytes below 1 MiB and to 2 MiB above, so the same shapes step after
-//   step land on the same blocks. A request takes the smallest cached block that fits and is
-//   at most twice its size (small) or 1/8 larger (large), so a small tensor never pins a big
-//   block.
-// - Stream-aware: a block belongs to the stream that was current when it was allocated, and only
-//   requests on that stream reuse it. Kernels on one stream run in order, so a block freed by the
-//   host can be reused at once on its own stream even while earlier kernels still read it. A
-//   block also used on other streams (record_stream: NCCL's communication stream reading a
+// Device memory comes from a BlockCache per device (Note [Block cache] in
+// src/tensor/block_cache.cpp: segments from cudaMalloc cut into blocks and merged again, one
+// pool per stream), so a steady training step calls cudaMalloc never (memory_stats().
+// cuda_mallocs stops growing after the first step; tests/cuda checks it) and varying sizes do
+// not grow the cache without bound. What is CUDA's is here:
+// - A block also used on other streams (record_stream: NCCL's communication stream reading a
 //   gradient bucket) waits for an event on each of them before it returns to the cache.
-// - When cudaMalloc runs out, every cached block is freed and the call retried once; then the
-//   error says how much was asked, allocated and cached.
-constexpr size_t kSmallLimit = size_t{1} << 20;
-constexpr size_t kSmallRound = 512;
-constexpr size_t kLargeRound = size_t{2} << 20;
-
-size_t round_size(size_t n) {
-  if (n == 0) n = 1;
-  if (n <= kSmallLimit) return (n + kSmallRound - 1) / kSmallRound * kSmallRound;
-  return (n + kLargeRound - 1) / kLargeRound * kLargeRound;
-}
-
-size_t max_fit(size_t size) { return size <= kSmallLimit ? 2 * size : size + size / 8; }
-
-struct Block {
-  void* ptr = nullptr;
-  size_t size = 0;
-  cudaStream_t stream = nullptr;
-  std::vector<cudaStream_t> uses;  // other streams the block was used on (record_stream)
-};
-
-struct FreeKey {
-  cudaStream_t stream;
-  size_t size;
-  void* ptr;
-  friend bool operator<(const FreeKey& a, const FreeKey& b) {
-    if (a.stream != b.stream) return std::less<cudaStream_t>()(a.stream, b.stream);
-    if (a.size != b.size) return a.size < b.size;
-    return std::less<void*>()(a.ptr, b.ptr);
-  }
-};
-
+// - When cudaMalloc runs out, every free segment is released and the call retried once (the
+//   cache's own retry; before giving up, the blocks still fenced by other streams are waited
+//   for and the cache tries again); then the error says how much was asked, allocated and
+//   reserved.
 class DeviceCache final : public Allocator {
  public:
-  explicit DeviceCache(int device) : device_(device) {}
+  explicit DeviceCache(int device)
+      : device_(device),
+        blocks_({.reserve = [this](size_t n) { return cuda_malloc(n); },
+                 .release = [this](void* p) { cuda_free(p); }}) {}
 
   void* allocate(size_t nbytes) override {
-    const size_t size = round_size(nbytes);
     cudaStream_t stream = raw(current_stream(device_));
     std::lock_guard<std::mutex> lock(mu_);
-    ++stats_.allocations;
     collect_pending();
-    auto it = free_.lower_bound(FreeKey{stream, size, nullptr});
-    if (it != free_.end() && it->stream == stream && it->size <= max_fit(size)) {
-      Block* b = blocks_.at(it->ptr).get();
-      free_.erase(it);
-      cached_bytes_ -= b->size;
-      add_allocated(b->size);
-      return b->ptr;
+    void* p = blocks_.allocate(nbytes, stream);
+    if (p == nullptr && !pending_.empty()) {
+      // Wait for the blocks still fenced by other streams, then let the cache try again.
+      for (auto& pend : pending_)
+        for (cudaEvent_t e : pend.events) cudaEventSynchronize(e);
+      collect_pending();
+      p = blocks_.allocate(nbytes, stream);
     }
-    void* p = malloc_with_retry(size, nbytes);
-    auto b = std::make_unique<Block>();
-    b->ptr = p;
-    b->size = size;
-    b->stream = stream;
-    blocks_.emplace(p, std::move(b));
-    stats_.reserved_bytes += static_cast<int64_t>(size);
-    stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, stats_.reserved_bytes);
-    add_allocated(size);
+    if (p == nullptr) out_of_memory(nbytes);
     return p;
   }
 
   void deallocate(void* ptr, size_t) override {
     if (ptr == nullptr) return;
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = blocks_.find(ptr);
-    if (it == blocks_.end()) return;  // not ours (cannot happen); never free a stranger
-    Block* b = it->second.get();
-    stats_.allocated_bytes -= static_cast<int64_t>(b->size);
-    if (b->uses.empty()) {
-      cache(b);
+    if (!blocks_.owns(ptr)) return;  // not ours (cannot happen); never free a stranger
+    auto used = uses_.find(ptr);
+    if (used == uses_.end()) {
+      blocks_.free(ptr);
       return;
     }
     // Wait for every other stream that used the block (Note [CUDA caching allocator]).
-    Pending p{b, {}};
+    Pending p{ptr, {}};
     int prev = 0;
     cudaGetDevice(&prev);
     cudaSetDevice(device_);
-    for (cudaStream_t s : b->uses) {
+    for (cudaStream_t s : used->second) {
       cudaEvent_t e = nullptr;
       if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess ||
           cudaEventRecord(e, s) != cudaSuccess) {
@@ -127,7 +84,7 @@ class DeviceCache final : public Allocator {
       p.events.push_back(e);
     }
     cudaSetDevice(prev);
-    b->uses.clear();
+    uses_.erase(used);
     pending_.push_back(std::move(p));
   }
 
@@ -135,48 +92,44 @@ class DeviceCache final : public Allocator {
 
   void record_stream(void* ptr, cudaStream_t s) {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = blocks_.find(ptr);
-    LS_CHECK(it != blocks_.end(), "record_stream: the tensor's memory is not from the caching "
-                                  "allocator of cuda:", device_);
-    Block* b = it->second.get();
-    if (s == b->stream) return;
-    if (std::find(b->uses.begin(), b->uses.end(), s) == b->uses.end()) b->uses.push_back(s);
+    LS_CHECK(blocks_.owns(ptr), "record_stream: the tensor's memory is not from the caching "
+                                "allocator of cuda:", device_);
+    if (s == blocks_.stream_of(ptr)) return;
+    auto& u = uses_[ptr];
+    if (std::find(u.begin(), u.end(), s) == u.end()) u.push_back(s);
   }
 
   MemoryStats stats() {
     std::lock_guard<std::mutex> lock(mu_);
-    return stats_;
+    const detail::BlockCache::Stats& b = blocks_.stats();
+    return {.allocated_bytes = b.allocated_bytes,
+            .reserved_bytes = b.reserved_bytes,
+            .peak_allocated_bytes = b.peak_allocated_bytes,
+            .peak_reserved_bytes = b.peak_reserved_bytes,
+            .allocations = b.allocations,
+            .cuda_mallocs = b.reserves,
+            .cuda_frees = b.releases,
+            .oom_retries = b.oom_retries};
   }
 
   void reset_peak() {
     std::lock_guard<std::mutex> lock(mu_);
-    stats_.peak_allocated_bytes = stats_.allocated_bytes;
-    stats_.peak_reserved_bytes = stats_.reserved_bytes;
+    blocks_.reset_peak();
   }
 
   void empty_cache() {
     std::lock_guard<std::mutex> lock(mu_);
     collect_pending();
-    release_cached();
+    blocks_.release_free_segments();
   }
 
  private:
   struct Pending {
-    Block* block;
+    void* ptr;
     std::vector<cudaEvent_t> events;
   };
 
-  void add_allocated(size_t size) {
-    stats_.allocated_bytes += static_cast<int64_t>(size);
-    stats_.peak_allocated_bytes = std::max(stats_.peak_allocated_bytes, stats_.allocated_bytes);
-  }
-
-  void cache(Block* b) {
-    free_.insert(FreeKey{b->stream, b->size, b->ptr});
-    cached_bytes_ += b->size;
-  }
-
-  // Moves blocks whose other-stream uses have finished back into the cache.
+  // Frees into the cache the blocks whose other-stream uses have finished.
   void collect_pending() {
     for (auto it = pending_.begin(); it != pending_.end();) {
       bool done = true;
@@ -193,65 +146,53 @@ class DeviceCache final : public Allocator {
         continue;
       }
       for (cudaEvent_t e : it->events) cudaEventDestroy(e);
-      cache(it->block);
+      blocks_.free(it->ptr);
       it = pending_.erase(it);
     }
   }
 
-  // cudaFree of every cached block (caller holds mu_).
-  void release_cached() {
-    if (free_.empty()) return;
-    int prev = 0;
-    cudaGetDevice(&prev);
-    cudaSetDevice(device_);
-    for (const FreeKey& k : free_) {
-      cudaFree(k.ptr);
-      ++stats_.cuda_frees;
-      stats_.reserved_bytes -= static_cast<int64_t>(k.size);
-      blocks_.erase(k.ptr);
-    }
-    free_.clear();
-    cached_bytes_ = 0;
-    cudaSetDevice(prev);
-  }
-
-  void* malloc_with_retry(size_t size, size_t asked) {
+  // The cache's device (Note [Block cache]): cudaMalloc on this device, nullptr when out.
+  void* cuda_malloc(size_t n) {
     int prev = 0;
     cudaGetDevice(&prev);
     cudaSetDevice(device_);
     void* p = nullptr;
-    cudaError_t err = cudaMalloc(&p, size);
-    if (err == cudaErrorMemoryAllocation) {
-      (void)cudaGetLastError();
-      ++stats_.oom_retries;
-      // Wait for blocks still fenced by other streams, then give everything cached back.
-      for (auto& pend : pending_)
-        for (cudaEvent_t e : pend.events) cudaEventSynchronize(e);
-      collect_pending();
-      release_cached();
-      err = cudaMalloc(&p, size);
-    }
+    const cudaError_t err = cudaMalloc(&p, n);
     cudaSetDevice(prev);
     if (err != cudaSuccess) {
+      last_error_ = err;
       (void)cudaGetLastError();
-      size_t free_b = 0, total_b = 0;
-      cudaMemGetInfo(&free_b, &total_b);
-      LS_THROW("out of memory on cuda:", device_, ": could not allocate ", asked, " bytes (",
-               cudaGetErrorString(err), "); lockstep holds ", stats_.allocated_bytes,
-               " bytes in tensors and ", stats_.reserved_bytes, " reserved; the device has ",
-               free_b, " of ", total_b, " bytes free");
+      return nullptr;
     }
-    ++stats_.cuda_mallocs;
     return p;
+  }
+
+  void cuda_free(void* p) {
+    int prev = 0;
+    cudaGetDevice(&prev);
+    cudaSetDevice(device_);
+    cudaFree(p);
+    cudaSetDevice(prev);
+  }
+
+  [[noreturn]] void out_of_memory(size_t asked) {
+    size_t free_b = 0, total_b = 0;
+    cudaMemGetInfo(&free_b, &total_b);
+    (void)cudaGetLastError();
+    const detail::BlockCache::Stats& b = blocks_.stats();
+    LS_THROW("out of memory on cuda:", device_, ": could not allocate ", asked, " bytes (",
+             cudaGetErrorString(last_error_), "); lockstep holds ", b.allocated_bytes,
+             " bytes in tensors and ", b.reserved_bytes, " reserved; the device has ", free_b,
+             " of ", total_b, " bytes free");
   }
 
   const int device_;
   std::mutex mu_;
-  std::unordered_map<void*, std::unique_ptr<Block>> blocks_;  // every block we cudaMalloc'ed
-  std::set<FreeKey> free_;
+  cudaError_t last_error_ = cudaSuccess;
+  detail::BlockCache blocks_;
+  // Blocks used on streams other than their own (record_stream), until they are freed.
+  std::unordered_map<void*, std::vector<cudaStream_t>> uses_;
   std::deque<Pending> pending_;
-  size_t cached_bytes_ = 0;
-  MemoryStats stats_;
 };
 
 struct Caches {
