@@ -17,6 +17,10 @@ beside train_gpt.
 prints its validation loss over the windows train_gpt's one-process evaluation reads, which
 must be train_gpt's val_loss for the same parameters if the two models compute the same
 function (gpt_compare.py checks this before it measures).
+--save-init FILE writes the model's initial weights as safetensors under train_gpt's names, and
+--no-shuffle reads the windows in file order: with train_gpt --init FILE --no-shuffle and the
+same flags, the two train the same model on the same batches, and their per-step losses (in the
+JSON's "losses") must agree (bench/gpt_compare.py --losses; scripts/gpu-check.sh on a GPU).
 --device cuda (PyTorch 2, one GPU per rank, NCCL between them) runs the same model on the GPU
 with F.scaled_dot_product_attention, AdamW fused, and reports the peak of device memory in
 tensors (torch.cuda.max_memory_allocated) beside tokens/s; --compile wraps the model in
@@ -159,8 +163,8 @@ class Windows:
     """TokenWindowDataset + DistributedSampler(shuffle, pad) + DataLoader(drop_last): batches of
     (input, target) i64 (B,T), epoch after epoch."""
 
-    def __init__(self, tokens, block, batch, rank, world, seed):
-        self.tokens, self.T, self.B = tokens, block, batch
+    def __init__(self, tokens, block, batch, rank, world, seed, shuffle=True):
+        self.tokens, self.T, self.B, self.shuffle = tokens, block, batch, shuffle
         self.rank, self.world, self.seed = rank, world, seed
         self.n = (len(tokens) - 1) // block
         self.per_rank = -(-self.n // world)
@@ -171,7 +175,8 @@ class Windows:
         import torch
         epoch = 0
         while True:
-            perm = np.random.default_rng(self.seed + epoch).permutation(self.n)
+            perm = (np.random.default_rng(self.seed + epoch).permutation(self.n) if self.shuffle
+                    else np.arange(self.n))
             order = np.resize(perm, self.per_rank * self.world)  # padded cyclically
             mine = order[self.rank::self.world]
             for b in range(len(mine) // self.B):
@@ -194,8 +199,13 @@ def worker(a, out_dir):
     if cuda:
         torch.cuda.set_device(device)
     gpt = build_model(torch, model_vocab(a, vocab), a)
+    if a.save_init and rank == 0:
+        save_weights(gpt, a.save_init)
     if cuda:
         gpt = gpt.to(device)
+        if a.amp == "none":  # f32 products as f32, as train_gpt's (TF32 is off there too)
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
     model = gpt
     if world > 1:
         dist.init_process_group("nccl" if cuda else "gloo")
@@ -210,7 +220,8 @@ def worker(a, out_dir):
         lr=a.lr, betas=(a.beta1, a.beta2), eps=1e-8, **({"fused": True} if cuda else {}))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, a.warmup_steps, a.steps, a.min_lr_factor))
-    data = Windows(tokens, a.block_size, a.batch_size, rank, world, a.seed).batches()
+    data = Windows(tokens, a.block_size, a.batch_size, rank, world, a.seed,
+                   shuffle=not a.no_shuffle).batches()
     bf16 = a.amp == "bf16"
     times, losses = [], []
     for _ in range(a.steps):
@@ -236,6 +247,7 @@ def worker(a, out_dir):
         "tokens_per_s": a.batch_size * world * a.block_size * len(measured) / sum(measured),
         "first_loss": losses[0],
         "last_loss": losses[-1],
+        "losses": losses,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
     }
     if cuda:
@@ -245,6 +257,28 @@ def worker(a, out_dir):
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def lockstep_name(name):
+    """h.0.attn.c_attn.weight -> model.h0.attn.c_attn.weight (train_gpt's checkpoint names)."""
+    return "model." + re.sub(r"^h\.(\d+)\.", r"h\1.", name)
+
+
+def save_weights(gpt, path):
+    """The model's parameters as an f32 safetensors file under train_gpt's names."""
+    header, blobs, offset = {}, [], 0
+    for name, p in gpt.state_dict().items():
+        data = p.detach().to("cpu").float().contiguous().numpy().tobytes()
+        header[lockstep_name(name)] = {"dtype": "F32", "shape": list(p.shape),
+                                       "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for b in blobs:
+            f.write(b)
 
 
 def check(a):
@@ -331,6 +365,10 @@ def parse(argv):
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cuda: each rank on GPU LOCAL_RANK, NCCL between ranks (PyTorch 2)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
+    ap.add_argument("--save-init", metavar="FILE",
+                    help="write the initial weights here (safetensors, train_gpt's names)")
+    ap.add_argument("--no-shuffle", action="store_true",
+                    help="the windows in file order (train_gpt --no-shuffle)")
     ap.add_argument("--steps", type=int, default=300,
                     help="optimizer steps (the schedule's length, train_gpt's --max-steps)")
     ap.add_argument("--skip", type=int, default=5, help="first steps left out of tokens/s")

@@ -43,6 +43,7 @@
 #include "lockstep/io/checkpoint.h"
 #include "lockstep/io/metrics.h"
 #include "lockstep/io/progress.h"
+#include "lockstep/io/safetensors.h"
 #include "lockstep/lockstep.h"
 #include "lockstep/optim/optimizer.h"
 #include "lockstep/optim/schedule.h"
@@ -153,8 +154,32 @@ int64_t model_vocab_size(const GptConfig& cfg, int64_t data_vocab) {
   return cfg.vocab_size == 0 ? data_vocab : cfg.vocab_size;
 }
 
-// The model, initialized on the CPU from `gen` (the same values on any device), then moved to
-// `device` before DDP and the optimizer see its parameters.
+// --init: the model's weights from a safetensors file, every parameter by name, shape and dtype
+// (load_state_dict's strict check names the first that differs). The file's tensors are the
+// model's: those of a train_gpt checkpoint under "model.", its optimizer state left out, or
+// else all of them by their bare names.
+void load_init(examples::Gpt& gpt, const std::string& path) {
+  io::SafetensorsContents file;
+  try {
+    file = io::load_safetensors(path);
+  } catch (const Error& e) {
+    LS_THROW("--init ", path, ": ", e.what());
+  }
+  io::NamedTensors model;
+  for (auto& [name, t] : file.tensors)
+    if (name.rfind("model.", 0) == 0) model.emplace_back(name.substr(6), t);
+  if (model.empty()) model = std::move(file.tensors);
+  try {
+    NoGradGuard no_grad;
+    gpt.load_state_dict(model);
+  } catch (const Error& e) {
+    LS_THROW("--init ", path, ": its weights do not fit this model (--n-layer, --n-head, ",
+             "--n-embd, --block-size, --vocab-size): ", e.what());
+  }
+}
+
+// The model, initialized on the CPU from `gen` (the same values on any device), or from --init,
+// then moved to `device` before DDP and the optimizer see its parameters.
 std::shared_ptr<examples::Gpt> build_gpt(const GptConfig& cfg, int64_t vocab_size, Generator& gen,
                                          Device device) {
   auto gpt = std::make_shared<examples::Gpt>(
@@ -164,6 +189,7 @@ std::shared_ptr<examples::Gpt> build_gpt(const GptConfig& cfg, int64_t vocab_siz
                                .n_head = cfg.n_head,
                                .n_embd = cfg.n_embd},
       gen);
+  if (!cfg.init.empty()) load_init(*gpt, cfg.init);
   if (!device.is_cpu()) gpt->to(device);
   return gpt;
 }
@@ -269,6 +295,7 @@ bool check_job_settings(const GptConfig& cfg, dist::ProcessGroup& pg,
        {"--save (given or not)", yes_no(!cfg.save.empty())},
        {"--save-every", text(cfg.save_every)},
        {"--resume", cfg.resume},
+       {"--no-shuffle", yes_no(cfg.no_shuffle)},
        {"the training tokens (--data)", token_file_text(train.tokens())},
        {"the validation tokens (--data)", token_file_text(val.tokens())}},
       "Every rank must train with the same settings: start every rank with the same flags and "
@@ -299,7 +326,10 @@ class Trainer {
         sampler_(std::make_shared<data::DistributedSampler>(
             train_data_->size(),
             data::DistributedSamplerOptions{
-                .num_replicas = world_, .rank = pg_->rank(), .shuffle = true, .seed = cfg.seed})),
+                .num_replicas = world_,
+                .rank = pg_->rank(),
+                .shuffle = !cfg.no_shuffle,
+                .seed = cfg.seed})),
         loader_(train_data_, sampler_,
                 {.batch_size = cfg.batch_size, .drop_last = true, .num_workers = cfg.workers}),
         amp_dtype_(cfg.amp == "bf16" ? kBFloat16 : kFloat32),

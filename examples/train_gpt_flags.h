@@ -63,6 +63,8 @@ struct GptConfig {
   int64_t save_every = 0;
   int64_t keep = 0;
   std::string resume;  // a checkpoint file, or "auto": the latest beside --save
+  std::string init;    // start from these model weights (safetensors) instead of GPT-2's init
+  bool no_shuffle = false;  // the windows in file order, every epoch
   // Execution.
   int64_t threads = 0;
   int64_t workers = 1;
@@ -174,6 +176,14 @@ inline int parse_gpt_flags(int argc, char** argv, GptConfig& cfg) {
   add_number(app, "--keep", cfg.keep, I{0}, "Keep the newest N periodic checkpoints (0 = all)");
   app.add_option("--resume", cfg.resume,
                  "Continue from a checkpoint file, or 'auto': the newest beside --save");
+  app.add_option("--init", cfg.init,
+                 "Start from the model weights in this safetensors file (a train_gpt "
+                 "checkpoint's model, or the names of its model without 'model.', as "
+                 "bench/pytorch_gpt.py --save-init writes them) instead of GPT-2's random init; "
+                 "the optimizer starts afresh, and a resumed run takes the checkpoint's weights");
+  app.add_flag("--no-shuffle", cfg.no_shuffle,
+               "Read the training windows in file order every epoch (to compare step for step "
+               "with another program, e.g. bench/pytorch_gpt.py --no-shuffle)");
   add_number(app, "--threads", cfg.threads, I{0, kMaxThreads},
              "Intra-op threads (0 = OMP_NUM_THREADS or all cores)");
   add_number(app, "--workers", cfg.workers, I{0, kMaxThreads}, "DataLoader worker threads");

@@ -322,6 +322,18 @@ run_gpt() {
       --metrics "$out/gpt-lockstep-b$b.jsonl" >"$out/gpt-lockstep-b$b.log" 2>&1 || {
       echo "train_gpt batch $b exited with $?" >>"$out/bench.log"; rc=1; }
   done
+  # Correctness: the same weights and batches in lockstep and PyTorch, f32 with TF32 off, the
+  # losses of 10 steps within 1e-4 relative (bench/gpt_losses.py).
+  if [ $(( $(date +%s) - started )) -lt "$budget" ]; then
+    log "bench/gpt_losses.py: GPT-2 124M in f32, 10 steps, against PyTorch"
+    timeout 240 python3 "$repo/bench/gpt_losses.py" --train-gpt "$dest/bin/train_gpt" \
+      --data "$dest/gpt-data" --device cuda --steps 10 --json "$out/gpt_losses.json" -- \
+      --n-layer 12 --n-head 12 --n-embd 768 --block-size 1024 --vocab-size 50304 --lr 6e-4 \
+      --batch-size 4 --warmup-steps 2 >"$out/gpt_losses.log" 2>&1 || {
+      echo "gpt_losses.py exited with $?" >>"$out/bench.log"; rc=1; }
+  else
+    echo "NOT RUN (time)" >"$out/gpt_losses.log"
+  fi
   for mode in eager compile; do
     for b in 8 16; do
       if [ $(( $(date +%s) - started )) -ge "$budget" ]; then
@@ -533,6 +545,13 @@ else:
                   f"{f2(row['vs_compile'])} | "
                   + ("-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%") + " | "
                   + " / ".join(f0(v) for v in row["peak_device_mib"]) + " |")
+    losses = load("gpt_losses.json")
+    md += ["", "Step-for-step check (bench/gpt_losses.py: GPT-2 124M in f32, TF32 off, the same "
+           "weights and batches in both, 10 steps): "
+           + ("no result (see gpt_losses.log)" if not losses else
+              f"largest relative difference of the losses {losses['max_rel_diff']:.2e} "
+              f"(goal 1e-4: {'met' if losses['agree'] else 'NOT met'})") + "."]
+    res["gpu"]["gpt_losses"] = losses
     res["gpu"]["ratios"] = {"gemm": gemm_rows, "train": train_rows, "gpt": gpt_rows}
     res["gpu"]["bench_errors"] = errors
     goals = {
@@ -544,6 +563,7 @@ else:
             g["vs_compile"] is not None and g["vs_eager"] is not None
             and g["vs_compile"] >= 1.0 and g["vs_eager"] >= 1.3
             for g in gpt_rows),
+        "gpt_losses_agree_1e_4": bool(losses) and losses["agree"],
         "gpt_mfu_ge_40pct": bool(gpt_rows) and all(
             g["mfu"] is not None and g["mfu"] >= 0.4 for g in gpt_rows),
         "train_ge_pytorch": bool(train_rows) and not any("train" in e.get("what", "") for e in errors)

@@ -352,6 +352,35 @@ case "$case_name" in
     expect_exit 1 "--vocab-size 100 is below the vocabulary of the data (256 tokens" "${small[@]}" \
       --vocab-size 100
     ;;
+  init)
+    # --init starts from a file's weights: with --lr 0 a step changes nothing, so the checkpoint
+    # holds the very weights it started from.
+    prepare_tiny
+    args=("${small[@]}" --batch-size 8 --warmup-steps 1 --eval-every 100)
+    expect_exit 0 "^final " "${args[@]}" --max-steps 4 --save "$work/a.safetensors"
+    expect_exit 0 "^final " "${args[@]}" --max-steps 2 --lr 0 --init "$work/a.safetensors" \
+      --save "$work/b.safetensors"
+    [ "$(max_param_diff "$work/a.safetensors" "$work/b.safetensors")" = 0.0 ] \
+      || fail "--init did not start from the file's weights"
+    # --no-shuffle: the windows in file order, so from the same weights another --seed trains
+    # the same; with the shuffle it does not (the comparison means something).
+    for seed in 1 2; do
+      for order in shuffled in-order; do
+        extra=()
+        [ "$order" = in-order ] && extra=(--no-shuffle)
+        expect_exit 0 "^final " "${args[@]}" --max-steps 6 --seed $seed --init "$work/a.safetensors" \
+          "${extra[@]}" --save "$work/$order$seed.safetensors"
+      done
+    done
+    [ "$(max_param_diff "$work/in-order1.safetensors" "$work/in-order2.safetensors")" = 0.0 ] \
+      || fail "--no-shuffle: another --seed read other windows"
+    [ "$(max_param_diff "$work/shuffled1.safetensors" "$work/shuffled2.safetensors")" != 0.0 ] \
+      || fail "another --seed shuffled the windows the same way"
+    # Weights of another shape: refused, naming the flags that make the shape.
+    expect_exit 1 "--init $work/a.safetensors: its weights do not fit this model" "${args[@]}" \
+      --vocab-size 300 --init "$work/a.safetensors"
+    expect_exit 1 "--init $work/none.safetensors" "${args[@]}" --init "$work/none.safetensors"
+    ;;
   *) fail "unknown case $case_name" ;;
 esac
 echo "PASS: $case_name"
