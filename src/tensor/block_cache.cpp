@@ -79,18 +79,23 @@ BlockCache::Block* BlockCache::take_free(size_t size, Stream stream, bool small)
 
 void* BlockCache::allocate(size_t bytes, Stream stream) {
   ++stats_.allocations;
+  if (bytes > kMaxBytes) return nullptr;
   const size_t size = round_size(bytes);
   const bool small = size <= kSmallSize;
   Block* b = take_free(size, stream, small);
-  if (b == nullptr) {
-    const size_t seg = segment_size(size);
-    void* p = device_.reserve(seg);
-    if (p == nullptr) {
-      ++stats_.oom_retries;
+  void* p = nullptr;
+  const size_t seg = segment_size(size);
+  if (b == nullptr && (p = device_.reserve(seg)) == nullptr) {
+    ++stats_.oom_retries;
+    if (device_.reclaim) device_.reclaim();
+    b = take_free(size, stream, small);
+    if (b == nullptr) {
       release_free_segments();
       p = device_.reserve(seg);
       if (p == nullptr) return nullptr;
     }
+  }
+  if (b == nullptr) {
     ++stats_.reserves;
     stats_.reserved_bytes += static_cast<int64_t>(seg);
     stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, stats_.reserved_bytes);

@@ -24,6 +24,9 @@ class BlockCache {
     std::function<void*(size_t bytes)> reserve;
     // Gives back what reserve returned.
     std::function<void(void* segment)> release;
+    // Optional: called once when reserve fails, before the free segments are released and the
+    // reserve retried; it may free() blocks (the CUDA allocator frees those whose fences passed).
+    std::function<void()> reclaim;
   };
 
   struct Stats {
@@ -44,6 +47,7 @@ class BlockCache {
   static constexpr size_t kSmallSegment = size_t{2} << 20;
   static constexpr size_t kLargeSegment = size_t{20} << 20;  // for large requests below 10 MiB
   static constexpr size_t kLargeRound = size_t{2} << 20;     // larger ones: their size, rounded
+  static constexpr size_t kMaxBytes = size_t{1} << 52;       // larger requests fail at once
 
   explicit BlockCache(Device device);
   ~BlockCache();  // gives back every segment still reserved
@@ -52,7 +56,8 @@ class BlockCache {
 
   // A block of at least `bytes` (a multiple of kRound) for `stream`: the smallest free block of
   // the stream's pool that fits, cut to size, or one cut from a new segment. nullptr when the
-  // device has no memory for a new segment even after every free segment was released.
+  // device has no memory for a new segment even after reclaim() and every free segment was
+  // released (or for more than kMaxBytes).
   void* allocate(size_t bytes, Stream stream);
   // Returns a block from allocate() to the cache, merged with its free neighbours. False (and
   // nothing changed) for a pointer that is not a block handed out.

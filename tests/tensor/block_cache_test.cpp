@@ -4,6 +4,7 @@
 // retry when the device runs out.
 #include <cstdlib>
 #include <random>
+#include <utility>
 #include <unordered_map>
 #include <vector>
 
@@ -107,6 +108,12 @@ TEST(BlockCache, BlocksAreReusedOnTheirOwnStreamOnly) {
   EXPECT_EQ(cache.stats().reserves, 2) << "stream B took stream A's block";
   cache.free(b);
   EXPECT_EQ(cache.allocate(4 * MiB, A), a);
+  // And the other way round (the pools are ordered by stream: one of the two directions looks
+  // past the end of the other stream's blocks, the other into them).
+  // B's freed 20 MiB segment would fit 18 MiB; A's own rest (16 MiB) would not.
+  void* c = cache.allocate(18 * MiB, A);
+  EXPECT_EQ(cache.stats().reserves, 3) << "stream A took stream B's block";
+  EXPECT_EQ(cache.stream_of(c), A);
 }
 
 TEST(BlockCache, ALargeRestOfOneMiBOrLessStaysWithItsBlock) {
@@ -127,9 +134,9 @@ TEST(BlockCache, ALargeRestOfOneMiBOrLessStaysWithItsBlock) {
 TEST(BlockCache, OutOfMemoryReleasesFreeSegmentsAndRetriesOnce) {
   FakeDevice dev(40 * MiB);
   BlockCache cache(dev.device());
-  void* a = cache.allocate(15 * MiB, A);  // a 20 MiB segment
+  void* a = cache.allocate(15 * MiB, A);  // a segment of its own size, 16 MiB
   cache.free(a);
-  // 30 MiB do not fit beside the cached 20: the free segment goes back and the retry succeeds.
+  // 30 MiB do not fit beside the cached 16: the free segment goes back and the retry succeeds.
   void* b = cache.allocate(30 * MiB, A);
   ASSERT_NE(b, nullptr);
   EXPECT_EQ(cache.stats().oom_retries, 1);
@@ -139,6 +146,30 @@ TEST(BlockCache, OutOfMemoryReleasesFreeSegmentsAndRetriesOnce) {
   EXPECT_EQ(cache.stats().oom_retries, 2);
   EXPECT_EQ(cache.stats().allocated_bytes, static_cast<int64_t>(30 * MiB));
   cache.free(b);
+}
+
+// Out of memory, the owner's reclaim runs first (the CUDA allocator frees the blocks whose
+// other-stream fences passed); a block it frees serves the request without a new segment.
+TEST(BlockCache, ReclaimRunsBeforeTheRetryAndWhatItFreesIsUsed) {
+  FakeDevice dev(20 * MiB);
+  void* held = nullptr;
+  BlockCache* self = nullptr;
+  int reclaims = 0;
+  BlockCache::Device d = dev.device();
+  d.reclaim = [&] {
+    ++reclaims;
+    if (held != nullptr) self->free(std::exchange(held, nullptr));
+  };
+  BlockCache cache(d);
+  self = &cache;
+  held = cache.allocate(18 * MiB, A);  // a whole 18 MiB segment, "fenced"
+  void* p = cache.allocate(12 * MiB, A);
+  EXPECT_EQ(reclaims, 1);
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(cache.stats().reserves, 1) << "the reclaimed block was not used";
+  EXPECT_EQ(cache.stats().releases, 0);
+  EXPECT_EQ(cache.allocate(size_t{1} << 60, A), nullptr) << "beyond kMaxBytes";
+  cache.free(p);
 }
 
 TEST(BlockCache, UnknownAndDoubleFreesChangeNothing) {
@@ -163,7 +194,14 @@ TEST(BlockCache, VaryingSizesDoNotGrowTheCacheWithoutBound) {
   std::mt19937_64 rng(5);
   std::uniform_int_distribution<size_t> size(1, 48 * MiB), small(1, 900 * KiB);
   int64_t reserves_after_warmup = 0;
+  // Some tensors live across steps (parameters, optimizer state), pinning their segments.
+  std::vector<void*> kept;
+  for (int i = 0; i < 6; ++i) kept.push_back(cache.allocate(small(rng) + i * 3 * MiB, A));
   for (int step = 0; step < 400; ++step) {
+    if (step % 50 == 25) {  // now and then one of them is replaced by another size
+      cache.free(kept[static_cast<size_t>(step / 50) % kept.size()]);
+      kept[static_cast<size_t>(step / 50) % kept.size()] = cache.allocate(size(rng) / 4, A);
+    }
     std::vector<void*> live;
     for (int i = 0; i < 12; ++i) live.push_back(cache.allocate(i % 3 == 0 ? small(rng) : size(rng), A));
     // Free in an order that leaves holes, as a backward frees activations.
@@ -177,6 +215,7 @@ TEST(BlockCache, VaryingSizesDoNotGrowTheCacheWithoutBound) {
             << reserves_after_warmup << " in the first 50 steps), splits " << s.splits << "\n";
   EXPECT_LE(s.peak_reserved_bytes, 2 * s.peak_allocated_bytes);
   EXPECT_LE(s.reserves, reserves_after_warmup + 10);
+  for (void* p : kept) cache.free(p);
   cache.release_free_segments();
   EXPECT_EQ(cache.stats().reserved_bytes, 0);
 }

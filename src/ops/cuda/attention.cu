@@ -262,6 +262,9 @@ __global__ void __launch_bounds__(kRows)
 }
 
 Sizes sizes_of(const Tensor& q, const Tensor& k, const Tensor& v, bool causal) {
+  LS_CHECK(q.size(-1) <= 256 && v.size(-1) <= 256,
+           "scaled_dot_product_attention: head dims up to 256 on cuda, got ", q.size(-1), " and ",
+           v.size(-1));
   int64_t heads = 1;
   for (int64_t d = 0; d < q.dim() - 2; ++d) heads *= q.size(d);
   return {heads, q.size(-2), k.size(-2), static_cast<int>(q.size(-1)),

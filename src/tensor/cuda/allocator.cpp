@@ -30,29 +30,25 @@ constexpr int kMaxDevices = 64;
 // not grow the cache without bound. What is CUDA's is here:
 // - A block also used on other streams (record_stream: NCCL's communication stream reading a
 //   gradient bucket) waits for an event on each of them before it returns to the cache.
-// - When cudaMalloc runs out, every free segment is released and the call retried once (the
-//   cache's own retry; before giving up, the blocks still fenced by other streams are waited
-//   for and the cache tries again); then the error says how much was asked, allocated and
-//   reserved.
+// - When cudaMalloc runs out of memory, the blocks still fenced by other streams are waited for
+//   and freed into the cache, every free segment is released and the call retried once (the
+//   cache's reclaim and retry); then the error says how much was asked, allocated and reserved.
+//   Any other cudaMalloc error is thrown as it is.
+// - A block freed while fenced counts as allocated no longer (memory_stats()), though the cache
+//   hands it out only once its fences have passed.
 class DeviceCache final : public Allocator {
  public:
   explicit DeviceCache(int device)
       : device_(device),
         blocks_({.reserve = [this](size_t n) { return cuda_malloc(n); },
-                 .release = [this](void* p) { cuda_free(p); }}) {}
+                 .release = [this](void* p) { cuda_free(p); },
+                 .reclaim = [this] { wait_pending(); }}) {}
 
   void* allocate(size_t nbytes) override {
     cudaStream_t stream = raw(current_stream(device_));
     std::lock_guard<std::mutex> lock(mu_);
     collect_pending();
     void* p = blocks_.allocate(nbytes, stream);
-    if (p == nullptr && !pending_.empty()) {
-      // Wait for the blocks still fenced by other streams, then let the cache try again.
-      for (auto& pend : pending_)
-        for (cudaEvent_t e : pend.events) cudaEventSynchronize(e);
-      collect_pending();
-      p = blocks_.allocate(nbytes, stream);
-    }
     if (p == nullptr) out_of_memory(nbytes);
     return p;
   }
@@ -85,6 +81,7 @@ class DeviceCache final : public Allocator {
     }
     cudaSetDevice(prev);
     uses_.erase(used);
+    pending_bytes_ += static_cast<int64_t>(blocks_.size_of(ptr));
     pending_.push_back(std::move(p));
   }
 
@@ -102,7 +99,7 @@ class DeviceCache final : public Allocator {
   MemoryStats stats() {
     std::lock_guard<std::mutex> lock(mu_);
     const detail::BlockCache::Stats& b = blocks_.stats();
-    return {.allocated_bytes = b.allocated_bytes,
+    return {.allocated_bytes = b.allocated_bytes - pending_bytes_,
             .reserved_bytes = b.reserved_bytes,
             .peak_allocated_bytes = b.peak_allocated_bytes,
             .peak_reserved_bytes = b.peak_reserved_bytes,
@@ -146,12 +143,21 @@ class DeviceCache final : public Allocator {
         continue;
       }
       for (cudaEvent_t e : it->events) cudaEventDestroy(e);
+      pending_bytes_ -= static_cast<int64_t>(blocks_.size_of(it->ptr));
       blocks_.free(it->ptr);
       it = pending_.erase(it);
     }
   }
 
-  // The cache's device (Note [Block cache]): cudaMalloc on this device, nullptr when out.
+  // The cache's reclaim (out of device memory): waits for every fenced block and frees it.
+  void wait_pending() {
+    for (auto& pend : pending_)
+      for (cudaEvent_t e : pend.events) cudaEventSynchronize(e);
+    collect_pending();
+  }
+
+  // The cache's device (Note [Block cache]): cudaMalloc on this device, nullptr when it is out
+  // of memory; any other error is thrown.
   void* cuda_malloc(size_t n) {
     int prev = 0;
     cudaGetDevice(&prev);
@@ -159,12 +165,11 @@ class DeviceCache final : public Allocator {
     void* p = nullptr;
     const cudaError_t err = cudaMalloc(&p, n);
     cudaSetDevice(prev);
-    if (err != cudaSuccess) {
-      last_error_ = err;
-      (void)cudaGetLastError();
-      return nullptr;
-    }
-    return p;
+    if (err == cudaSuccess) return p;
+    (void)cudaGetLastError();
+    LS_CHECK(err == cudaErrorMemoryAllocation, "cudaMalloc of ", n, " bytes on cuda:", device_,
+             " failed: ", cudaGetErrorString(err));
+    return nullptr;
   }
 
   void cuda_free(void* p) {
@@ -181,14 +186,14 @@ class DeviceCache final : public Allocator {
     (void)cudaGetLastError();
     const detail::BlockCache::Stats& b = blocks_.stats();
     LS_THROW("out of memory on cuda:", device_, ": could not allocate ", asked, " bytes (",
-             cudaGetErrorString(last_error_), "); lockstep holds ", b.allocated_bytes,
+             cudaGetErrorString(cudaErrorMemoryAllocation), "); lockstep holds ", b.allocated_bytes,
              " bytes in tensors and ", b.reserved_bytes, " reserved; the device has ", free_b,
              " of ", total_b, " bytes free");
   }
 
   const int device_;
   std::mutex mu_;
-  cudaError_t last_error_ = cudaSuccess;
+  int64_t pending_bytes_ = 0;  // of the blocks in pending_
   detail::BlockCache blocks_;
   // Blocks used on streams other than their own (record_stream), until they are freed.
   std::unordered_map<void*, std::vector<cudaStream_t>> uses_;
