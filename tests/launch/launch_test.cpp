@@ -166,6 +166,35 @@ TEST_F(Launcher, ReadsOptionsFromTheEnvironment) {
   }
 }
 
+// A Kubernetes pod of a PyTorchJob starts `torchrun` with PET_ variables (Note [torchrun's
+// variables]): `lockstep run` in its place reads them; the command line still wins.
+TEST_F(Launcher, ReadsTorchrunsPetVariablesAsAPyTorchJobSetsThem) {
+  const std::string port = std::to_string(free_port());
+  const std::vector<std::string> pod = {"PET_NNODES=1", "PET_NPROC_PER_NODE=2", "PET_NODE_RANK=0",
+                                        "PET_MASTER_ADDR=127.0.0.1", "PET_MASTER_PORT=" + port,
+                                        "PET_RDZV_ID=from-pet", "PET_MAX_RESTARTS=2"};
+  const Outcome o = run_launcher({"run", kWorker, "env", out_.string()}, dir_, "pet", pod);
+  ASSERT_TRUE(o.exited_with(0)) << o.describe();
+  auto reports = read_env_reports(out_);
+  EXPECT_EQ(reports.size(), 2u) << o.describe();
+  for (auto [r, e] : reports) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_EQ(e["WORLD_SIZE"], "2");
+    EXPECT_EQ(e["MASTER_PORT"], port);
+    EXPECT_EQ(e["LOCKSTEP_RUN_ID"], "from-pet");
+    EXPECT_EQ(e["LOCKSTEP_MAX_RESTARTS"], "2");
+  }
+  fs::remove_all(out_);
+  fs::create_directories(out_);
+  const Outcome given = run_launcher(
+      {"run", "--nproc-per-node", "1", "--master-port", "0", kWorker, "env", out_.string()}, dir_,
+      "given", pod);
+  ASSERT_TRUE(given.exited_with(0)) << given.describe();
+  reports = read_env_reports(out_);
+  ASSERT_EQ(reports.size(), 1u) << given.describe();
+  EXPECT_EQ(reports[0]["WORLD_SIZE"], "1");
+}
+
 // Everything after PROGRAM belongs to the program, options included; `--` marks PROGRAM too.
 TEST_F(Launcher, PassesProgramArgumentsThrough) {
   const Outcome o = run_launcher({"run", "--standalone", "--nproc-per-node", "1", kWorker, "env",

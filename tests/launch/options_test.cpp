@@ -85,6 +85,19 @@ TEST_F(Launcher, BadEnvironmentValueIsReportedAsItsVariable) {
   EXPECT_THAT(given.err, Not(HasSubstr("LOCKSTEP_MASTER_PORT"))) << given.describe();
 }
 
+// A bad PET_ value is named as torchrun's variable; PET_ and LOCKSTEP_ disagreeing is refused,
+// naming both (Note [torchrun's variables]).
+TEST_F(Launcher, TorchrunsVariablesAreCheckedAndNamed) {
+  const Outcome bad = run_launcher(run_args({}, out_), dir_, "bad", {"PET_MASTER_PORT=abc"});
+  expect_usage_error(bad, out_, {"PET_MASTER_PORT (torchrun's variable for --master-port)", "abc"});
+  const Outcome both = run_launcher(run_args({}, out_), dir_, "both",
+                                    {"PET_NNODES=2", "LOCKSTEP_NNODES=1"});
+  expect_usage_error(both, out_, {"LOCKSTEP_NNODES=1 and PET_NNODES=2", "disagree"});
+  const Outcome same = run_launcher(run_args({"--standalone"}, out_), dir_, "same",
+                                    {"PET_NNODES=1", "LOCKSTEP_NNODES=1"});
+  EXPECT_TRUE(same.exited_with(0)) << same.describe();
+}
+
 // The port-in-use message suggests --master-port 0; it works on one machine.
 TEST_F(Launcher, MasterPortZeroTakesAFreePortOnOneMachine) {
   const Outcome o =

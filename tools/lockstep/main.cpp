@@ -72,7 +72,9 @@ int main(int argc, char** argv) {
       "\nUsage: lockstep run [OPTIONS] PROGRAM [ARGS...]   (or: lockstep run [OPTIONS] -- PROGRAM "
       "[ARGS...])\nExit codes: 0 success, 1 the job failed, 2 bad input (nothing started), "
       "128+N stopped by signal N.\nEvery option can also be set as LOCKSTEP_<NAME> in the "
-      "environment. docs/LAUNCHER.md has the details.");
+      "environment; torchrun's PET_<NAME> variables (PET_NNODES, PET_NPROC_PER_NODE, "
+      "PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT, ...) are read too. docs/LAUNCHER.md has "
+      "the details.");
   run->prefix_command();  // everything from PROGRAM on belongs to the program
   run->allow_extras();    // ... also after "--"
   RawRunOptions raw;
@@ -192,6 +194,7 @@ int main(int argc, char** argv) {
       for (const char* f : {"--standalone", "--tee", "--insecure"}) {
         check_flag_env(f, raw.on_command_line);
       }
+      adopt_torchrun_env(raw);
     }
     app.parse(args);
   } catch (const UsageError& e) {

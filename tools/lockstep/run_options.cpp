@@ -46,6 +46,8 @@ namespace fs = std::filesystem;
 // The option's name for a message: the flag, or its variable when the environment gave it.
 std::string source_of(const RawRunOptions& raw, const std::string& flag) {
   if (raw.on_command_line.count(flag) == 0) {
+    if (auto pet = raw.from_torchrun.find(flag); pet != raw.from_torchrun.end())
+      return pet->second + " (torchrun's variable for " + flag + ")";
     const std::string env = env_name_of(flag);
     const char* v = std::getenv(env.c_str());
     if (v != nullptr && *v != '\0') return env + " (the variable for " + flag + ")";
@@ -280,6 +282,46 @@ void check_run_id(const std::string& id, const std::string& source) {
 }
 
 }  // namespace
+
+// Note [torchrun's variables]
+// torchrun reads every option from PET_<NAME> as well (its arguments' `env` defaults), and the
+// Kubernetes operators that start it (Kubeflow's PyTorchJob and TrainJob) set PET_NNODES,
+// PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR and PET_MASTER_PORT in each pod. So a pod
+// that runs `lockstep run PROGRAM` where it ran `torchrun PROGRAM` gets the same job: each option
+// of the same meaning takes torchrun's variable when neither the command line nor
+// LOCKSTEP_<NAME> gives it (PET_RDZV_ID is --run-id). The value becomes LOCKSTEP_<NAME>, so that
+// it is checked like any other, and messages name the PET_ variable. LOCKSTEP_<NAME> and PET_
+// both set to different values is an error rather than a silent choice.
+constexpr std::pair<const char*, const char*> kTorchrunVariables[] = {
+    {"--nnodes", "PET_NNODES"},
+    {"--nproc-per-node", "PET_NPROC_PER_NODE"},
+    {"--node-rank", "PET_NODE_RANK"},
+    {"--master-addr", "PET_MASTER_ADDR"},
+    {"--master-port", "PET_MASTER_PORT"},
+    {"--max-restarts", "PET_MAX_RESTARTS"},
+    {"--monitor-interval", "PET_MONITOR_INTERVAL"},
+    {"--log-dir", "PET_LOG_DIR"},
+    {"--local-ranks-filter", "PET_LOCAL_RANKS_FILTER"},
+    {"--run-id", "PET_RDZV_ID"},
+};
+
+void adopt_torchrun_env(RawRunOptions& raw) {
+  for (const auto& [flag, pet] : kTorchrunVariables) {
+    const char* theirs = std::getenv(pet);
+    if (theirs == nullptr || *theirs == '\0' || raw.on_command_line.count(flag) != 0) continue;
+    const std::string ours_name = env_name_of(flag);
+    const char* ours = std::getenv(ours_name.c_str());
+    if (ours != nullptr && *ours != '\0') {
+      if (std::string(ours) != theirs)
+        throw UsageError(ours_name + "=" + ours + " and " + pet + "=" + theirs +
+                         " (torchrun's variable for " + flag + ") disagree: unset one, or give " +
+                         flag + " on the command line");
+      continue;
+    }
+    ::setenv(ours_name.c_str(), theirs, 1);
+    raw.from_torchrun[flag] = pet;
+  }
+}
 
 std::string env_name_of(const std::string& flag) {
   std::string name = "LOCKSTEP_";

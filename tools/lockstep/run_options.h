@@ -3,6 +3,7 @@
 // run_options.cpp) and the log directory.
 #pragma once
 
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
@@ -57,7 +58,16 @@ struct RawRunOptions {
   // Options that were on the command line ("--nnodes"); the others came from LOCKSTEP_<NAME> or
   // their default.
   std::set<std::string> on_command_line;
+  // Options whose LOCKSTEP_<NAME> was filled from torchrun's PET_ variable, and that variable
+  // (Note [torchrun's variables]): "--nnodes" -> "PET_NNODES".
+  std::map<std::string, std::string> from_torchrun;
 };
+
+// Note [torchrun's variables] (run_options.cpp): each option torchrun shares with `lockstep
+// run` is taken from torchrun's PET_<NAME> when neither the command line nor LOCKSTEP_<NAME>
+// gives it, by setting LOCKSTEP_<NAME>; recorded in raw.from_torchrun. UsageError when both
+// variables are set and differ. Before the command line is parsed.
+void adopt_torchrun_env(RawRunOptions& raw);
 
 // "LOCKSTEP_MASTER_PORT" for "--master-port".
 std::string env_name_of(const std::string& flag);
