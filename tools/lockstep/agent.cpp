@@ -218,6 +218,29 @@ void Agent::rendezvous() {
     }
     throw AgentError(why);
   }
+  // Every node checks every node's keys against node 0's, and all of them fail the start with
+  // the same message where they disagree. Node 0's store must outlive the others' reading: each
+  // node counts itself in `checked` once it has read what it needs, and node 0 waits for all of
+  // them (at most --node-timeout) before it fails and its store closes. (Without the wait node 1
+  // could find the store gone mid-check and say "lost the connection to the store" instead.)
+  std::optional<std::string> refusal;
+  try {
+    check_joined_nodes();
+  } catch (const AgentError& e) {
+    refusal = e.what();
+  }
+  store_->add(key("checked"), 1);
+  if (!refusal) return;
+  if (o_.node_rank == 0) {
+    int ignored = 0;
+    (void)wait_for_count(key("checked"), o_.nnodes,
+                         std::chrono::milliseconds(static_cast<int64_t>(o_.node_timeout_s * 1000)),
+                         &ignored);
+  }
+  throw AgentError(*refusal);
+}
+
+void Agent::check_joined_nodes() {
   // Every node wrote its keys before it counted itself in `joined`; one that did not is of
   // another lockstep version, and a get would wait for it until the store's timeout.
   const auto written_by = [&](int r, const std::string& name, const std::string& what) {

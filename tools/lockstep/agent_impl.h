@@ -193,6 +193,9 @@ class Agent {
   void drain_worker(Worker& w);
   void connect_store();
   void rendezvous();
+  // rendezvous()'s checks of the joined nodes (--nproc-per-node, Note [Job signature]): an
+  // AgentError naming the first disagreement.
+  void check_joined_nodes();
   void start_workers(int g);
   GenResult run_generation(int g);
   // Drains every readable stream for up to `timeout` (0: what is there now).
