@@ -52,14 +52,14 @@ bool BlockCache::BySize::operator()(const Block* a, const Block* b) const {
 BlockCache::BlockCache(Device device) : device_(std::move(device)) {}
 
 BlockCache::~BlockCache() {
-  for (auto& [base, first] : segments_) {
-    for (Block* b = first; b != nullptr;) {
-      Block* next = b->next;
-      delete b;
-      b = next;
-    }
-    device_.release(base);
-  }
+  for (auto& [base, first] : segments_) device_.release(base);
+}
+
+BlockCache::Block* BlockCache::make(const Block& b) {
+  auto owned = std::make_unique<Block>(b);
+  Block* raw = owned.get();
+  blocks_[raw->ptr] = std::move(owned);
+  return raw;
 }
 
 void BlockCache::note_allocated(int64_t delta) {
@@ -99,12 +99,12 @@ void* BlockCache::allocate(size_t bytes, Stream stream) {
     ++stats_.reserves;
     stats_.reserved_bytes += static_cast<int64_t>(seg);
     stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, stats_.reserved_bytes);
-    b = new Block{static_cast<char*>(p), seg, stream, small};
+    b = make(Block{static_cast<char*>(p), seg, stream, small});
     segments_.emplace(p, b);
   }
   const size_t rest = b->size - size;
   if (small ? rest >= kRound : rest > kSmallSize) {
-    Block* r = new Block{b->ptr + size, rest, stream, small, true, b, b->next};
+    Block* r = make(Block{b->ptr + size, rest, stream, small, true, b, b->next});
     if (b->next != nullptr) b->next->prev = r;
     b->next = r;
     b->size = size;
@@ -130,14 +130,14 @@ bool BlockCache::free(void* ptr) {
     b->size += n->size;
     b->next = n->next;
     if (b->next != nullptr) b->next->prev = b;
-    delete n;
+    drop(n);
   }
   if (Block* p = b->prev; p != nullptr && p->free) {  // its free predecessor takes in b
     pool.erase(p);
     p->size += b->size;
     p->next = b->next;
     if (p->next != nullptr) p->next->prev = p;
-    delete b;
+    drop(b);
     b = p;
   }
   pool.insert(b);
@@ -155,7 +155,7 @@ void BlockCache::release_free_segments() {
       device_.release(b->ptr);
       ++stats_.releases;
       stats_.reserved_bytes -= static_cast<int64_t>(b->size);
-      delete b;
+      drop(b);
     }
   }
 }

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <set>
 #include <unordered_map>
 
@@ -96,10 +97,14 @@ class BlockCache {
 
   Pool& pool_of(const Block* b) { return b->small ? small_ : large_; }
   Block* take_free(size_t size, Stream stream, bool small);
+  // A new block, owned by blocks_; drop() ends one.
+  Block* make(const Block& b);
+  void drop(Block* b) { blocks_.erase(b->ptr); }
   void note_allocated(int64_t delta);
 
   Device device_;
   Pool small_, large_;
+  std::unordered_map<void*, std::unique_ptr<Block>> blocks_;  // every block, by its address
   std::unordered_map<void*, Block*> live_;      // blocks handed out, by address
   std::unordered_map<void*, Block*> segments_;  // each segment's first block, by its address
   Stats stats_;
