@@ -178,17 +178,21 @@ void load_init(examples::Gpt& gpt, const std::string& path) {
   }
 }
 
+// The model's shape from the flags, with its vocabulary.
+examples::GptModelConfig model_config(const GptConfig& cfg, int64_t vocab_size) {
+  return {.vocab_size = vocab_size,
+          .block_size = cfg.block_size,
+          .n_layer = cfg.n_layer,
+          .n_head = cfg.n_head,
+          .n_embd = cfg.n_embd};
+}
+
 // The model, initialized on the CPU from `gen` (the same values on any device), or from --init,
 // then moved to `device` before DDP and the optimizer see its parameters.
+
 std::shared_ptr<examples::Gpt> build_gpt(const GptConfig& cfg, int64_t vocab_size, Generator& gen,
                                          Device device) {
-  auto gpt = std::make_shared<examples::Gpt>(
-      examples::GptModelConfig{.vocab_size = vocab_size,
-                               .block_size = cfg.block_size,
-                               .n_layer = cfg.n_layer,
-                               .n_head = cfg.n_head,
-                               .n_embd = cfg.n_embd},
-      gen);
+  auto gpt = std::make_shared<examples::Gpt>(model_config(cfg, vocab_size), gen);
   if (!cfg.init.empty()) load_init(*gpt, cfg.init);
   if (!device.is_cpu()) gpt->to(device);
   return gpt;
@@ -722,11 +726,7 @@ void Trainer::finish() {
 // the batch and are not counted). Needs no data: the vocabulary is --vocab-size, else 256 byte
 // tokens.
 int plan(const GptConfig& cfg) {
-  const examples::GptModelConfig model{.vocab_size = model_vocab_size(cfg, 256),
-                                       .block_size = cfg.block_size,
-                                       .n_layer = cfg.n_layer,
-                                       .n_head = cfg.n_head,
-                                       .n_embd = cfg.n_embd};
+  const examples::GptModelConfig model = model_config(cfg, model_vocab_size(cfg, 256));
   const int64_t params = examples::gpt_num_parameters(model);
   const double mib = static_cast<double>(params) * 4 / 1048576.0;  // f32
   std::printf("gpt n_layer=%lld n_head=%lld n_embd=%lld block_size=%lld vocab=%lld params=%lld\n",
