@@ -6,40 +6,15 @@
 
 #include <cstring>
 #include <filesystem>
-#include <functional>
 
 #include "lockstep/base/log.h"
+#include "distributed/agree.h"
 
 namespace lockstep::dist {
 
 namespace {
 
 using json = nlohmann::json;
-
-Bytes to_bytes(const std::string& s) { return Bytes(s.begin(), s.end()); }
-std::string bytes_str(const Bytes& b) { return std::string(b.begin(), b.end()); }
-
-// Runs `body` and returns why it failed ("" when it did not). Any exception is caught: a rank
-// that left before the next collective would leave the others waiting in it.
-std::string failure_of(const std::function<void()>& body) {
-  try {
-    body();
-    return "";
-  } catch (const Error& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    return e.what()[0] ? e.what() : "unknown error";
-  } catch (...) {
-    return "unknown exception";
-  }
-}
-
-// Every rank learns every rank's error ("" where it succeeded); throws the first one.
-void agree(ProcessGroup& pg, const std::string& what, const std::string& error) {
-  const std::vector<Bytes> all = pg.all_gather_object(to_bytes(error));
-  for (size_t r = 0; r < all.size(); ++r)
-    LS_CHECK(all[r].empty(), what, " failed on rank ", r, ": ", bytes_str(all[r]));
-}
 
 // Rank 0's contents, sent to every rank: a JSON description (metadata, names, dtypes, shapes)
 // and the data as one byte buffer.

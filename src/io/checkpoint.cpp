@@ -1,7 +1,6 @@
 // Training checkpoints on top of safetensors: naming, metadata, SHA-256, periodic files.
 #include "lockstep/io/checkpoint.h"
 
-#include <openssl/evp.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -22,6 +21,7 @@
 
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/base/syscall.h"
+#include "io/checkpoint_checks.h"
 
 namespace lockstep::io {
 
@@ -49,32 +49,6 @@ constexpr int kStepDigits = 8;
 
 using json = nlohmann::json;
 
-class Sha256 {
- public:
-  Sha256() : ctx_(EVP_MD_CTX_new(), EVP_MD_CTX_free) {
-    LS_CHECK(ctx_ && EVP_DigestInit_ex(ctx_.get(), EVP_sha256(), nullptr) == 1,
-             "checkpoint: cannot initialise SHA-256 (OpenSSL)");
-  }
-  void update(const void* data, size_t n) {
-    if (n > 0) LS_CHECK(EVP_DigestUpdate(ctx_.get(), data, n) == 1, "checkpoint: SHA-256 failed");
-  }
-  std::string hex() {
-    unsigned char md[EVP_MAX_MD_SIZE];
-    unsigned int len = 0;
-    LS_CHECK(EVP_DigestFinal_ex(ctx_.get(), md, &len) == 1, "checkpoint: SHA-256 failed");
-    static const char* digits = "0123456789abcdef";
-    std::string out;
-    for (unsigned int i = 0; i < len; ++i) {
-      out.push_back(digits[md[i] >> 4]);
-      out.push_back(digits[md[i] & 15]);
-    }
-    return out;
-  }
-
- private:
-  std::unique_ptr<EVP_MD_CTX, void (*)(EVP_MD_CTX*)> ctx_;
-};
-
 // Note [No NaN in a checkpoint]
 // A run that diverged (a learning rate too large, say) has NaN or Inf in its parameters, and
 // every checkpoint it writes from then on would hold them; `--resume auto` would then pick the
@@ -97,33 +71,6 @@ void count_non_finite(const void* data, int64_t n, Bits exponent, Bits mantissa,
     ++*bad;
     if ((v[i] & mantissa) != 0) ++*nan;
   }
-}
-
-// "" when every value of `t` (on the host, contiguous) is finite; else what is not, for errors.
-std::string non_finite_values(const Tensor& t) {
-  int64_t bad = 0, nan = 0;
-  const int64_t n = t.numel();
-  switch (t.dtype()) {
-    case kFloat64:
-      count_non_finite<uint64_t>(t.data_ptr(), n, 0x7ff0000000000000ull, 0x000fffffffffffffull,
-                                 &bad, &nan);
-      break;
-    case kFloat32:
-      count_non_finite<uint32_t>(t.data_ptr(), n, 0x7f800000u, 0x007fffffu, &bad, &nan);
-      break;
-    case kBFloat16:
-      count_non_finite<uint16_t>(t.data_ptr(), n, 0x7f80, 0x007f, &bad, &nan);
-      break;
-    case kFloat16:
-      count_non_finite<uint16_t>(t.data_ptr(), n, 0x7c00, 0x03ff, &bad, &nan);
-      break;
-    default:
-      LS_CHECK(!is_floating(t.dtype()), "checkpoint: no finiteness check for dtype ",
-               dtype_name(t.dtype()));
-  }
-  if (bad == 0) return "";
-  return std::to_string(bad) + " of its " + std::to_string(n) + " values are not finite (" +
-         std::to_string(nan) + " NaN, " + std::to_string(bad - nan) + " Inf)";
 }
 
 std::string format_double(double v) {
@@ -208,6 +155,32 @@ std::filesystem::path parent_dir(const std::string& base) {
 }
 
 }  // namespace
+
+std::string non_finite_values(const Tensor& t) {
+  int64_t bad = 0, nan = 0;
+  const int64_t n = t.numel();
+  switch (t.dtype()) {
+    case kFloat64:
+      count_non_finite<uint64_t>(t.data_ptr(), n, 0x7ff0000000000000ull, 0x000fffffffffffffull,
+                                 &bad, &nan);
+      break;
+    case kFloat32:
+      count_non_finite<uint32_t>(t.data_ptr(), n, 0x7f800000u, 0x007fffffu, &bad, &nan);
+      break;
+    case kBFloat16:
+      count_non_finite<uint16_t>(t.data_ptr(), n, 0x7f80, 0x007f, &bad, &nan);
+      break;
+    case kFloat16:
+      count_non_finite<uint16_t>(t.data_ptr(), n, 0x7c00, 0x03ff, &bad, &nan);
+      break;
+    default:
+      LS_CHECK(!is_floating(t.dtype()), "checkpoint: no finiteness check for dtype ",
+               dtype_name(t.dtype()));
+  }
+  if (bad == 0) return "";
+  return std::to_string(bad) + " of its " + std::to_string(n) + " values are not finite (" +
+         std::to_string(nan) + " NaN, " + std::to_string(bad - nan) + " Inf)";
+}
 
 SafetensorsContents checkpoint_contents(const TrainingCheckpoint& ckpt) {
   autograd::NoGradGuard no_grad;
