@@ -9,6 +9,7 @@
 
 #include "lockstep/base/log.h"
 #include "distributed/agree.h"
+#include "distributed/resume_choice.h"
 
 namespace lockstep::dist {
 
@@ -122,14 +123,14 @@ io::TrainingCheckpoint load_checkpoint(ProcessGroup& pg, const std::string& path
   return ckpt;
 }
 
-io::CheckpointChoice resolve_resume(ProcessGroup& pg, const std::string& resume,
-                                    const std::string& base) {
+io::CheckpointChoice resolve_resume_with(ProcessGroup& pg, const std::string& resume,
+                                         const std::string& base, const ResumeSearch& search) {
   io::CheckpointChoice choice;
   std::string error;
   if (pg.rank() == 0) {
     error = failure_of([&] {
       if (resume == "auto") {
-        choice = io::latest_valid_checkpoint(base);
+        choice = search.latest_valid(base);
         std::string all;
         for (const auto& [path, reason] : choice.skipped) {
           if (!choice.path.empty())
@@ -137,13 +138,12 @@ io::CheckpointChoice resolve_resume(ProcessGroup& pg, const std::string& resume,
                         "); it is left as it is");
           all += "\n  " + path + ": " + reason;
         }
-        LS_CHECK(!choice.path.empty() || choice.skipped.empty(), "--resume auto: no checkpoint of ",
-                 base,
+        LS_CHECK(!choice.path.empty() || choice.skipped.empty(), "--resume auto: no ",
+                 search.what, " of ", base,
                  " verifies; remove or move aside the corrupt ones to start from step 0:", all);
       } else {
-        std::error_code ec;
-        LS_CHECK(std::filesystem::is_regular_file(resume, ec), "--resume ", resume,
-                 ": no such checkpoint file");
+        const std::string problem = search.explicit_problem(resume);
+        LS_CHECK(problem.empty(), "--resume ", resume, ": ", problem);
         choice.path = resume;
       }
     });
@@ -163,6 +163,17 @@ io::CheckpointChoice resolve_resume(ProcessGroup& pg, const std::string& resume,
   for (const auto& s : answer["skipped"])
     choice.skipped.push_back({s[0].get<std::string>(), s[1].get<std::string>()});
   return choice;
+}
+
+io::CheckpointChoice resolve_resume(ProcessGroup& pg, const std::string& resume,
+                                    const std::string& base) {
+  ResumeSearch search;
+  search.latest_valid = io::latest_valid_checkpoint;
+  search.explicit_problem = [](const std::string& path) -> std::string {
+    std::error_code ec;
+    return std::filesystem::is_regular_file(path, ec) ? "" : "no such checkpoint file";
+  };
+  return resolve_resume_with(pg, resume, base, search);
 }
 
 void check_checkpoint_path(ProcessGroup& pg, const std::string& what, const std::string& path) {

@@ -11,6 +11,7 @@
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/base/log.h"
 #include "distributed/agree.h"
+#include "distributed/resume_choice.h"
 
 namespace lockstep::dist {
 
@@ -157,41 +158,15 @@ void AsyncShardedSaver::wait() {
 
 io::CheckpointChoice resolve_sharded_resume(ProcessGroup& pg, const std::string& resume,
                                             const std::string& base) {
-  io::CheckpointChoice choice;
-  std::string error;
-  if (pg.rank() == 0) {
-    error = failure_of([&] {
-      if (resume == "auto") {
-        choice = io::latest_valid_sharded_checkpoint(base);
-        std::string all;
-        for (const auto& [path, reason] : choice.skipped) {
-          if (!choice.path.empty())
-            log_warning("--resume auto: skipping ", path, ", which does not verify (", reason,
-                        "); it is left as it is");
-          all += "\n  " + path + ": " + reason;
-        }
-        LS_CHECK(!choice.path.empty() || choice.skipped.empty(),
-                 "--resume auto: no sharded checkpoint of ", base,
-                 " verifies; remove or move aside the corrupt ones to start from step 0:", all);
-      } else {
-        LS_CHECK(io::is_sharded_checkpoint(resume), "--resume ", resume,
-                 ": no such sharded checkpoint (expected a directory holding index.json)");
-        choice.path = resume;
-      }
-    });
-  }
-  json answer;
-  if (pg.rank() == 0) {
-    answer = {{"error", error}, {"path", choice.path}, {"skipped", json::array()}};
-    for (const auto& [path, reason] : choice.skipped) answer["skipped"].push_back({path, reason});
-  }
-  answer = json::parse(bytes_str(pg.broadcast_object(to_bytes(answer.dump()))));
-  LS_CHECK(answer["error"].get<std::string>().empty(), answer["error"].get<std::string>());
-  choice.path = answer["path"].get<std::string>();
-  choice.skipped.clear();
-  for (const auto& s : answer["skipped"])
-    choice.skipped.push_back({s[0].get<std::string>(), s[1].get<std::string>()});
-  return choice;
+  ResumeSearch search;
+  search.what = "sharded checkpoint";
+  search.latest_valid = io::latest_valid_sharded_checkpoint;
+  search.explicit_problem = [](const std::string& path) -> std::string {
+    return io::is_sharded_checkpoint(path)
+               ? ""
+               : "no such sharded checkpoint (expected a directory holding index.json)";
+  };
+  return resolve_resume_with(pg, resume, base, search);
 }
 
 ShardedLoad load_sharded_checkpoint(ProcessGroup& pg, const std::string& dir,

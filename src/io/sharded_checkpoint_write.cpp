@@ -95,6 +95,12 @@ void write_file_atomic(const std::string& path, const std::string& text, const s
   fsync_dir(parent_of(path), what);
 }
 
+// "run/ckpt/" names the directory "run/ckpt", whose parent is "run".
+std::string without_trailing_slash(std::string path) {
+  while (path.size() > 1 && path.back() == '/') path.pop_back();
+  return path;
+}
+
 std::string read_text(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   std::stringstream ss;
@@ -127,9 +133,7 @@ void remove_stale_directories(const std::string& dir) {
 
 std::string sharded_temp_dir(const std::string& dir, const std::string& token) {
   LS_CHECK(!dir.empty() && !token.empty(), "sharded_temp_dir: expected a directory and a token");
-  std::string d = dir;
-  while (d.size() > 1 && d.back() == '/') d.pop_back();
-  return d + sharded::kTempInfix + token;
+  return without_trailing_slash(dir) + sharded::kTempInfix + token;
 }
 
 std::string new_sharded_token() {
@@ -319,7 +323,8 @@ void write_sharded_index(const std::string& tmp_dir, int world, const TrainingCh
     fs::remove(fs::path(tmp_dir) / sharded::shard_name(r, world, ".json"), ec);
 }
 
-void commit_sharded_checkpoint(const std::string& tmp_dir, const std::string& dir) {
+void commit_sharded_checkpoint(const std::string& tmp_dir, const std::string& dir_arg) {
+  const std::string dir = without_trailing_slash(dir_arg);
   const std::string what = "commit_sharded_checkpoint: " + dir;
   std::error_code ec;
   LS_CHECK(fs::is_regular_file(fs::path(tmp_dir) / sharded::kIndexName, ec), what, ": ", tmp_dir,
