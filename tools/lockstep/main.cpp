@@ -2,6 +2,7 @@
 //
 //   lockstep run [options] PROGRAM [ARGS...]      (or: lockstep run [options] -- PROGRAM ...)
 //   lockstep plot METRICS.jsonl [...] -o curves.png|curves.svg   (training curves; plot.h)
+//   lockstep checkpoint consolidate DIR -o FILE   (a sharded checkpoint as one file)
 //
 // Options keep torchrun's names and defaults; each can also come from LOCKSTEP_<NAME> in the
 // environment (LOCKSTEP_NPROC_PER_NODE, LOCKSTEP_MASTER_PORT, ...). Exit codes: 0 success, 1 the
@@ -14,6 +15,7 @@
 #include <CLI/CLI.hpp>
 
 #include "agent.h"
+#include "checkpoint_cmd.h"
 #include "lockstep/base/error.h"
 #include "lockstep/io/metrics.h"
 #include "plot.h"
@@ -159,6 +161,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   plot->add_option("--title", plot_args.opts.title, "default: the file name");
 
+  CheckpointArgs checkpoint_args;
+  CLI::App* consolidate = add_checkpoint_command(app, checkpoint_args);
+
   // `lockstep run [options] -- PROGRAM ARGS`: what follows the first "--" is the command, as is.
   // A "--" after PROGRAM is the program's: look for one before the first word that is neither
   // an option nor an option's value.
@@ -202,12 +207,17 @@ int main(int argc, char** argv) {
     return kExitUsage;
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version
-    const std::string sub = plot->parsed() ? " plot" : run->parsed() ? " run" : "";
+    const std::string sub = consolidate->parsed()              ? " checkpoint consolidate"
+                            : consolidate->get_parent()->parsed() ? " checkpoint"
+                            : plot->parsed()                      ? " plot"
+                            : run->parsed()                       ? " run"
+                                                                  : "";
     std::fprintf(stderr, "lockstep%s: %s\nRun 'lockstep%s --help' for the options.\n", sub.c_str(),
                  e.what(), sub.c_str());
     return kExitUsage;
   }
   if (plot->parsed()) return run_plot(plot_args);
+  if (consolidate->parsed()) return run_checkpoint(checkpoint_args);
   // Before any worker exists: outside connections to the store must not leave the launcher
   // without descriptors for its workers' pipes (docs/LAUNCHER.md, "Threat model").
   raise_descriptor_limit();
