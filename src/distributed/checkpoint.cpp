@@ -7,9 +7,9 @@
 #include <cstring>
 #include <filesystem>
 
-#include "lockstep/base/log.h"
 #include "distributed/agree.h"
 #include "distributed/resume_choice.h"
+#include "lockstep/base/log.h"
 
 namespace lockstep::dist {
 
@@ -138,8 +138,8 @@ io::CheckpointChoice resolve_resume_with(ProcessGroup& pg, const std::string& re
                         "); it is left as it is");
           all += "\n  " + path + ": " + reason;
         }
-        LS_CHECK(!choice.path.empty() || choice.skipped.empty(), "--resume auto: no ",
-                 search.what, " of ", base,
+        LS_CHECK(!choice.path.empty() || choice.skipped.empty(), "--resume auto: no ", search.what,
+                 " of ", base,
                  " verifies; remove or move aside the corrupt ones to start from step 0:", all);
       } else {
         const std::string problem = search.explicit_problem(resume);

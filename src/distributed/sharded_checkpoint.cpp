@@ -8,10 +8,10 @@
 #include <filesystem>
 #include <thread>
 
-#include "lockstep/autograd/grad_mode.h"
-#include "lockstep/base/log.h"
 #include "distributed/agree.h"
 #include "distributed/resume_choice.h"
+#include "lockstep/autograd/grad_mode.h"
+#include "lockstep/base/log.h"
 
 namespace lockstep::dist {
 

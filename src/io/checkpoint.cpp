@@ -19,9 +19,9 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include "io/checkpoint_checks.h"
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/base/syscall.h"
-#include "io/checkpoint_checks.h"
 
 namespace lockstep::io {
 

@@ -12,10 +12,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "lockstep/base/syscall.h"
-#include "lockstep/io/sharded_checkpoint.h"
 #include "io/checkpoint_checks.h"
 #include "io/sharded_format.h"
+#include "lockstep/base/syscall.h"
+#include "lockstep/io/sharded_checkpoint.h"
 
 namespace lockstep::io {
 
@@ -42,13 +42,13 @@ void pread_all(int fd, void* out, size_t n, int64_t offset, const std::string& p
   char* p = static_cast<char*>(out);
   size_t done = 0;
   while (done < n) {
-    const ssize_t r = LS_SYSCHECK_MSG(retry_on_eintr([&] {
-                                        return ::pread(fd, p + done, n - done,
-                                                       static_cast<off_t>(offset + done));
-                                      }),
-                                      "sharded checkpoint: reading ", path);
-    LS_CHECK(r > 0, "sharded checkpoint: ", path, " ends at byte ", offset + done, ", expected ",
-             n, " bytes from byte ", offset, " (the file is truncated)");
+    const ssize_t r =
+        LS_SYSCHECK_MSG(retry_on_eintr([&] {
+                          return ::pread(fd, p + done, n - done, static_cast<off_t>(offset + done));
+                        }),
+                        "sharded checkpoint: reading ", path);
+    LS_CHECK(r > 0, "sharded checkpoint: ", path, " ends at byte ", offset + done, ", expected ", n,
+             " bytes from byte ", offset, " (the file is truncated)");
     done += static_cast<size_t>(r);
   }
 }
@@ -155,8 +155,8 @@ ShardedCheckpointReader::ShardedCheckpointReader(const std::string& dir) : dir_(
       struct stat st {};
       LS_CHECK(::stat(path.c_str(), &st) == 0, "sharded checkpoint ", dir, ": the index names ",
                path, ", which cannot be read: ", errno_text(errno));
-      LS_CHECK(st.st_size == file.size, "sharded checkpoint ", dir, ": ", path, " is ",
-               st.st_size, " bytes, the index expects ", file.size,
+      LS_CHECK(st.st_size == file.size, "sharded checkpoint ", dir, ": ", path, " is ", st.st_size,
+               " bytes, the index expects ", file.size,
                (st.st_size < file.size ? " (the file is truncated)" : " (the file was changed)"));
       file_at[file.name] = files_.size();
       files_.push_back(std::move(file));
@@ -176,12 +176,12 @@ ShardedCheckpointReader::ShardedCheckpointReader(const std::string& dir) : dir_(
         Slice slice{s.at("start").get<int64_t>(), s.at("count").get<int64_t>(), it->second,
                     s.at("offset").get<int64_t>()};
         const int64_t length = s.at("length").get<int64_t>();
-        LS_CHECK(length == slice.count * esize, where, ": tensor '", name, "': its slice in ",
-                 file, " is ", length, " bytes, expected ", slice.count, " elements of ",
+        LS_CHECK(length == slice.count * esize, where, ": tensor '", name, "': its slice in ", file,
+                 " is ", length, " bytes, expected ", slice.count, " elements of ",
                  safetensors_dtype(info.dtype), " = ", slice.count * esize, " bytes");
         LS_CHECK(slice.offset >= 0 && slice.offset + length <= files_[it->second].size, where,
-                 ": tensor '", name, "': its slice in ", file, " is at bytes [", slice.offset,
-                 ", ", slice.offset + length, "), beyond the file's ", files_[it->second].size);
+                 ": tensor '", name, "': its slice in ", file, " is at bytes [", slice.offset, ", ",
+                 slice.offset + length, "), beyond the file's ", files_[it->second].size);
         slices.push_back(slice);
       }
       std::sort(slices.begin(), slices.end(),
@@ -191,9 +191,9 @@ ShardedCheckpointReader::ShardedCheckpointReader(const std::string& dir) : dir_(
         names.push_back(files_[s.file].name);
       }
       sharded::check_tiling(where, name, info.numel(), ranges, names);
-      slices.erase(std::remove_if(slices.begin(), slices.end(),
-                                  [](const Slice& s) { return s.count == 0; }),
-                   slices.end());
+      slices.erase(
+          std::remove_if(slices.begin(), slices.end(), [](const Slice& s) { return s.count == 0; }),
+          slices.end());
       tensors_.push_back(std::move(info));
       slices_.push_back(std::move(slices));
     }
@@ -250,7 +250,8 @@ Tensor ShardedCheckpointReader::read(const std::string& name, int64_t start, int
       fd = open_file(path);
       open_file_index = it->file;
     }
-    sharded::pread_all(fd.get(), bytes + (lo - start) * esize, static_cast<size_t>((hi - lo) * esize),
+    sharded::pread_all(fd.get(), bytes + (lo - start) * esize,
+                       static_cast<size_t>((hi - lo) * esize),
                        it->offset + (lo - it->start) * esize, path);
   }
   return out;
@@ -291,7 +292,8 @@ void ShardedCheckpointReader::verify() const {
         LS_CHECK(e != h.entries.end(), "sharded checkpoint ", dir_, ": ", path, " has no '", key,
                  "', which the index places there");
         LS_CHECK(e->second.dtype == tensors_[i].dtype &&
-                     e->second.shape == std::vector<int64_t>{s.count} && e->second.begin == s.offset,
+                     e->second.shape == std::vector<int64_t>{s.count} &&
+                     e->second.begin == s.offset,
                  "sharded checkpoint ", dir_, ": ", path, ": '", key, "' is ",
                  safetensors_dtype(e->second.dtype), " ", Dims(e->second.shape).str(), " at byte ",
                  e->second.begin, ", the index expects ", safetensors_dtype(tensors_[i].dtype),
@@ -315,7 +317,8 @@ void consolidate(const std::string& dir, const std::string& out_path) {
 
 bool is_sharded_checkpoint(const std::string& path) {
   std::error_code ec;
-  return fs::is_directory(path, ec) && fs::is_regular_file(fs::path(path) / sharded::kIndexName, ec);
+  return fs::is_directory(path, ec) &&
+         fs::is_regular_file(fs::path(path) / sharded::kIndexName, ec);
 }
 
 int64_t sharded_checkpoint_step(const std::string& dir) {

@@ -15,11 +15,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "io/checkpoint_checks.h"
+#include "io/sharded_format.h"
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/base/syscall.h"
 #include "lockstep/io/sharded_checkpoint.h"
-#include "io/checkpoint_checks.h"
-#include "io/sharded_format.h"
 
 namespace lockstep::io {
 
@@ -123,7 +123,8 @@ void remove_stale_directories(const std::string& dir) {
       if (at == std::string::npos || at == 0) continue;
       const std::string owner = (fs::path(dir).parent_path() / name.substr(0, at)).string();
       std::error_code dir_ec;
-      if (checkpoint_series(owner) == series && it->is_directory(dir_ec)) stale.push_back(it->path());
+      if (checkpoint_series(owner) == series && it->is_directory(dir_ec))
+        stale.push_back(it->path());
     }
   }
   for (const fs::path& p : stale) fs::remove_all(p, ec);
@@ -165,8 +166,8 @@ void write_checkpoint_shard(const std::string& tmp_dir, int rank, int world,
     LS_CHECK(s.data.defined(), what, ": the slice of '", s.name, "' at ", s.start, " has no data");
     const int64_t count = s.data.numel();
     LS_CHECK(s.start >= 0 && s.start + count <= s.shape.numel(), what, ": the slice of '", s.name,
-             "' holds elements [", s.start, ", ", s.start + count, "), expected a range inside [0, ",
-             s.shape.numel(), ") for shape ", s.shape.str());
+             "' holds elements [", s.start, ", ", s.start + count,
+             "), expected a range inside [0, ", s.shape.numel(), ") for shape ", s.shape.str());
     Tensor flat = s.data.to(kCPU).contiguous().reshape({count});
     const std::string bad = non_finite_values(flat);
     LS_CHECK(bad.empty(), what, ": tensor '", s.name, "' (elements from ", s.start, "): ", bad,
@@ -196,9 +197,8 @@ void write_checkpoint_shard(const std::string& tmp_dir, int rank, int world,
   for (size_t i = 0; i < tensors.size(); ++i) {
     const auto& [key, t] = tensors[i];
     const sharded::HeaderEntry& e = h.entries.at(key);
-    LS_CHECK(e.begin == at && e.end - e.begin == t.nbytes(), what, ": '", key,
-             "' is at bytes [", e.begin, ", ", e.end, "), expected it at ", at, " (", t.nbytes(),
-             " bytes)");
+    LS_CHECK(e.begin == at && e.end - e.begin == t.nbytes(), what, ": '", key, "' is at bytes [",
+             e.begin, ", ", e.end, "), expected it at ", at, " (", t.nbytes(), " bytes)");
     sha.update(t.data_ptr(), static_cast<size_t>(t.nbytes()));
     entries[i]["offset"] = at;
     entries[i]["length"] = t.nbytes();
@@ -208,7 +208,7 @@ void write_checkpoint_shard(const std::string& tmp_dir, int rank, int world,
   LS_SYSCHECK_MSG(::fstat(fd.get(), &st), what, ": cannot stat it");
   LS_CHECK(st.st_size == at, what, ": it is ", st.st_size, " bytes, expected ", at);
 
-  const json marker = {{"file", file}, {"rank", rank},          {"world_size", world},
+  const json marker = {{"file", file}, {"rank", rank},        {"world_size", world},
                        {"size", at},   {"sha256", sha.hex()}, {"slices", entries}};
   write_file_atomic((fs::path(tmp_dir) / sharded::shard_name(rank, world, ".json")).string(),
                     marker.dump(), what);
@@ -244,8 +244,8 @@ void wait_for_checkpoint_shards(const std::string& tmp_dir, int world,
     if (std::chrono::steady_clock::now() >= deadline) {
       std::string ranks;
       for (int r : missing) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-      LS_THROW("sharded checkpoint ", tmp_dir, ": after ", timeout.count(), " ms, ",
-               missing.size(), " of ", world, " ranks had not written their shard (ranks ", ranks,
+      LS_THROW("sharded checkpoint ", tmp_dir, ": after ", timeout.count(), " ms, ", missing.size(),
+               " of ", world, " ranks had not written their shard (ranks ", ranks,
                "; expected shard-<rank>-of-", world,
                ".json from each); the ranks must share this file system");
     }
@@ -258,7 +258,8 @@ void write_sharded_index(const std::string& tmp_dir, int world, const TrainingCh
   const std::string what = "write_sharded_index: " + index_path;
   LS_CHECK(meta.model.empty() && meta.optimizer.empty(), what,
            ": the metadata's model and optimizer should be empty (tensors are given as slices), "
-           "got ", meta.model.size(), " and ", meta.optimizer.size(), " tensors");
+           "got ",
+           meta.model.size(), " and ", meta.optimizer.size(), " tensors");
   // The same metadata save_checkpoint writes for these fields, parsed back by the reader with
   // checkpoint_from_contents; its sha256 covers the metadata alone.
   const Metadata metadata = checkpoint_contents(meta).metadata;
@@ -272,16 +273,16 @@ void write_sharded_index(const std::string& tmp_dir, int world, const TrainingCh
     json m;
     try {
       m = json::parse(read_text(marker_path));
-      LS_CHECK(m.at("rank").get<int>() == r && m.at("world_size").get<int>() == world, what,
-               ": ", marker_path, " is rank ", m.at("rank").get<int>(), " of ",
+      LS_CHECK(m.at("rank").get<int>() == r && m.at("world_size").get<int>() == world, what, ": ",
+               marker_path, " is rank ", m.at("rank").get<int>(), " of ",
                m.at("world_size").get<int>(), ", expected rank ", r, " of ", world);
       const std::string file = m.at("file").get<std::string>();
       files.push_back({{"name", file}, {"size", m.at("size")}, {"sha256", m.at("sha256")}});
       for (const json& s : m.at("slices")) {
         const std::string name = s.at("name").get<std::string>();
         if (!tensors.contains(name)) {
-          tensors[name] = {{"dtype", s.at("dtype")}, {"shape", s.at("shape")},
-                           {"slices", json::array()}};
+          tensors[name] = {
+              {"dtype", s.at("dtype")}, {"shape", s.at("shape")}, {"slices", json::array()}};
           first_file[name] = file;
         }
         json& t = tensors[name];
@@ -311,12 +312,15 @@ void write_sharded_index(const std::string& tmp_dir, int world, const TrainingCh
       ranges.emplace_back(s["start"].get<int64_t>(), s["count"].get<int64_t>());
       in_files.push_back(s["file"].get<std::string>());
     }
-    sharded::check_tiling(what, name, Dims(t["shape"].get<std::vector<int64_t>>()).numel(),
-                          ranges, in_files);
+    sharded::check_tiling(what, name, Dims(t["shape"].get<std::vector<int64_t>>()).numel(), ranges,
+                          in_files);
   }
-  const json index = {{"format", sharded::kFormat}, {"version", sharded::kVersion},
-                      {"world_size", world},        {"metadata", metadata},
-                      {"files", files},             {"tensors", tensors}};
+  const json index = {{"format", sharded::kFormat},
+                      {"version", sharded::kVersion},
+                      {"world_size", world},
+                      {"metadata", metadata},
+                      {"files", files},
+                      {"tensors", tensors}};
   write_file_atomic(index_path, index.dump(1), what);
   std::error_code ec;
   for (int r = 0; r < world; ++r)
@@ -343,12 +347,13 @@ void commit_sharded_checkpoint(const std::string& tmp_dir, const std::string& di
       const int err = errno;
       LS_CHECK(err == EINVAL || err == ENOSYS || err == ENOTSUP, what, ": exchanging ", tmp_dir,
                " with ", dir, " failed: ", errno_text(err));
-      const std::string token = tmp_dir.substr(tmp_dir.rfind(sharded::kTempInfix) + std::strlen(sharded::kTempInfix));
+      const std::string token =
+          tmp_dir.substr(tmp_dir.rfind(sharded::kTempInfix) + std::strlen(sharded::kTempInfix));
       const std::string aside = dir + kOldInfix + token;
       LS_SYSCHECK_MSG(::rename(dir.c_str(), aside.c_str()), what, ": renaming ", dir, " to ",
                       aside);
-      LS_SYSCHECK_MSG(::rename(tmp_dir.c_str(), dir.c_str()), what, ": renaming ", tmp_dir,
-                      " to ", dir);
+      LS_SYSCHECK_MSG(::rename(tmp_dir.c_str(), dir.c_str()), what, ": renaming ", tmp_dir, " to ",
+                      dir);
       fsync_dir(parent, what);
       fs::remove_all(aside, ec);
     }

@@ -91,8 +91,8 @@ TEST(DistShardedCheckpoint, SavedAtFourRanksLoadsAtOneTwoAndThree) {
       for (size_t i = 0; i < ref.size(); ++i) {
         const auto [start, count] = shard_range(ref[i].second.numel(), rank, world);
         EXPECT_EQ(loaded.slices[i].shape, ref[i].second.shape());
-        EXPECT_TRUE(same_bits(loaded.slices[i].data,
-                              flat(ref[i].second).slice(0, start, start + count)))
+        EXPECT_TRUE(
+            same_bits(loaded.slices[i].data, flat(ref[i].second).slice(0, start, start + count)))
             << ref[i].first << " rank " << rank << " of " << world;
       }
     }));
@@ -132,7 +132,8 @@ TEST(DistShardedCheckpoint, KeepPrunesOlderDirectoriesAndResumeAutoFindsTheNewes
     for (int64_t step : {10, 20, 30, 40})
       save_sharded_checkpoint(*pg, io::checkpoint_path_for_step(base, step),
                               slices_of(ref, rank, 3), meta_of(step, 3), /*keep=*/2);
-    EXPECT_EQ(resolve_sharded_resume(*pg, "auto", base).path, io::checkpoint_path_for_step(base, 40));
+    EXPECT_EQ(resolve_sharded_resume(*pg, "auto", base).path,
+              io::checkpoint_path_for_step(base, 40));
     EXPECT_THROW(resolve_sharded_resume(*pg, dir.path("nothing"), base), Error);
   }));
   EXPECT_FALSE(fs::exists(io::checkpoint_path_for_step(base, 10)));
@@ -161,8 +162,8 @@ TEST(DistShardedCheckpoint, AsyncSavesEveryStepKeepThePreviousWholeAndHoldTheirS
     for (int64_t step = 1; step <= kSteps; ++step) {
       auto* p = param.data<float>();
       for (int64_t i = 0; i < count; ++i) p[i] = value(step, start + i);
-      saver.save(io::checkpoint_path_for_step(base, step),
-                 {{"model.w", {kNumel}, start, param}}, meta_of(step, kWorld));
+      saver.save(io::checkpoint_path_for_step(base, step), {{"model.w", {kNumel}, start, param}},
+                 meta_of(step, kWorld));
       for (int64_t i = 0; i < count; ++i) p[i] = -1.0f;  // training goes on
       if (step > 1) {
         const io::ShardedCheckpointReader previous(io::checkpoint_path_for_step(base, step - 1));
@@ -175,8 +176,8 @@ TEST(DistShardedCheckpoint, AsyncSavesEveryStepKeepThePreviousWholeAndHoldTheirS
     }
     saver.wait();
     EXPECT_FALSE(saver.busy());
-    const Tensor all = io::ShardedCheckpointReader(io::checkpoint_path_for_step(base, kSteps))
-                           .read("model.w");
+    const Tensor all =
+        io::ShardedCheckpointReader(io::checkpoint_path_for_step(base, kSteps)).read("model.w");
     for (int64_t i = 0; i < kNumel; ++i) ASSERT_EQ(all.data<float>()[i], value(kSteps, i));
   }));
   // keep 2: the last two steps' directories and nothing else (no temporary ones either).
@@ -205,8 +206,8 @@ TEST(DistShardedCheckpoint, AsyncErrorsSurfaceOnEveryRankAtTheNextSaveOrWait) {
       }
     });
     for (size_t r = 0; r < errors.size(); ++r) {
-      EXPECT_THAT(errors[r], ::testing::HasSubstr("the save of " +
-                                                  io::checkpoint_path_for_step(base, 2)))
+      EXPECT_THAT(errors[r],
+                  ::testing::HasSubstr("the save of " + io::checkpoint_path_for_step(base, 2)))
           << r;
       EXPECT_THAT(errors[r], ::testing::HasSubstr("rank 1")) << r;
       EXPECT_THAT(errors[r], ::testing::HasSubstr("Inf")) << r;

@@ -53,8 +53,8 @@ std::pair<int64_t, int64_t> range_of(int64_t numel, const std::vector<double>& w
   }
   const auto at = [&](double w) { return static_cast<int64_t>(numel * (w / total)); };
   const int64_t start = at(before);
-  const int64_t end = rank + 1 == static_cast<int>(weights.size()) ? numel
-                                                                     : at(before + weights[rank]);
+  const int64_t end =
+      rank + 1 == static_cast<int>(weights.size()) ? numel : at(before + weights[rank]);
   return {start, end};
 }
 
@@ -221,9 +221,9 @@ TEST(ShardedCheckpoint, AMissingOrTruncatedShardIsAnErrorNamingTheFile) {
   const std::string shard1 = dir.path("ckpt/shard-1-of-4.safetensors");
   const auto size = fs::file_size(shard1);
   fs::resize_file(shard1, size - 3);
-  expect_error([&] { io::ShardedCheckpointReader reader(ckpt); },
-               {shard1, "is " + std::to_string(size - 3) + " bytes", std::to_string(size),
-                "truncated"});
+  expect_error(
+      [&] { io::ShardedCheckpointReader reader(ckpt); },
+      {shard1, "is " + std::to_string(size - 3) + " bytes", std::to_string(size), "truncated"});
   fs::remove(dir.path("ckpt/shard-2-of-4.safetensors"));
   fs::resize_file(shard1, size);
   expect_error([&] { io::ShardedCheckpointReader reader(ckpt); },
@@ -354,7 +354,8 @@ TEST(ShardedCheckpoint, ReplacingADirectoryLeavesAWholeOneEvenWhenKilledMidSave)
 TEST(ShardedCheckpoint, ResumeSkipsACorruptNewestAndKeepPrunesOnlyOlderDirectories) {
   TempDir dir;
   const std::string base = dir.path("ckpt");
-  for (int64_t step : {10, 20, 30, 40}) write_four_ranks(io::checkpoint_path_for_step(base, step), step);
+  for (int64_t step : {10, 20, 30, 40})
+    write_four_ranks(io::checkpoint_path_for_step(base, step), step);
   const std::string step40 = io::checkpoint_path_for_step(base, 40);
   std::string bytes = read_file(step40 + "/shard-0-of-4.safetensors");
   bytes[bytes.size() - 1] ^= 1;

@@ -22,8 +22,7 @@ CLI::App* add_checkpoint_command(CLI::App& app, CheckpointArgs& args) {
       "atomically; Python reads it with safetensors.torch.load_file.\nExit codes: 0 written, 1 "
       "the checkpoint is missing or broken or the file cannot be written, 2 bad usage.");
   consolidate->add_option("dir", args.dir, "the sharded checkpoint's directory")->required();
-  consolidate->add_option("-o,--output", args.output, "the safetensors file to write")
-      ->required();
+  consolidate->add_option("-o,--output", args.output, "the safetensors file to write")->required();
   consolidate->add_flag("--no-verify", args.no_verify,
                         "skip checking each shard's SHA-256 (which reads every file twice)");
   return consolidate;
@@ -34,7 +33,8 @@ int run_checkpoint(const CheckpointArgs& args) {
     const io::ShardedCheckpointReader reader(args.dir);
     if (!args.no_verify) reader.verify();
     io::consolidate(args.dir, args.output);
-    std::fprintf(stderr, "lockstep checkpoint: wrote %s (%zu tensors, step %lld, from %lld ranks)\n",
+    std::fprintf(stderr,
+                 "lockstep checkpoint: wrote %s (%zu tensors, step %lld, from %lld ranks)\n",
                  args.output.c_str(), reader.tensors().size(),
                  static_cast<long long>(reader.checkpoint().step),
                  static_cast<long long>(reader.world_size()));

@@ -9,8 +9,8 @@
 namespace lockstep::launch {
 
 struct CheckpointArgs {
-  std::string dir;     // the sharded checkpoint
-  std::string output;  // the file to write
+  std::string dir;         // the sharded checkpoint
+  std::string output;      // the file to write
   bool no_verify = false;  // skip checking every shard's SHA-256 first
 };
 

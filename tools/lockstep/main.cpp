@@ -207,7 +207,7 @@ int main(int argc, char** argv) {
     return kExitUsage;
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version
-    const std::string sub = consolidate->parsed()              ? " checkpoint consolidate"
+    const std::string sub = consolidate->parsed()                 ? " checkpoint consolidate"
                             : consolidate->get_parent()->parsed() ? " checkpoint"
                             : plot->parsed()                      ? " plot"
                             : run->parsed()                       ? " run"

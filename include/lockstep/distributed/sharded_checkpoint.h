@@ -87,7 +87,7 @@ io::CheckpointChoice resolve_sharded_resume(ProcessGroup& pg, const std::string&
                                             const std::string& base);
 
 struct ShardedLoad {
-  io::TrainingCheckpoint meta;         // the non-tensor fields; model and optimizer empty
+  io::TrainingCheckpoint meta;          // the non-tensor fields; model and optimizer empty
   std::vector<io::TensorSlice> slices;  // what was asked for, in that order
 };
 // Collective. Every rank opens `dir` and reads the ranges it asks for (any layout, any world

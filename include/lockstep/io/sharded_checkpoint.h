@@ -118,8 +118,8 @@ class ShardedCheckpointReader {
  private:
   struct Slice {
     int64_t start = 0, count = 0;
-    size_t file = 0;          // into files_
-    int64_t offset = 0;       // of its first byte in the file
+    size_t file = 0;     // into files_
+    int64_t offset = 0;  // of its first byte in the file
   };
   struct File {
     std::string name;  // relative to dir_
