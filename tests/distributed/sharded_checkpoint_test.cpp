@@ -10,6 +10,7 @@
 
 #include "lockstep/distributed/sharded_checkpoint.h"
 #include "lockstep/lockstep.h"
+#include "lockstep/tensor/cuda.h"
 #include "testing.h"
 #include "thread_ranks.h"
 
@@ -216,4 +217,27 @@ TEST(DistShardedCheckpoint, AsyncErrorsSurfaceOnEveryRankAtTheNextSaveOrWait) {
     EXPECT_FALSE(fs::exists(io::checkpoint_path_for_step(base, 2)));
     EXPECT_FALSE(fs::exists(io::checkpoint_path_for_step(base, 3)));  // never started
   }
+}
+
+// The background saver's snapshot of a device tensor is a host copy taken in save(): the device
+// memory is overwritten at once, and the checkpoint holds the values at save() time. Runs on a
+// GPU, or on emulated ones (LOCKSTEP_TEST_EMULATE_GPUS=1); skips elsewhere.
+TEST(DistShardedCheckpoint, AsyncSaveOfDeviceTensorsHoldsTheirValuesAtSaveTime) {
+  if (!cuda::emulated() && !cuda::is_available())
+    GTEST_SKIP() << "needs a GPU or emulated ones (LOCKSTEP_TEST_EMULATE_GPUS=1)";
+  TempDir dir;
+  const std::string ckpt = dir.path("ckpt");
+  constexpr int64_t kNumel = 37;
+  expect_no_errors(lockstep::testing::run_ranks(2, [&](int rank, ProcessGroupPtr pg) {
+    cuda::set_device(0);
+    const auto [start, count] = shard_range(kNumel, rank, 2);
+    Tensor param = arange(static_cast<double>(start), static_cast<double>(start + count), 1.0,
+                          TensorOptions(kFloat32).with_device(cuda_device(0)));
+    AsyncShardedSaver saver(*pg);
+    saver.save(ckpt, {{"model.w", {kNumel}, start, param}}, meta_of(1, 2));
+    param.fill_(-1.0);
+    saver.wait();
+    const Tensor all = io::ShardedCheckpointReader(ckpt).read("model.w");
+    for (int64_t i = 0; i < kNumel; ++i) ASSERT_EQ(all.data<float>()[i], static_cast<float>(i));
+  }));
 }
