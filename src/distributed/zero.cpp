@@ -2,6 +2,8 @@
 // parameters, and the full state gathered for checkpoints and re-sharded on load.
 #include "lockstep/distributed/zero.h"
 
+#include "distributed/grad_norm.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -13,6 +15,7 @@
 #include <string>
 #include <tuple>
 
+#include "distributed/grad_norm.h"
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/base/error.h"
 #include "lockstep/ops/elementwise.h"
@@ -401,26 +404,15 @@ double ZeroRedundancyOptimizer::clip_grad_norm(double max_norm) {
   autograd::NoGradGuard no_grad;
   wait_parameters();
   follow_buckets();
-  double part = 0;
+  // Every rank holds the tails: count them once (rank 0's).
+  std::vector<Tensor> mine, all;
   for (const Piece& piece : pieces_) {
-    if (piece.tail && pg_->rank() != 0) continue;  // every rank holds the tails: count them once
-    const Tensor g = piece_grad(piece);
+    Tensor g = piece_grad(piece);
     if (!g.defined()) continue;
-    const Tensor g64 = g.to(kFloat64);
-    part += sum(mul(g64, g64)).item();
+    all.push_back(g);
+    if (!piece.tail || pg_->rank() == 0) mine.push_back(g);
   }
-  Tensor acc = full({1}, part, kFloat64).to(params_[0].device());
-  pg_->all_reduce(acc, {.op = ReduceOp::sum})->wait();
-  const double total = std::sqrt(acc.to(Device()).item());
-  if (!std::isfinite(total)) return total;
-  const double coef = max_norm / (total + 1e-6);
-  if (coef < 1.0) {
-    for (const Piece& piece : pieces_) {
-      Tensor g = piece_grad(piece);
-      if (g.defined()) g.mul_(coef);
-    }
-  }
-  return total;
+  return clip_shards(all, sharded_grad_norm(*pg_, mine), max_norm);
 }
 
 std::vector<Tensor> ZeroRedundancyOptimizer::step_gradients() {

@@ -8,6 +8,7 @@
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/ops/elementwise.h"
 #include "lockstep/ops/reduce.h"
+#include "lockstep/optim/exact_sum.h"
 #include "ops/cpu/avx2_math.h"
 #include "ops/kernels.h"
 #include "tensor/dispatch.h"
@@ -400,6 +401,30 @@ void AdamW::step() {
 
 // ---- clip_grad_norm ----
 
+void add_squares(ExactSum& acc, const Tensor& t) {
+  LS_CHECK(t.device().is_cpu(), "add_squares: expected a CPU tensor, got one on ",
+           t.device().str());
+  const Tensor c = t.contiguous();
+  // Blocks of a fixed size, each summed exactly and the blocks merged exactly: the threads'
+  // split cannot change the result.
+  constexpr int64_t kBlock = int64_t{1} << 15;
+  const int64_t n = c.numel(), blocks = (n + kBlock - 1) / kBlock;
+  std::vector<ExactSum> parts(static_cast<size_t>(blocks));
+  cpu::dispatch_float(c.dtype(), "add_squares", [&]<typename T>() {
+    const T* x = c.data<T>();
+    cpu::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
+      for (int64_t blk = b; blk < e; ++blk) {
+        ExactSum& part = parts[static_cast<size_t>(blk)];
+        const int64_t end = std::min(n, (blk + 1) * kBlock);
+        for (int64_t k = blk * kBlock; k < end; ++k) part.add_square(static_cast<double>(x[k]));
+      }
+    });
+  });
+  for (const ExactSum& part : parts) acc.add(part);
+}
+
+double clip_coefficient(double total, double max_norm) { return max_norm / (total + 1e-6); }
+
 double clip_grad_norm(const std::vector<Tensor>& params, double max_norm, double norm_type) {
   LS_CHECK(max_norm >= 0, "clip_grad_norm: max_norm must be >= 0, got ", max_norm);
   LS_CHECK(norm_type == 2.0 || std::isinf(norm_type),
@@ -409,6 +434,7 @@ double clip_grad_norm(const std::vector<Tensor>& params, double max_norm, double
   autograd::NoGradGuard no_grad;
   const bool inf_norm = std::isinf(norm_type);
   double acc = 0;
+  ExactSum exact;  // the CPU gradients' squares (Note [Exact norm])
   // Device gradients: partial norms stay on the device (f64 sums), read once at the end, so
   // clipping costs one host synchronisation per step, not one per parameter.
   Tensor device_acc;
@@ -425,31 +451,29 @@ double clip_grad_norm(const std::vector<Tensor>& params, double max_norm, double
                                          : add(device_acc, part);
       continue;
     }
+    if (!inf_norm) {
+      add_squares(exact, g);
+      continue;
+    }
     double part = 0;
     cpu::dispatch_float(g.dtype(), "clip_grad_norm", [&]<typename T>() {
       const T* x = g.data<T>();
-      if (inf_norm) {
-        // NaN must win, as it does for the 2-norm; max() would drop it.
-        for (int64_t k = 0; k < g.numel(); ++k) {
-          const double v = std::abs(static_cast<double>(x[k]));
-          part = (v > part || std::isnan(v)) && !std::isnan(part) ? v : part;
-        }
-      } else {
-        part = cpu::blocked_sum(g.numel(), [&](int64_t k) {
-          const double v = static_cast<double>(x[k]);
-          return v * v;
-        });
+      // NaN must win, as it does for the 2-norm; max() would drop it.
+      for (int64_t k = 0; k < g.numel(); ++k) {
+        const double v = std::abs(static_cast<double>(x[k]));
+        part = (v > part || std::isnan(v)) && !std::isnan(part) ? v : part;
       }
     });
-    acc = inf_norm ? (std::isnan(part) || part > acc ? part : acc) : acc + part;
+    acc = std::isnan(part) || part > acc ? part : acc;
   }
+  if (!inf_norm) acc = exact.value();
   if (device_acc.defined()) {
     const double part = device_acc.item();
     acc = inf_norm ? (std::isnan(part) || part > acc ? part : acc) : acc + part;
   }
   const double total = std::isinf(norm_type) ? acc : std::sqrt(acc);
   if (!std::isfinite(total)) return total;
-  const double coef = max_norm / (total + 1e-6);
+  const double coef = clip_coefficient(total, max_norm);
   if (coef < 1.0) {
     for (const Tensor& p : params)
       if (p.grad().defined()) p.grad().mul_(coef);
@@ -459,7 +483,10 @@ double clip_grad_norm(const std::vector<Tensor>& params, double max_norm, double
 
 void check_loss_is_finite(double loss, int64_t step, const std::string& remedy) {
   if (std::isfinite(loss)) return;
-  LS_THROW("step ", step, ": the loss is ", std::isnan(loss) ? "NaN" : loss > 0 ? "Inf" : "-Inf",
+  LS_THROW("step ", step, ": the loss is ",
+           std::isnan(loss) ? "NaN"
+           : loss > 0       ? "Inf"
+                            : "-Inf",
            ": the training has diverged, so it stops here (no checkpoint holding NaN or Inf is "
            "written; the last one written, if any, is the state to go back to). ",
            remedy);
