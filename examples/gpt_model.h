@@ -67,7 +67,7 @@ class CausalSelfAttention : public nn::Module {
 
   Tensor forward(const Tensor& x) override {  // x (B,T,C)
     const int64_t B = x.size(0), T = x.size(1), C = x.size(2), H = n_head_, D = C / H;
-    Tensor qkv = c_attn_->forward(x);                                       // (B,T,3C)
+    Tensor qkv = (*c_attn_)(x);  // (B,T,3C)
     // Strided views, which the attention reads as they are and whose output it lays out as
     // (B,T,H,D), so the transpose back is contiguous already (Note [Strided attention inputs]);
     // unbind's one backward node gathers their gradients into qkv's (Note [unbind's backward]).
@@ -77,7 +77,7 @@ class CausalSelfAttention : public nn::Module {
     Tensor v = heads[2].transpose(1, 2);                                    // (B,H,T,D)
     Tensor y = scaled_dot_product_attention(q, k, v, {.is_causal = true});  // (B,H,T,D)
     y = y.transpose(1, 2).contiguous().view({B, T, C});                     // (B,T,C)
-    return c_proj_->forward(y);                                             // (B,T,C)
+    return (*c_proj_)(y);                                                   // (B,T,C)
   }
 
  private:
@@ -96,9 +96,9 @@ class GptMlp : public nn::Module {
     gpt_init_linear(*c_proj_, kGptInitStd / std::sqrt(2.0 * cfg.n_layer), gen);
   }
 
-  Tensor forward(const Tensor& x) override {               // x (B,T,C)
-    Tensor h = gelu(c_fc_->forward(x), GeluApprox::tanh);  // (B,T,4C)
-    return c_proj_->forward(h);                            // (B,T,C)
+  Tensor forward(const Tensor& x) override {         // x (B,T,C)
+    Tensor h = gelu((*c_fc_)(x), GeluApprox::tanh);  // (B,T,4C)
+    return (*c_proj_)(h);                            // (B,T,C)
   }
 
  private:
@@ -115,9 +115,9 @@ class GptBlock : public nn::Module {
     mlp_ = register_module("mlp", std::make_shared<GptMlp>(cfg, gen));
   }
 
-  Tensor forward(const Tensor& x) override {           // x (B,T,C)
-    Tensor h = x + attn_->forward(ln_1_->forward(x));  // (B,T,C)
-    return h + mlp_->forward(ln_2_->forward(h));       // (B,T,C)
+  Tensor forward(const Tensor& x) override {  // x (B,T,C)
+    Tensor h = x + (*attn_)((*ln_1_)(x));     // (B,T,C)
+    return h + (*mlp_)((*ln_2_)(h));          // (B,T,C)
   }
 
  private:
@@ -133,8 +133,8 @@ class GptBlock : public nn::Module {
 // built.
 inline int64_t gpt_num_parameters(const GptModelConfig& c) {
   const int64_t C = c.n_embd;
-  const int64_t block = 4 * C + (3 * C * C + 3 * C) + (C * C + C) + (4 * C * C + 4 * C) +
-                        (4 * C * C + C);
+  const int64_t block =
+      4 * C + (3 * C * C + 3 * C) + (C * C + C) + (4 * C * C + 4 * C) + (4 * C * C + C);
   return (c.vocab_size + c.block_size) * C + c.n_layer * block + 2 * C;
 }
 
@@ -170,11 +170,11 @@ class Gpt : public nn::Module {
     const int64_t T = tokens.size(1);
     LS_CHECK(T <= cfg_.block_size, "expected at most block_size ", cfg_.block_size, " tokens, got ",
              T);
-    Tensor pos = arange(T).to(tokens.device());             // (T)
-    Tensor x = wte_->forward(tokens) + wpe_->forward(pos);  // (B,T,C) + (T,C)
-    for (auto& block : blocks_) x = block->forward(x);      // (B,T,C)
-    x = ln_f_->forward(x);                                  // (B,T,C)
-    return linear(x, wte_->weight());                       // (B,T,V), tied head
+    Tensor pos = arange(T).to(tokens.device());   // (T)
+    Tensor x = (*wte_)(tokens) + (*wpe_)(pos);    // (B,T,C) + (T,C)
+    for (auto& block : blocks_) x = (*block)(x);  // (B,T,C)
+    x = (*ln_f_)(x);                              // (B,T,C)
+    return linear(x, wte_->weight());             // (B,T,V), tied head
   }
 
   // gpt_flops_per_token of this model.

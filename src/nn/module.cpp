@@ -12,6 +12,32 @@ Tensor Module::forward(const Tensor&) {
   LS_THROW(type_name_, " has no single-tensor forward(); call its own methods");
 }
 
+Tensor Module::operator()(const Tensor& x) {
+  if (pre_hooks_.empty() && post_hooks_.empty()) return forward(x);
+  // Copies: a hook may remove itself.
+  const auto pre = pre_hooks_;
+  for (const auto& [id, hook] : pre) hook(*this);
+  Tensor out = forward(x);
+  const auto post = post_hooks_;
+  for (const auto& [id, hook] : post) out = hook(*this, out);
+  return out;
+}
+
+int Module::register_forward_pre_hook(ForwardPreHook hook) {
+  pre_hooks_.emplace_back(next_hook_id_, std::move(hook));
+  return next_hook_id_++;
+}
+
+int Module::register_forward_hook(ForwardHook hook) {
+  post_hooks_.emplace_back(next_hook_id_, std::move(hook));
+  return next_hook_id_++;
+}
+
+void Module::remove_forward_hook(int id) {
+  std::erase_if(pre_hooks_, [id](const auto& h) { return h.first == id; });
+  std::erase_if(post_hooks_, [id](const auto& h) { return h.first == id; });
+}
+
 void Module::check_new_name(const std::string& name) const {
   LS_CHECK(!name.empty() && name.find('.') == std::string::npos, type_name_, ": invalid name '",
            name, "' (must be non-empty and contain no '.')");
@@ -212,7 +238,7 @@ void Sequential::push_back(std::shared_ptr<Module> layer) {
 
 Tensor Sequential::forward(const Tensor& x) {
   Tensor h = x;
-  for (const auto& [n, layer] : named_children()) h = layer->forward(h);
+  for (const auto& [n, layer] : named_children()) h = (*layer)(h);
   return h;
 }
 

@@ -49,6 +49,10 @@ bool Tensor::is_contiguous() const {
 }
 
 void* Tensor::data_ptr() const {
+  if (impl_->storage_->data() == nullptr && numel() > 0) [[unlikely]]
+    LS_THROW("a tensor of shape ", shape().str(), " whose storage holds no memory: a parameter of ",
+             "a FullyShardedDataParallel unit outside its forward and backward (read it through ",
+             "the wrapper: full_state_dict(), or inside summon_full_params())");
   return static_cast<char*>(impl_->storage_->data()) + impl_->offset_ * element_size();
 }
 

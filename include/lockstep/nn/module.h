@@ -1,6 +1,7 @@
 // Module: named parameters, buffers and children in a deterministic order; state_dict; modes.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -21,7 +22,19 @@ class Module {
 
   // The computation; the default throws (containers and layers override it).
   virtual Tensor forward(const Tensor& x);
-  Tensor operator()(const Tensor& x) { return forward(x); }
+  // Note [Forward hooks]: calling a module runs its forward pre-hooks, forward(), then its forward
+  // hooks, in registration order; calling forward() directly runs no hook (PyTorch's __call__
+  // and forward). Containers call their children this way, and so must a module whose children
+  // another layer hooks (FullyShardedDataParallel gathers a unit's parameters in its pre-hook).
+  Tensor operator()(const Tensor& x);
+
+  // A pre-hook runs before forward(); a forward hook gets the output and returns the output the
+  // caller sees (the same tensor, or one with more history). Ids are for remove_forward_hook.
+  using ForwardPreHook = std::function<void(Module&)>;
+  using ForwardHook = std::function<Tensor(Module&, const Tensor& output)>;
+  int register_forward_pre_hook(ForwardPreHook hook);
+  int register_forward_hook(ForwardHook hook);
+  void remove_forward_hook(int id);
 
   // Note [Parameter order]
   // Registration order, depth-first: a module's own parameters, then each child's in the order
@@ -82,6 +95,9 @@ class Module {
   NamedTensors buffers_;
   std::vector<bool> buffer_persistent_;
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
+  std::vector<std::pair<int, ForwardPreHook>> pre_hooks_;
+  std::vector<std::pair<int, ForwardHook>> post_hooks_;
+  int next_hook_id_ = 0;
 };
 
 // Runs children in order; children are named "0", "1", ...
