@@ -37,6 +37,7 @@
 #include "lockstep/base/worker_env.h"
 #include "lockstep/data/data.h"
 #include "lockstep/distributed/checkpoint.h"
+#include "lockstep/distributed/fsdp.h"
 #include "lockstep/distributed/sync_check.h"
 #include "lockstep/distributed/zero.h"
 #include "lockstep/io/checkpoint.h"
@@ -160,9 +161,7 @@ bool first_attempt() { return restart_count() == "0"; }
 
 // Whether rank 0's stdout ends on a terminal, where a progress bar replaces the loss lines: as
 // the launcher says when there is one, else as isatty says.
-bool stdout_is_terminal() {
-  return env_flag(env::kStdoutIsTty).value_or(::isatty(1) == 1);
-}
+bool stdout_is_terminal() { return env_flag(env::kStdoutIsTty).value_or(::isatty(1) == 1); }
 
 // The model as this process trains it: under --dp K, DataParallel's K replicas on threads; in a
 // world of several processes, DDP around this process's copy; else the model alone. The choice
@@ -171,6 +170,26 @@ struct Model {
   std::shared_ptr<nn::Module> params;  // what the optimizer steps and a checkpoint holds
   std::unique_ptr<dist::DataParallel> dp;
   std::shared_ptr<dist::DistributedDataParallel> ddp;
+  // --zero 2/3: FullyShardedDataParallel in place of DDP; `params` then holds no memory outside
+  // the forward and backward, so evaluation runs through `fsdp` and checkpoints read its full
+  // state.
+  std::shared_ptr<dist::FullyShardedDataParallel> fsdp;
+  // What runs the test set: the FSDP wrapper (it gathers unit by unit) or the model.
+  nn::Module& eval_module() const { return fsdp ? *fsdp : *params; }
+  nn::NamedTensors state_dict() const {
+    return fsdp ? fsdp->full_state_dict() : params->state_dict();
+  }
+  void load_state_dict(const nn::NamedTensors& state) const {
+    if (fsdp) {
+      fsdp->load_full_state_dict(state);
+    } else {
+      params->load_state_dict(state);
+    }
+  }
+  double clip_grad_norm(double max_norm) const {
+    return fsdp ? fsdp->clip_grad_norm(max_norm)
+                : optim::clip_grad_norm(params->parameters(), max_norm);
+  }
   // One micro-batch's forward and backward: the loss times `weight` is added into the gradients;
   // returns it. `sync` false: more micro-batches of this step follow, so DDP accumulates locally
   // (no_sync) instead of all-reducing.
@@ -211,14 +230,22 @@ class TestSlowForward : public nn::Module {
 };
 
 // SGD over the model's parameters; with --zero 1 wrapped so that each rank keeps the state of
-// its shard only (Note [ZeRO-1]): the same parameters, bit for bit, and a checkpoint that is the
-// same file, loadable with or without --zero and with any number of ranks.
+// its shard only (Note [ZeRO-1]), with --zero 2/3 over FSDP's shards: the same parameters, bit
+// for bit, and a checkpoint that is the same file, loadable with or without --zero and with any
+// number of ranks.
 std::unique_ptr<optim::Optimizer> build_optimizer(const Config& cfg, double lr,
                                                   const nn::Module& model,
-                                                  const std::shared_ptr<dist::ProcessGroup>& pg) {
+                                                  const std::shared_ptr<dist::ProcessGroup>& pg,
+                                                  dist::FullyShardedDataParallel* fsdp) {
   const optim::SGDOptions opts{
       .lr = lr, .momentum = cfg.momentum, .weight_decay = cfg.weight_decay};
   if (cfg.zero == 0) return std::make_unique<optim::SGD>(model.parameters(), opts);
+  if (fsdp) {
+    return fsdp->wrap_optimizer({optim::ParamGroup{model.parameters()}},
+                                [opts](std::vector<optim::ParamGroup> groups) {
+                                  return std::make_unique<optim::SGD>(std::move(groups), opts);
+                                });
+  }
   return std::make_unique<dist::ZeroRedundancyOptimizer>(
       model.parameters(), pg, [opts](std::vector<optim::ParamGroup> groups) {
         return std::make_unique<optim::SGD>(std::move(groups), opts);
@@ -289,6 +316,19 @@ Model build_model(const Config& cfg, const std::shared_ptr<dist::ProcessGroup>& 
     scaler.scale(mul(loss, weight)).backward();
     return loss.item() * weight;
   };
+  if (cfg.zero >= 2) {
+    // FSDP at any number of ranks (one shards nothing, but runs the same way); the default wrap
+    // policy makes each large Linear a unit.
+    m.fsdp = std::make_shared<dist::FullyShardedDataParallel>(
+        m.params, pg, dist::FSDPOptions{.reshard_after_forward = cfg.zero == 3});
+    m.forward_backward = [local, fsdp = m.fsdp](const data::Batch& batch, double weight,
+                                                bool sync) {
+      if (sync) return local(*fsdp, batch, weight);  // the step's last: reduce-scatter
+      dist::FullyShardedDataParallel::NoSync no_sync(*fsdp);
+      return local(*fsdp, batch, weight);
+    };
+    return m;
+  }
   if (pg->size() == 1) {
     m.forward_backward = [local, net = m.params](const data::Batch& batch, double weight, bool) {
       return local(*net, batch, weight);
@@ -556,7 +596,7 @@ class Trainer {
         model_(build_model(cfg, pg_, gen_, scaler_)),
         effective_batch_(effective_batch_of(cfg, world_)),
         lr_(scaled_lr(cfg, effective_batch_)),
-        opt_(build_optimizer(cfg, lr_, *model_.params, pg_)),
+        opt_(build_optimizer(cfg, lr_, *model_.params, pg_, model_.fsdp.get())),
         // --uneven: no padding, so the ranks' shares differ (Note [Uneven inputs]).
         sampler_(std::make_shared<data::DistributedSampler>(
             train_data_->size(), data::DistributedSamplerOptions{.num_replicas = world_,
@@ -670,7 +710,7 @@ void Trainer::resume() {
 void Trainer::load(const std::string& path) {
   io::TrainingCheckpoint ckpt = dist::load_checkpoint(*pg_, path);
   try {
-    model_.params->load_state_dict(ckpt.model);
+    model_.load_state_dict(ckpt.model);
   } catch (const Error& e) {
     LS_THROW("--resume ", path, " holds another model than --model ", cfg_.model, ": ",
              e.message());
@@ -918,7 +958,7 @@ void Trainer::optimizer_step(StepResult* s) {
   double grad_norm = 0;
   if (cfg_.clip_grad_norm > 0) {
     scaler_.unscale_(*opt_);
-    grad_norm = optim::clip_grad_norm(model_.params->parameters(), cfg_.clip_grad_norm);
+    grad_norm = model_.clip_grad_norm(cfg_.clip_grad_norm);
   }
   if (s != nullptr) {
     if (cfg_.clip_grad_norm > 0) s->grad_norm = grad_norm;
@@ -991,7 +1031,7 @@ io::TrainingCheckpoint Trainer::checkpoint(const Position& at) {
   sums.set_at({pg_->rank()}, at.epoch_loss_sum);
   pg_->all_reduce_host(sums);
   io::TrainingCheckpoint ckpt;
-  ckpt.model = model_.params->state_dict();
+  ckpt.model = model_.state_dict();
   ckpt.optimizer = opt_->state_dict();
   ckpt.optimizer_param_names = param_names_;
   if (scaler_.is_enabled()) ckpt.scaler = scaler_.state_dict();
@@ -1027,7 +1067,7 @@ double Trainer::mean_loss() {
 // Test accuracy over all ranks' shares of the test set, recorded with --metrics.
 double Trainer::evaluate() {
   const Device device = model_.dp ? model_.dp->devices().front() : train_device(cfg_);
-  const double accuracy = test_accuracy(*model_.params, *test_data_, *pg_, device);
+  const double accuracy = test_accuracy(model_.eval_module(), *test_data_, *pg_, device);
   if (metrics_)
     metrics_->write(
         io::EvalRecord{.step = pos_.step, .epoch = pos_.epoch, .test_accuracy = accuracy});

@@ -64,7 +64,7 @@ struct Config {
   std::string test_sample_log;        // testing only: Note [Sample log]
   bool uneven = false;                // no padding in the train sampler; dist::Join evens out
   bool sync_bn = false;               // BatchNorm layers as dist::SyncBatchNorm
-  int64_t zero = 0;                   // 1: the optimizer state sharded (ZeRO-1)
+  int64_t zero = 0;  // 1: the optimizer state sharded (ZeRO-1); 2, 3: FSDP (ZeRO-2, ZeRO-3)
 };
 
 // Note [Numeric flags]
@@ -279,10 +279,13 @@ inline int parse_flags(int argc, char** argv, Config& cfg) {
                "BatchNorm statistics over the whole batch of all ranks (dist::SyncBatchNorm), "
                "so N ranks of --batch-size B normalize as one process of N x B; needs a model "
                "with BatchNorm (--model cnn-bn). Not with --dp");
-  add_number(app, "--zero", cfg.zero, I{0, 1},
+  add_number(app, "--zero", cfg.zero, I{0, 3},
              "ZeRO stage: 1 shards the optimizer state across the ranks "
              "(dist::ZeroRedundancyOptimizer; each rank keeps 1/world of it, the parameters are "
-             "bitwise those of 0); 0: every rank keeps all of it. Not with --dp");
+             "bitwise those of 0); 2: FSDP, the parameters, gradients and optimizer state "
+             "sharded, a layer gathered whole from its forward to its backward; 3: FSDP that "
+             "frees each layer's parameters after its forward; 0: every rank keeps all of it. "
+             "Not with --dp");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -310,8 +313,9 @@ inline int parse_flags(int argc, char** argv, Config& cfg) {
                         : !cfg.resume.empty() ? "--resume (a position mid-epoch assumes equal "
                                                 "shares)"
                         : cfg.dp > 1          ? "--dp (one process: no rank runs out)"
-                        : cfg.sync_bn ? "--sync-bn (its all-gather needs every rank's batch)"
-                                      : nullptr;
+                        : cfg.sync_bn   ? "--sync-bn (its all-gather needs every rank's batch)"
+                        : cfg.zero >= 2 ? "--zero 2 or 3 (FSDP's gathers need every rank)"
+                                        : nullptr;
     if (other != nullptr)
       return usage_error(std::string("--uneven cannot be combined with ") + other);
   }
@@ -320,8 +324,14 @@ inline int parse_flags(int argc, char** argv, Config& cfg) {
                        " has none: use --model cnn-bn");
   }
   if (cfg.zero > 0 && cfg.dp > 1) {
-    return usage_error("--zero 1 shards the optimizer state across ranks; --dp " +
+    return usage_error("--zero " + std::to_string(cfg.zero) + " shards across ranks; --dp " +
                        std::to_string(cfg.dp) + " runs replicas on threads of one process");
+  }
+  if (cfg.zero >= 2 && (cfg.comm_hook != "none" || cfg.check_sync_every > 0)) {
+    return usage_error(std::string(cfg.comm_hook != "none" ? "--comm-hook" : "--check-sync-every") +
+                       " belongs to DDP; --zero " + std::to_string(cfg.zero) +
+                       " trains with FSDP, which reduce-scatters full-width gradients and keeps "
+                       "no replica to compare");
   }
   if (cfg.sync_bn && cfg.dp > 1) {
     return usage_error("--sync-bn needs a process group of ranks; --dp " + std::to_string(cfg.dp) +

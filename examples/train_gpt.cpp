@@ -38,6 +38,7 @@
 #include "lockstep/base/worker_env.h"
 #include "lockstep/data/data.h"
 #include "lockstep/distributed/checkpoint.h"
+#include "lockstep/distributed/fsdp.h"
 #include "lockstep/distributed/sync_check.h"
 #include "lockstep/distributed/zero.h"
 #include "lockstep/io/checkpoint.h"
@@ -203,9 +204,7 @@ std::optional<std::chrono::milliseconds> timeout_of(const GptConfig& cfg) {
   return std::chrono::milliseconds(std::max<int64_t>(1, std::llround(cfg.timeout * 1000)));
 }
 
-bool stdout_is_terminal() {
-  return env_flag(env::kStdoutIsTty).value_or(::isatty(1) == 1);
-}
+bool stdout_is_terminal() { return env_flag(env::kStdoutIsTty).value_or(::isatty(1) == 1); }
 
 // Warmup then cosine decay to --min-lr-factor of --lr over all --max-steps optimizer steps.
 optim::Schedule schedule_of(const GptConfig& cfg) {
@@ -216,12 +215,27 @@ optim::Schedule schedule_of(const GptConfig& cfg) {
              : optim::cosine_decay(cfg.max_steps, cfg.min_lr_factor);
 }
 
+// --zero 2 and 3: FullyShardedDataParallel, one unit per transformer block, the embeddings (and
+// the tied head) and the final LayerNorm in the root unit; 3 frees each block's parameters after
+// its forward. Null otherwise.
+std::shared_ptr<dist::FullyShardedDataParallel> build_fsdp(
+    const GptConfig& cfg, const std::shared_ptr<examples::Gpt>& gpt,
+    const std::shared_ptr<dist::ProcessGroup>& pg) {
+  if (cfg.zero < 2) return nullptr;
+  return std::make_shared<dist::FullyShardedDataParallel>(
+      gpt, pg,
+      dist::FSDPOptions{.reshard_after_forward = cfg.zero == 3,
+                        .wrap = dist::wrap_by_type({"GptBlock"})});
+}
+
 // AdamW over the GPT's two groups (gpt_param_groups); with --zero 1 wrapped so that each rank
-// keeps the moments of its shard only (Note [ZeRO-1]).
+// keeps the moments of its shard only (Note [ZeRO-1]); with --zero 2 or 3 over the shards FSDP
+// keeps.
 // --zero-reduce-scatter (more than one rank): DDP's buckets are reduce-scattered into the shards
 // and the all-gathers waited for in the next forward.
 std::unique_ptr<optim::Optimizer> build_optimizer(const GptConfig& cfg, const nn::Module& model,
-                                                  const std::shared_ptr<dist::ProcessGroup>& pg) {
+                                                  const std::shared_ptr<dist::ProcessGroup>& pg,
+                                                  dist::FullyShardedDataParallel* fsdp) {
   LS_CHECK(!cfg.zero_reduce_scatter || cfg.zero == 1,
            "--zero-reduce-scatter needs --zero 1, got --zero ", cfg.zero);
   const optim::AdamWOptions opts{.lr = cfg.lr,
@@ -231,6 +245,11 @@ std::unique_ptr<optim::Optimizer> build_optimizer(const GptConfig& cfg, const nn
                                  .weight_decay = cfg.weight_decay};
   std::vector<optim::ParamGroup> groups = examples::gpt_param_groups(model, cfg.weight_decay);
   if (cfg.zero == 0) return std::make_unique<optim::AdamW>(std::move(groups), opts);
+  if (fsdp) {
+    return fsdp->wrap_optimizer(groups, [opts](std::vector<optim::ParamGroup> g) {
+      return std::make_unique<optim::AdamW>(std::move(g), opts);
+    });
+  }
   const bool scatter = cfg.zero_reduce_scatter && pg->size() > 1;
   return std::make_unique<dist::ZeroRedundancyOptimizer>(
       std::move(groups), pg,
@@ -324,16 +343,17 @@ class Trainer {
                        device_)),
         // Several ranks: DDP averages the gradients across them during the last backward of
         // each step (its constructor broadcasts rank 0's parameters).
-        ddp_(world_ > 1 ? std::make_shared<dist::DistributedDataParallel>(gpt_, pg_) : nullptr),
-        opt_(build_optimizer(cfg, *gpt_, pg_)),
+        // --zero 2/3: FSDP instead, at any number of ranks.
+        fsdp_(build_fsdp(cfg, gpt_, pg_)),
+        ddp_(world_ > 1 && !fsdp_ ? std::make_shared<dist::DistributedDataParallel>(gpt_, pg_)
+                                  : nullptr),
+        opt_(build_optimizer(cfg, *gpt_, pg_, fsdp_.get())),
         scheduler_(*opt_, schedule_of(cfg)),
         sampler_(std::make_shared<data::DistributedSampler>(
-            train_data_->size(),
-            data::DistributedSamplerOptions{
-                .num_replicas = world_,
-                .rank = pg_->rank(),
-                .shuffle = !cfg.no_shuffle,
-                .seed = cfg.seed})),
+            train_data_->size(), data::DistributedSamplerOptions{.num_replicas = world_,
+                                                                 .rank = pg_->rank(),
+                                                                 .shuffle = !cfg.no_shuffle,
+                                                                 .seed = cfg.seed})),
         loader_(train_data_, sampler_,
                 {.batch_size = cfg.batch_size, .drop_last = true, .num_workers = cfg.workers}),
         amp_dtype_(cfg.amp == "bf16" ? kBFloat16 : kFloat32),
@@ -370,11 +390,24 @@ class Trainer {
   const int world_;
   const bool main_rank_;
   const bool settings_agree_;  // check_job_settings, before anything else is collective
-  const Device device_;  // where the model, its batches and its gradients live
+  const Device device_;        // where the model, its batches and its gradients live
   Generator gen_;
   std::shared_ptr<examples::Gpt> gpt_;
+  std::shared_ptr<dist::FullyShardedDataParallel> fsdp_;
   std::shared_ptr<dist::DistributedDataParallel> ddp_;
   std::unique_ptr<optim::Optimizer> opt_;
+  // What trains and evaluates: the FSDP or DDP wrapper, or the model alone.
+  nn::Module& net() const {
+    if (fsdp_) return *fsdp_;
+    if (ddp_) return *ddp_;
+    return *gpt_;
+  }
+  // What runs without gradients (evaluation, sampling): FSDP's wrapper gathers unit by unit;
+  // DDP's model is the model.
+  nn::Module& eval_net() const {
+    if (fsdp_) return *fsdp_;
+    return *gpt_;
+  }
   // --zero-reduce-scatter: opt_, whose all-gathers the next forward of ddp_ waits for; what reads
   // gpt_'s parameters otherwise (evaluation, sampling, checkpoints) calls settle() first.
   dist::ZeroRedundancyOptimizer* zero_scatter_ = nullptr;
@@ -408,7 +441,11 @@ void Trainer::resume() {
   }
   io::TrainingCheckpoint ckpt = dist::load_checkpoint(*pg_, choice.path);
   try {
-    gpt_->load_state_dict(ckpt.model);
+    if (fsdp_) {
+      fsdp_->load_full_state_dict(ckpt.model);
+    } else {
+      gpt_->load_state_dict(ckpt.model);
+    }
   } catch (const Error& e) {
     LS_THROW("--resume ", choice.path, " holds another model than --n-layer ", cfg_.n_layer,
              " --n-head ", cfg_.n_head, " --n-embd ", cfg_.n_embd, " --block-size ",
@@ -483,13 +520,15 @@ void Trainer::train() {
       double loss = 0;
       for (int64_t m = 0; m < cfg_.accum_steps; ++m, ++it, ++taken) {
         const bool last = m + 1 == cfg_.accum_steps;
+        // Accumulate locally, reduce at the last.
         std::optional<dist::DistributedDataParallel::NoSync> no_sync;
-        if (ddp_ && !last) no_sync.emplace(*ddp_);  // accumulate locally, all-reduce at the last
-        nn::Module& net = ddp_ ? static_cast<nn::Module&>(*ddp_) : *gpt_;
+        std::optional<dist::FullyShardedDataParallel::NoSync> fsdp_no_sync;
+        if (ddp_ && !last) no_sync.emplace(*ddp_);
+        if (fsdp_ && !last) fsdp_no_sync.emplace(*fsdp_);
         Tensor l;
         {
           amp::autocast ac(amp_dtype_, cfg_.amp == "bf16");
-          Tensor logits = net.forward((*it).input.to(device_));      // (B,T,V)
+          Tensor logits = net().forward((*it).input.to(device_));    // (B,T,V)
           l = examples::gpt_loss(logits, (*it).target.to(device_));  // () f32
         }
         // Each micro-batch holds as many windows: the step's loss is their mean.
@@ -500,9 +539,9 @@ void Trainer::train() {
         loss += value / static_cast<double>(cfg_.accum_steps);
       }
       const double grad_norm = cfg_.grad_clip <= 0 ? 0.0
-                               : zero_scatter_
-                                   ? zero_scatter_->clip_grad_norm(cfg_.grad_clip)
-                                   : optim::clip_grad_norm(gpt_->parameters(), cfg_.grad_clip);
+                               : zero_scatter_     ? zero_scatter_->clip_grad_norm(cfg_.grad_clip)
+                               : fsdp_             ? fsdp_->clip_grad_norm(cfg_.grad_clip)
+                                       : optim::clip_grad_norm(gpt_->parameters(), cfg_.grad_clip);
       const double lr = scheduler_.last_lr();
       opt_->step();
       scheduler_.step();
@@ -580,7 +619,8 @@ double Trainer::evaluate() {
     data::Batch b = data::collate(rows);
     amp::autocast ac(amp_dtype_, cfg_.amp == "bf16");
     loss_sum +=
-        examples::gpt_loss(gpt_->forward(b.input.to(device_)), b.target.to(device_)).item() * n;
+        examples::gpt_loss(eval_net().forward(b.input.to(device_)), b.target.to(device_)).item() *
+        n;
   }
   sums.set_at({0}, loss_sum);
   sums.set_at({1}, static_cast<double>(limit));
@@ -598,7 +638,11 @@ double Trainer::evaluate() {
 // tokens in, the last position's logits divided by --temperature, cut to the --top-k most
 // likely, one drawn from their softmax.
 void Trainer::sample() {
-  if (cfg_.sample <= 0 || !main_rank_) return;
+  if (cfg_.sample <= 0) return;
+  // Under FSDP every rank gathers the whole model (collective) and rank 0 samples from it.
+  std::optional<dist::FullyShardedDataParallel::FullParams> full;
+  if (fsdp_) full.emplace(*fsdp_);
+  if (!main_rank_) return;
   NoGradGuard no_grad;
   settle();
   gpt_->eval();
@@ -608,7 +652,7 @@ void Trainer::sample() {
   for (int64_t i = 0; i < cfg_.sample; ++i) {
     const int64_t T = std::min<int64_t>(static_cast<int64_t>(context.size()), cfg_.block_size);
     std::vector<int64_t> window(context.end() - T, context.end());
-    Tensor logits = gpt_->forward(from_vector(window, {1, T}).to(device_));  // (1,T,V)
+    Tensor logits = gpt_->forward(from_vector(window, {1, T}).to(device_));        // (1,T,V)
     std::vector<double> z = logits.select(1, T - 1).to(kCPU).to_vector<double>();  // (V)
     // A padded vocabulary's extra rows name no token of the data (Note [GPT-2 124M preset]).
     z.resize(static_cast<size_t>(train_data_->tokens().vocab_size()));
@@ -635,7 +679,7 @@ void Trainer::sample() {
 io::TrainingCheckpoint Trainer::checkpoint() const {
   settle();
   io::TrainingCheckpoint ckpt;
-  ckpt.model = gpt_->state_dict();
+  ckpt.model = fsdp_ ? fsdp_->full_state_dict() : gpt_->state_dict();
   ckpt.optimizer = opt_->state_dict();
   ckpt.optimizer_param_names = param_names_;
   ckpt.step = pos_.step;
@@ -676,7 +720,8 @@ void Trainer::report_memory() {
   if (zero) {
     state = zero->stats().state_bytes;
   } else {
-    for (const auto& [name, t] : opt_->state_dict())  // per-parameter fields are "<index>.<name>"
+    const optim::Optimizer* local = dist::FullyShardedDataParallel::local_optimizer(*opt_);
+    for (const auto& [name, t] : (local ? *local : *opt_).state_dict())  // "<index>.<name>"
       if (name.find('.') != std::string::npos && std::isdigit(static_cast<unsigned char>(name[0])))
         state += t.nbytes();
   }
@@ -684,7 +729,8 @@ void Trainer::report_memory() {
   mem.set_at({0, pg_->rank()}, io::peak_rss_mib());
   mem.set_at({1, pg_->rank()}, static_cast<double>(state));
   if (device_.is_cuda())
-    mem.set_at({2, pg_->rank()}, cuda::memory_stats(device_.index).peak_allocated_bytes / 1048576.0);
+    mem.set_at({2, pg_->rank()},
+               cuda::memory_stats(device_.index).peak_allocated_bytes / 1048576.0);
   pg_->all_reduce_host(mem);
   if (!main_rank_) return;
   std::string rss = "peak RSS per rank:", opt = "optimizer state per rank:";
@@ -707,6 +753,15 @@ void Trainer::report_memory() {
                 static_cast<long long>(zero->stats().segments),
                 1e3 * zero->stats().gather_seconds / static_cast<double>(pos_.step),
                 zero_scatter_ ? " (launch, wait in the next forward, copy)" : "");
+  if (fsdp_ && pos_.step > 0) {
+    const dist::FSDPStats f = fsdp_->stats();
+    std::printf(
+        "fsdp: %lld units, shard %.2f MiB per rank, peak gathered %.2f MiB, peak full gradients "
+        "%.2f MiB, waiting for gathers %.3f ms per step\n",
+        static_cast<long long>(f.units), f.shard_bytes / 1048576.0,
+        f.peak_gathered_bytes / 1048576.0, f.peak_full_grad_bytes / 1048576.0,
+        1e3 * f.exposed_gather_seconds / static_cast<double>(pos_.step));
+  }
 }
 
 void Trainer::finish() {
@@ -733,11 +788,11 @@ int plan(const GptConfig& cfg) {
               static_cast<long long>(cfg.n_layer), static_cast<long long>(cfg.n_head),
               static_cast<long long>(cfg.n_embd), static_cast<long long>(cfg.block_size),
               static_cast<long long>(model.vocab_size), static_cast<long long>(params));
-  std::printf("plan flops_per_token=%.4g tokens_per_step=%lld weights_mib=%.1f grads_mib=%.1f "
-              "adamw_mib=%.1f\n",
-              examples::gpt_flops_per_token(model, cfg.block_size),
-              static_cast<long long>(cfg.batch_size * cfg.accum_steps * cfg.block_size), mib, mib,
-              2 * mib);
+  std::printf(
+      "plan flops_per_token=%.4g tokens_per_step=%lld weights_mib=%.1f grads_mib=%.1f "
+      "adamw_mib=%.1f\n",
+      examples::gpt_flops_per_token(model, cfg.block_size),
+      static_cast<long long>(cfg.batch_size * cfg.accum_steps * cfg.block_size), mib, mib, 2 * mib);
   return 0;
 }
 

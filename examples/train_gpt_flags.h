@@ -48,8 +48,8 @@ struct GptConfig {
   double beta2 = 0.95;
   double grad_clip = 1.0;  // 0: no clipping
   int64_t accum_steps = 1;
-  std::string amp = "none";          // or "bf16"
-  int64_t zero = 0;                  // 1: ZeRO-1 (dist::ZeroRedundancyOptimizer)
+  std::string amp = "none";  // or "bf16"
+  int64_t zero = 0;  // 1: ZeRO-1 (dist::ZeroRedundancyOptimizer); 2, 3: FSDP (ZeRO-2, ZeRO-3)
   bool zero_reduce_scatter = false;  // --zero 1 with DDP's buckets reduce-scattered (Note [ZeRO-1])
   // Reporting.
   int64_t eval_every = 25;   // a log line with the validation loss every N steps
@@ -62,8 +62,8 @@ struct GptConfig {
   std::string save;
   int64_t save_every = 0;
   int64_t keep = 0;
-  std::string resume;  // a checkpoint file, or "auto": the latest beside --save
-  std::string init;    // start from these model weights (safetensors) instead of GPT-2's init
+  std::string resume;       // a checkpoint file, or "auto": the latest beside --save
+  std::string init;         // start from these model weights (safetensors) instead of GPT-2's init
   bool no_shuffle = false;  // the windows in file order, every epoch
   // Execution.
   int64_t threads = 0;
@@ -156,12 +156,14 @@ inline int parse_gpt_flags(int argc, char** argv, GptConfig& cfg) {
   app.add_option("--amp", cfg.amp, "Mixed precision: autocast to bf16")
       ->check(CLI::IsMember({"none", "bf16"}))
       ->capture_default_str();
-  add_number(app, "--zero", cfg.zero, I{0, 1},
-             "1: ZeRO-1, each rank keeps the AdamW moments of its shard only");
+  add_number(app, "--zero", cfg.zero, I{0, 3},
+             "1: ZeRO-1, each rank keeps the AdamW moments of its shard only; 2: FSDP, each rank "
+             "keeps its shard of the parameters, gradients and moments, a block gathered whole "
+             "from its forward to its backward; 3: FSDP freeing each block's parameters after "
+             "its forward (the least memory)");
   app.add_flag("--zero-reduce-scatter", cfg.zero_reduce_scatter,
                "With --zero 1: reduce-scatter DDP's buckets into the shards during backward and "
-               "overlap the parameters' all-gather with the next forward (clipping then uses the "
-               "norm over the shards: the same up to the order of its sums)");
+               "overlap the parameters' all-gather with the next forward");
   add_number(app, "--eval-every", cfg.eval_every, I{1, kMaxCount},
              "A log line with the validation loss every N steps (and at the last)");
   add_number(app, "--eval-batches", cfg.eval_batches, I{1, kMaxCount},

@@ -14,6 +14,7 @@
 #include "lockstep/distributed/data_parallel.h"
 #include "lockstep/distributed/ddp.h"
 #include "lockstep/distributed/error_file.h"
+#include "lockstep/distributed/fsdp.h"
 #include "lockstep/distributed/gloo/process_group_gloo.h"
 #include "lockstep/distributed/init.h"
 #include "lockstep/distributed/join.h"

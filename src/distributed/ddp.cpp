@@ -106,9 +106,11 @@ std::vector<std::string> split_lines(const Bytes& b) {
   return out;
 }
 
+}  // namespace
+
 // Every rank gets every rank's signature, so every rank reaches the same verdict and the same
 // message (no rank is left waiting in a later collective).
-void check_same_model(ProcessGroup& pg, const nn::Module& m) {
+void check_same_model(ProcessGroup& pg, const nn::Module& m, std::string_view wrapper) {
   const auto all = pg.all_gather_object(join_lines(signature(m)));
   const auto ref = split_lines(all[0]);
   for (size_t r = 1; r < all.size(); ++r) {
@@ -118,7 +120,7 @@ void check_same_model(ProcessGroup& pg, const nn::Module& m) {
       const std::string a = k < ref.size() ? ref[k] : "nothing";
       const std::string b = k < other.size() ? other[k] : "nothing";
       if (a != b) {
-        LS_THROW("DistributedDataParallel: ranks built different models: entry ", k, " is ", a,
+        LS_THROW(wrapper, ": ranks built different models: entry ", k, " is ", a,
                  " on rank 0 but ", b, " on rank ", r, " (rank 0 has ", ref.size(),
                  " parameters and buffers, rank ", r, " has ", other.size(),
                  "); every rank must construct the same model");
@@ -126,8 +128,6 @@ void check_same_model(ProcessGroup& pg, const nn::Module& m) {
     }
   }
 }
-
-}  // namespace
 
 // Broadcasts rank `root`'s values of `tensors`, one fused call per dtype.
 void broadcast_tensors(ProcessGroup& pg, const std::vector<Tensor>& tensors, int root) {
@@ -160,7 +160,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> mod
            "DistributedDataParallel: no process group given (call "
            "init_process_group() and pass default_group())");
   register_module("module", module_);
-  check_same_model(*pg_, *module_);
+  check_same_model(*pg_, *module_, "DistributedDataParallel");
 
   std::vector<Tensor> state;
   for (const auto& [name, t] : module_->named_parameters()) state.push_back(t);

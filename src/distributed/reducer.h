@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -14,6 +15,9 @@ namespace lockstep::dist {
 
 // Broadcasts rank `root`'s values of `tensors` (one fused call per dtype); in ddp.cpp.
 void broadcast_tensors(ProcessGroup& pg, const std::vector<Tensor>& tensors, int root);
+// Collective: an Error on every rank naming the first parameter or buffer (name, shape, dtype)
+// in which the ranks' models differ, `wrapper` naming who asks; in ddp.cpp.
+void check_same_model(ProcessGroup& pg, const nn::Module& m, std::string_view wrapper);
 
 class Reducer {
  public:

@@ -1,0 +1,248 @@
+// FullyShardedDataParallel's state in the full format: the wrapped module's state_dict and the
+// optimizer's, as a run without sharding would save them (so checkpoints move between layouts).
+#include <map>
+#include <unordered_map>
+
+#include "distributed/fsdp_unit.h"
+#include "lockstep/autograd/grad_mode.h"
+#include "lockstep/base/error.h"
+#include "lockstep/distributed/fsdp.h"
+
+namespace lockstep::dist {
+
+nn::NamedTensors FullyShardedDataParallel::full_state_dict() {
+  FullParams full(*this);
+  nn::NamedTensors state = module_->state_dict();
+  for (auto& [name, t] : state) t = t.clone();
+  return state;
+}
+
+void FullyShardedDataParallel::load_full_state_dict(const nn::NamedTensors& state) {
+  autograd::NoGradGuard no_grad;
+  std::unordered_map<std::string, const Tensor*> by_name;
+  for (const auto& [name, t] : state) by_name[name] = &t;
+  const nn::NamedTensors mine = module_->named_parameters();
+  size_t used = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& [name, p] = params_[i];
+    auto it = by_name.find(name);
+    LS_CHECK(it != by_name.end(), "FullyShardedDataParallel::load_full_state_dict: parameter '",
+             name, "' is missing from the state");
+    const Tensor& t = *it->second;
+    LS_CHECK(t.shape() == p.shape(), "FullyShardedDataParallel::load_full_state_dict: '", name,
+             "' has shape ", t.shape().str(), " in the state, expected ", p.shape().str());
+    const Piece piece = piece_of(i, pg_->rank());
+    Unit& u = *units_[piece.unit];
+    u.shard.detach()
+        .narrow(0, piece.shard_at, piece.end - piece.begin)
+        .copy_(t.reshape({-1}).narrow(0, piece.begin, piece.end - piece.begin));
+    ++used;
+  }
+  for (const auto& [name, b] : module_->named_buffers()) {
+    auto it = by_name.find(name);
+    if (it == by_name.end()) continue;  // non-persistent buffers are not saved
+    LS_CHECK(it->second->shape() == b.shape(), "FullyShardedDataParallel::load_full_state_dict: '",
+             name, "' has shape ", it->second->shape().str(), " in the state, expected ",
+             b.shape().str());
+    Tensor(b).copy_(*it->second);
+    ++used;
+  }
+  LS_CHECK(used == state.size(), "FullyShardedDataParallel::load_full_state_dict: the state has ",
+           state.size() - used, " entries the wrapped module does not have");
+  for (auto& u : units_) reshard(*u);  // gathered copies would be stale
+}
+
+// Note [FSDP optimizer state]
+// The wrapped optimizer steps one piece per parameter (shard_groups), so its state is per piece:
+// "<k>.<field>" with the piece's 1-D shape, k counting the user's parameters in group order.
+// state_dict() rebuilds each per-element field of each unit whole: every rank copies its pieces'
+// state into a shard-sized buffer, one all_gather per (unit, field) lays the ranks' shards side by
+// side as the parameters are, and each parameter's run is cut out in its shape: the plain
+// optimizer's format over the wrapped module's parameters. Scalars (AdamW's per-parameter step)
+// are the same on every rank, since every piece steps every step (an empty one too).
+// load_state_dict() takes this rank's pieces of such a state, from any run.
+class FullyShardedDataParallel::Optim final : public optim::Optimizer {
+ public:
+  Optim(FullyShardedDataParallel& fsdp, std::vector<optim::ParamGroup> shard_groups,
+        std::unique_ptr<optim::Optimizer> inner, std::vector<size_t> param_of)
+      : Optimizer(shard_groups, 0.0, 0.0, "FSDP optimizer"),
+        fsdp_(fsdp),
+        inner_(std::move(inner)),
+        param_of_(std::move(param_of)) {
+    LS_CHECK(inner_ != nullptr, "FullyShardedDataParallel::wrap_optimizer: the factory gave null");
+    LS_CHECK(inner_->param_groups().size() == groups_.size(),
+             "FullyShardedDataParallel::wrap_optimizer: the factory's optimizer has ",
+             inner_->param_groups().size(), " groups, expected the ", groups_.size(), " given");
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      groups_[g].lr = inner_->param_groups()[g].lr;
+      groups_[g].weight_decay = inner_->param_groups()[g].weight_decay;
+    }
+  }
+
+  void step() override {
+    // The shards change: copies gathered from them are stale.
+    for (auto& u : fsdp_.units_) fsdp_.reshard(*u);
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      inner_->param_groups()[g].lr = groups_[g].lr;
+      inner_->param_groups()[g].weight_decay = groups_[g].weight_decay;
+    }
+    inner_->step();
+    ++steps_;
+  }
+
+  optim::NamedTensors state_dict() const override;
+  void load_state_dict(const optim::NamedTensors& state) override;
+
+  std::vector<Tensor> step_gradients() override { return inner_->step_gradients(); }
+  bool agree_found_inf(bool found) override {
+    Tensor flag = full({1}, found ? 1.0 : 0.0, kFloat64);
+    fsdp_.pg_->all_reduce_host(flag, {.op = ReduceOp::max});
+    return flag.item() > 0;
+  }
+
+ protected:
+  std::vector<std::string> state_fields() const override { return {}; }
+
+ private:
+  friend class FullyShardedDataParallel;
+  // "<k>.<field>" -> (k, field); false for "step" and "group.<g>.lr".
+  static bool split_key(const std::string& name, size_t& k, std::string& field) {
+    const size_t dot = name.find('.');
+    if (dot == std::string::npos || dot == 0) return false;
+    const std::string idx = name.substr(0, dot);
+    if (idx.find_first_not_of("0123456789") != std::string::npos) return false;
+    k = std::stoul(idx);
+    field = name.substr(dot + 1);
+    return true;
+  }
+  static bool is_scalar(const std::string& field, const Tensor& t) {
+    return field == "step" || t.dim() == 0;
+  }
+
+  FullyShardedDataParallel& fsdp_;
+  std::unique_ptr<optim::Optimizer> inner_;
+  std::vector<size_t> param_of_;  // the wrapped module's parameter of each optimizer index
+};
+
+optim::NamedTensors FullyShardedDataParallel::Optim::state_dict() const {
+  autograd::NoGradGuard no_grad;
+  const optim::NamedTensors local = inner_->state_dict();
+  // The per-element fields, their dtypes, and which optimizer indices have them.
+  std::map<std::string, DType> fields;
+  std::map<std::pair<size_t, std::string>, const Tensor*> entry;
+  for (const auto& [name, t] : local) {
+    size_t k = 0;
+    std::string field;
+    if (!split_key(name, k, field) || is_scalar(field, t)) continue;
+    fields.emplace(field, t.dtype());
+    entry[{k, field}] = &t;
+  }
+  std::string signature;
+  for (const auto& [field, dtype] : fields)
+    signature += field + ":" + std::string(dtype_name(dtype)) + ";";
+  for (const auto& [key, t] : entry) signature += std::to_string(key.first) + key.second + ",";
+  const auto all = fsdp_.pg_->all_gather_object(to_bytes(signature));
+  for (size_t r = 1; r < all.size(); ++r)
+    LS_CHECK(all[r] == all[0], "FSDP optimizer state_dict: rank ", r,
+             " holds other state fields than rank 0 (did every rank step the same parameters?)");
+
+  std::vector<size_t> index_of(fsdp_.params_.size(), SIZE_MAX);
+  for (size_t k = 0; k < param_of_.size(); ++k) index_of[param_of_[k]] = k;
+  std::map<std::pair<size_t, std::string>, Tensor> whole;
+  const int rank = fsdp_.pg_->rank();
+  for (const auto& unit : fsdp_.units_) {
+    const Unit& u = *unit;
+    if (u.params.empty()) continue;
+    for (const auto& [field, dtype] : fields) {
+      const TensorOptions opts = TensorOptions(dtype).with_device(u.shard.device());
+      Tensor buf = zeros({u.shard_numel}, opts);
+      bool any = false;
+      for (size_t i : u.params) {
+        const size_t k = index_of[i];
+        auto it = entry.find({k, field});
+        if (k == SIZE_MAX || it == entry.end()) continue;
+        any = true;
+        const Piece piece = fsdp_.piece_of(i, rank);
+        buf.narrow(0, piece.shard_at, piece.end - piece.begin).copy_(it->second->reshape({-1}));
+      }
+      if (!any) continue;  // the same on every rank (the signature above)
+      Tensor gathered = empty({u.padded}, opts);
+      fsdp_.pg_->all_gather(gathered, buf)->synchronize();
+      for (size_t i : u.params) {
+        const size_t k = index_of[i];
+        if (k == SIZE_MAX || !entry.count({k, field})) continue;
+        const Tensor& p = fsdp_.params_[i].second;
+        whole[{k, field}] =
+            gathered.narrow(0, fsdp_.offset_of_[i], p.numel()).reshape(p.shape()).clone();
+      }
+    }
+  }
+  optim::NamedTensors out;
+  for (const auto& [name, t] : local) {
+    size_t k = 0;
+    std::string field;
+    if (split_key(name, k, field) && !is_scalar(field, t)) {
+      out.emplace_back(name, whole.at({k, field}));
+    } else if (name == "step") {
+      out.emplace_back(name, full({}, static_cast<double>(steps_), kInt64));
+    } else if (name.rfind("group.", 0) == 0) {
+      // The schedule writes this wrapper's groups; the inner ones follow at the next step().
+      const size_t g = std::stoul(name.substr(6, name.find('.', 6) - 6));
+      out.emplace_back(name, full({}, groups_.at(g).lr, kFloat64));
+    } else {
+      out.emplace_back(name, t);
+    }
+  }
+  return out;
+}
+
+void FullyShardedDataParallel::Optim::load_state_dict(const optim::NamedTensors& state) {
+  autograd::NoGradGuard no_grad;
+  optim::NamedTensors mine;
+  for (const auto& [name, t] : state) {
+    size_t k = 0;
+    std::string field;
+    if (!split_key(name, k, field) || is_scalar(field, t)) {
+      if (name == "step") steps_ = static_cast<int64_t>(t.item());
+      mine.emplace_back(name, t);
+      continue;
+    }
+    LS_CHECK(k < param_of_.size(), "FSDP optimizer load_state_dict: state for parameter ", k,
+             " but the optimizer has ", param_of_.size(), " parameters");
+    const size_t i = param_of_[k];
+    const Tensor& p = fsdp_.params_[i].second;
+    LS_CHECK(t.shape() == p.shape(), "FSDP optimizer load_state_dict: '", name, "' has shape ",
+             t.shape().str(), ", expected the parameter's ", p.shape().str(), " ('",
+             fsdp_.params_[i].first, "')");
+    const Piece piece = fsdp_.piece_of(i, fsdp_.pg_->rank());
+    mine.emplace_back(
+        name,
+        t.reshape({-1}).narrow(0, piece.begin, piece.end - piece.begin).to(p.device()).clone());
+  }
+  inner_->load_state_dict(mine);
+  for (size_t g = 0; g < groups_.size(); ++g) groups_[g].lr = inner_->param_groups()[g].lr;
+}
+
+const optim::Optimizer* FullyShardedDataParallel::local_optimizer(const optim::Optimizer& opt) {
+  const auto* wrapped = dynamic_cast<const Optim*>(&opt);
+  return wrapped ? wrapped->inner_.get() : nullptr;
+}
+
+std::unique_ptr<optim::Optimizer> FullyShardedDataParallel::wrap_optimizer(
+    const std::vector<optim::ParamGroup>& groups,
+    const std::function<std::unique_ptr<optim::Optimizer>(std::vector<optim::ParamGroup>)>& make) {
+  LS_CHECK(make != nullptr, "FullyShardedDataParallel::wrap_optimizer: expected a factory");
+  std::unordered_map<const TensorImpl*, size_t> index_of;
+  for (size_t i = 0; i < params_.size(); ++i) index_of[params_[i].second.impl()] = i;
+  std::vector<size_t> param_of;
+  for (const auto& g : groups)
+    for (const Tensor& p : g.params) {
+      auto it = index_of.find(p.impl());
+      param_of.push_back(it == index_of.end() ? SIZE_MAX : it->second);
+    }
+  std::vector<optim::ParamGroup> sharded = shard_groups(groups);  // checks every parameter
+  auto inner = make(sharded);
+  return std::make_unique<Optim>(*this, std::move(sharded), std::move(inner), std::move(param_of));
+}
+
+}  // namespace lockstep::dist

@@ -1,0 +1,36 @@
+// FullyShardedDataParallel's unit: a run of parameters laid out flat, sharded and gathered
+// together (Note [FSDP] in src/distributed/fsdp.cpp); shared by fsdp.cpp and fsdp_state.cpp.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "lockstep/distributed/fsdp.h"
+
+namespace lockstep::dist {
+
+struct FullyShardedDataParallel::Unit {
+  int index = 0;
+  std::string name;              // the module's path; "" for the root
+  nn::Module* module = nullptr;  // null for the root
+  std::vector<size_t> params;    // indices into params_, in layout order
+  int64_t numel = 0, padded = 0, shard_numel = 0;
+  DType dtype = DType::f32;
+  Storage full;       // what the parameters view: padded elements while gathered, else none
+  Tensor shard;       // (shard_numel): this rank's master values, the registered parameter
+  Tensor grad_full;   // (padded): summed local gradients of this backward (and no_sync's)
+  Tensor grad_shard;  // (shard_numel): the averaged gradient of the shard
+  WorkPtr gather;     // in flight
+  bool gathered = false;
+  WorkPtr scatter;            // in flight
+  int pending = -1;           // gradients not yet arrived in this backward (-1: none arrived yet)
+  int grad_params = 0;        // parameters that require grad
+  std::vector<int> hook_ids;  // on `module`
+
+  int64_t bytes() const { return padded * dtype_size(dtype); }
+  Tensor full_flat() const {
+    return Tensor(std::make_shared<TensorImpl>(full, Dims{padded}, Dims{1}, 0, dtype));
+  }
+};
+
+}  // namespace lockstep::dist

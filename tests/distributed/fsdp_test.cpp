@@ -1,0 +1,281 @@
+// FullyShardedDataParallel with ranks as threads: parameters and optimizer state bitwise those of
+// DDP (clipped, with gradient accumulation, both reshard settings, any world size, shm and Gloo),
+// parameters that hold no memory outside their unit's use, and state that moves between FSDP
+// and DDP runs of other sizes.
+#include <cmath>
+
+#include "distributed/ddp_helpers.h"
+#include "distributed/thread_ranks.h"
+#include "lockstep/amp/grad_scaler.h"
+#include "lockstep/distributed/ddp.h"
+#include "lockstep/distributed/fsdp.h"
+#include "testing.h"
+
+using namespace lockstep;
+using namespace lockstep::dist;
+using namespace lockstep::testing::ddp;
+
+namespace {
+
+constexpr int64_t kPerRank = 4;  // samples per rank per micro-batch
+constexpr double kClip = 0.2;    // small enough that every step clips
+
+// Three units (the Linears; the policy's threshold is below each), none of whose sizes (224,
+// 1056, 99) divides by every world size: padding is exercised at 2, 3 and 4 ranks.
+FSDPOptions fsdp_options(bool reshard) {
+  return {.reshard_after_forward = reshard, .wrap = wrap_by_size(64)};
+}
+
+std::unique_ptr<optim::Optimizer> adamw(std::vector<optim::ParamGroup> groups) {
+  return std::make_unique<optim::AdamW>(std::move(groups),
+                                        optim::AdamWOptions{.lr = 1e-2, .weight_decay = 0.1});
+}
+
+// Two groups: the first layer at its own learning rate and without decay.
+std::vector<optim::ParamGroup> groups_of(const nn::Module& m) {
+  const auto ps = m.parameters();
+  optim::ParamGroup first{{ps[0], ps[1]}, 0.02, 0.0};
+  optim::ParamGroup rest{{ps.begin() + 2, ps.end()}};
+  return {first, rest};
+}
+
+struct Result {
+  nn::NamedTensors model;
+  optim::NamedTensors optimizer;
+  std::vector<double> norms;
+  FSDPStats stats;
+};
+
+struct RunSpec {
+  bool fsdp = false;
+  bool reshard = true;
+  int steps = 8;
+  int micro = 1;  // micro-batches per step (no_sync for all but the last)
+  int start = 0;  // the first step's index (batches depend on it)
+  const Result* from = nullptr;
+};
+
+Data batch_for(int step, int micro, int r, int world) {
+  const uint64_t seed = 1000 + static_cast<uint64_t>(step) * 16 + static_cast<uint64_t>(micro);
+  return shard(make_data(kPerRank * world, seed), r, world);
+}
+
+Result train(int r, const ProcessGroupPtr& pg, const RunSpec& run) {
+  auto model = mlp(7);
+  if (run.from) model->load_state_dict(run.from->model);
+  const int world = pg->size();
+  Result res;
+  if (run.fsdp) {
+    FullyShardedDataParallel fsdp(model, pg, fsdp_options(run.reshard));
+    auto opt = fsdp.wrap_optimizer(groups_of(*model), adamw);
+    if (run.from) opt->load_state_dict(run.from->optimizer);
+    for (int s = run.start; s < run.start + run.steps; ++s) {
+      opt->zero_grad();
+      for (int m = 0; m < run.micro; ++m) {
+        const Data b = batch_for(s, m, r, world);
+        if (m + 1 < run.micro) {
+          auto scope = fsdp.no_sync();
+          cross_entropy(fsdp.forward(b.x), b.y).backward();
+        } else {
+          cross_entropy(fsdp.forward(b.x), b.y).backward();
+        }
+      }
+      res.norms.push_back(fsdp.clip_grad_norm(kClip));
+      opt->step();
+    }
+    res.model = fsdp.full_state_dict();
+    res.optimizer = opt->state_dict();
+    res.stats = fsdp.stats();
+    return res;
+  }
+  DistributedDataParallel ddp(model, pg);
+  auto opt = adamw(groups_of(*model));
+  if (run.from) opt->load_state_dict(run.from->optimizer);
+  for (int s = run.start; s < run.start + run.steps; ++s) {
+    opt->zero_grad();
+    for (int m = 0; m < run.micro; ++m) {
+      const Data b = batch_for(s, m, r, world);
+      if (m + 1 < run.micro) {
+        auto scope = ddp.no_sync();
+        cross_entropy(ddp.forward(b.x), b.y).backward();
+      } else {
+        cross_entropy(ddp.forward(b.x), b.y).backward();
+      }
+    }
+    res.norms.push_back(optim::clip_grad_norm(model->parameters(), kClip));
+    opt->step();
+  }
+  res.model = model->state_dict();
+  res.optimizer = opt->state_dict();
+  return res;
+}
+
+std::vector<Result> run_all(const std::string& backend, int world, const RunSpec& run) {
+  std::vector<Result> results(static_cast<size_t>(world));
+  const auto errors = lockstep::testing::run_ranks_on(
+      backend, world, [&](int r, ProcessGroupPtr pg) { results[r] = train(r, pg, run); });
+  for (int r = 0; r < world; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+  return results;
+}
+
+// Names, shapes and every value bitwise equal (f32 values are exact as doubles).
+void expect_same(const optim::NamedTensors& got, const optim::NamedTensors& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t k = 0; k < got.size(); ++k) {
+    EXPECT_EQ(got[k].first, want[k].first);
+    EXPECT_EQ(got[k].second.shape(), want[k].second.shape()) << got[k].first;
+    EXPECT_EQ(got[k].second.to_vector<double>(), want[k].second.to_vector<double>())
+        << got[k].first;
+  }
+}
+
+struct Case {
+  std::string backend;
+  int world;
+  bool reshard;
+};
+
+class FsdpEqualsDDP : public ::testing::TestWithParam<Case> {};
+
+TEST_P(FsdpEqualsDDP, ParametersOptimizerStateAndNormsBitwiseWithClippingAndAccumulation) {
+  const auto [backend, world, reshard] = GetParam();
+  const RunSpec fsdp_run{.fsdp = true, .reshard = reshard, .steps = 6, .micro = 2};
+  const RunSpec ddp_run{.fsdp = false, .steps = 6, .micro = 2};
+  const auto fsdp = run_all(backend, world, fsdp_run);
+  const auto ddp = run_all(backend, world, ddp_run);
+  expect_same(fsdp[0].model, ddp[0].model);
+  expect_same(fsdp[0].optimizer, ddp[0].optimizer);
+  EXPECT_EQ(fsdp[0].norms, ddp[0].norms);
+  for (double n : ddp[0].norms) EXPECT_GT(n, kClip);  // clipping changed every step
+  for (int r = 1; r < world; ++r) expect_same(fsdp[r].model, fsdp[0].model);
+  // Training moved the parameters.
+  EXPECT_NE(fsdp[0].model[0].second.to_vector<double>(),
+            mlp(7)->state_dict()[0].second.to_vector<double>());
+  // Each rank holds its 1/world of every padded unit.
+  const FSDPStats& s = fsdp[0].stats;
+  EXPECT_EQ(s.units, 3);
+  EXPECT_EQ(s.total_elements, 224 + 1056 + 99);
+  EXPECT_EQ(s.padded_elements % world, 0);
+  EXPECT_LT(s.padded_elements - s.total_elements, 3 * world);
+  EXPECT_EQ(s.shard_elements * world, s.padded_elements);
+  EXPECT_EQ(s.shard_bytes, s.shard_elements * 4);
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, FsdpEqualsDDP,
+                         ::testing::Values(Case{"shm", 2, true}, Case{"shm", 3, false},
+                                           Case{"shm", 4, true}, Case{"gloo", 2, false},
+                                           Case{"gloo", 3, true}, Case{"gloo", 4, false}),
+                         [](const auto& info) {
+                           return info.param.backend + "_" + std::to_string(info.param.world) +
+                                  (info.param.reshard ? "_reshard" : "_keep");
+                         });
+
+// ZeRO-3 frees a unit's parameters after its forward: during the forward of one unit, no other
+// unit (but the one prefetched) is gathered, and outside forward and backward a parameter holds
+// no memory and reading it is an error that names the way to read it.
+TEST(Fsdp, ParametersHoldNoMemoryOutsideTheirUnitsUse) {
+  for (const bool reshard : {true, false}) {
+    std::vector<int64_t> peak(2);
+    const auto errors = lockstep::testing::run_ranks_on("shm", 2, [&](int r, ProcessGroupPtr pg) {
+      auto model = mlp(7);
+      const auto params = model->parameters();
+      FSDPOptions opts = fsdp_options(reshard);
+      opts.prefetch = false;
+      FullyShardedDataParallel fsdp(model, pg, opts);
+      const Data b = batch_for(0, 0, r, 2);
+      cross_entropy(fsdp.forward(b.x), b.y).backward();
+      EXPECT_EQ(params[0].storage()->nbytes(), 0u);
+      peak[r] = fsdp.stats().peak_gathered_bytes;  // before summon_full_params gathers them all
+      try {
+        (void)params[0].to_vector<double>();
+        ADD_FAILURE() << "reading a resharded parameter did not throw";
+      } catch (const Error& e) {
+        EXPECT_THAT(e.what(), ::testing::HasSubstr("FullyShardedDataParallel"));
+      }
+      {
+        auto full = fsdp.summon_full_params();
+        EXPECT_EQ(params[0].numel(), 6 * 32);
+        EXPECT_TRUE(std::isfinite(params[0].to_vector<double>()[0]));
+      }
+      EXPECT_EQ(params[0].storage()->nbytes(), 0u);
+    });
+    for (const auto& e : errors) EXPECT_EQ(e, "");
+    // All three units at once (1379 floats, padded) only when they are kept from the forward.
+    const int64_t all_units = (224 + 1056 + 100) * 4;
+    if (reshard) {
+      EXPECT_LT(peak[0], all_units) << "ZeRO-3 kept more than one unit gathered";
+      EXPECT_GE(peak[0], 1056 * 4);
+    } else {
+      EXPECT_GE(peak[0], all_units);
+    }
+  }
+}
+
+// A checkpoint in the full format moves between layouts: FSDP at 4 ranks -> FSDP at 3 and DDP at
+// 2 ranks -> back into FSDP at 2; each continuation equals DDP's continuation at that size.
+TEST(Fsdp, FullStateMovesBetweenFsdpAndDdpAtOtherWorldSizes) {
+  const Result saved = run_all("shm", 4, {.fsdp = true, .steps = 3})[0];
+  const Result ddp_saved = run_all("shm", 4, {.fsdp = false, .steps = 3})[0];
+  expect_same(saved.model, ddp_saved.model);
+  expect_same(saved.optimizer, ddp_saved.optimizer);
+  const Result fsdp3 = run_all("shm", 3, {.fsdp = true, .steps = 2, .start = 3, .from = &saved})[0];
+  const Result ddp3 = run_all("shm", 3, {.fsdp = false, .steps = 2, .start = 3, .from = &saved})[0];
+  expect_same(fsdp3.model, ddp3.model);
+  expect_same(fsdp3.optimizer, ddp3.optimizer);
+  const Result fsdp2 = run_all(
+      "gloo", 2, {.fsdp = true, .reshard = false, .steps = 2, .start = 5, .from = &ddp3})[0];
+  const Result ddp2 = run_all("gloo", 2, {.fsdp = false, .steps = 2, .start = 5, .from = &ddp3})[0];
+  expect_same(fsdp2.model, ddp2.model);
+  expect_same(fsdp2.optimizer, ddp2.optimizer);
+}
+
+// A GradScaler over the wrapped optimizer: an overflow in one rank's shard of the gradient skips
+// the step on every rank.
+TEST(Fsdp, GradScalerSkipsOnEveryRankWhenOneShardOverflows) {
+  std::vector<std::vector<double>> firsts(2);
+  std::vector<bool> skipped(2);
+  const auto errors = lockstep::testing::run_ranks_on("shm", 2, [&](int r, ProcessGroupPtr pg) {
+    auto model = mlp(7);
+    FullyShardedDataParallel fsdp(model, pg, fsdp_options(true));
+    auto opt = fsdp.wrap_optimizer(groups_of(*model), adamw);
+    amp::GradScaler scaler;
+    Data b = batch_for(0, 0, r, 2);
+    if (r == 1) b.x.set_at({0, 0}, 1e36);  // rank 1's gradient overflows
+    opt->zero_grad();
+    scaler.scale(cross_entropy(fsdp.forward(b.x), b.y)).backward();
+    scaler.step(*opt);
+    scaler.update();
+    skipped[r] = scaler.last_step_skipped();
+    // The decision is collective: an inf on rank 1 alone is every rank's.
+    EXPECT_TRUE(opt->agree_found_inf(r == 1)) << "rank " << r;
+    EXPECT_FALSE(opt->agree_found_inf(false)) << "rank " << r;
+    firsts[r] = fsdp.full_state_dict()[0].second.to_vector<double>();
+  });
+  for (const auto& e : errors) EXPECT_EQ(e, "");
+  EXPECT_TRUE(skipped[0]);
+  EXPECT_TRUE(skipped[1]);
+  EXPECT_EQ(firsts[0], firsts[1]);
+  EXPECT_EQ(firsts[0], mlp(7)->state_dict()[0].second.to_vector<double>());  // not stepped
+}
+
+TEST(Fsdp, ShardGroupsRefusesATensorThatIsNoParameterOfTheModel) {
+  const auto errors = lockstep::testing::run_ranks_on("shm", 2, [&](int, ProcessGroupPtr pg) {
+    auto model = mlp(7);
+    FullyShardedDataParallel fsdp(model, pg, fsdp_options(true));
+    (void)fsdp.shard_groups({optim::ParamGroup{{zeros({3})}}});
+  });
+  for (const auto& e : errors)
+    EXPECT_THAT(e, ::testing::HasSubstr("expected parameters of the wrapped module"));
+}
+
+TEST(Fsdp, RanksWithDifferentModelsFailOnEveryRankNamingTheDifference) {
+  const auto errors = lockstep::testing::run_ranks_on("shm", 2, [&](int r, ProcessGroupPtr pg) {
+    FullyShardedDataParallel fsdp(mlp(7, r == 0 ? 32 : 16), pg, fsdp_options(true));
+  });
+  for (const auto& e : errors) {
+    EXPECT_THAT(e, ::testing::HasSubstr("FullyShardedDataParallel: ranks built different models"));
+    EXPECT_THAT(e, ::testing::HasSubstr("rank 1"));
+  }
+}
+
+}  // namespace
