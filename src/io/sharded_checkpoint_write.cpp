@@ -40,8 +40,8 @@ namespace lockstep::io {
 //   1. Every rank writes its shard into DIR.tmp-<token> (one token per save, rank 0's), fsyncs
 //      it, and then writes shard-<r>-of-<W>.json, its marker: the file's size, SHA-256 and
 //      slices. The marker is written last, atomically (temporary file, fsync, rename), so it
-//      exists only once the shard is whole on disk. A rank that fails leaves
-//      shard-<r>-of-<W>.failed with its error instead.
+//      exists only once the shard is whole on disk. A rank of a background save that fails
+//      leaves shard-<r>-of-<W>.failed with its error instead, so that rank 0 stops waiting.
 //   2. Rank 0 learns that every marker exists — a barrier in dist::save_sharded_checkpoint; in
 //      dist::AsyncShardedSaver, whose background thread may not use the process group (its
 //      collectives would interleave with training's), by polling the directory with a timeout —

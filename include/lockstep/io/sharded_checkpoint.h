@@ -139,7 +139,7 @@ class ShardedCheckpointReader {
 
 // Writes the whole checkpoint in `dir` to `out_path` as one ordinary lockstep checkpoint
 // (save_checkpoint: atomic; load_checkpoint and Python's safetensors read it), every tensor whole
-// under its name in the index, with the metadata. Tensors are read one at a time.
+// under its name in the index, with the metadata. The whole checkpoint is held in memory meanwhile.
 void consolidate(const std::string& dir, const std::string& out_path);
 
 // Sharded checkpoints as a series, as io::checkpoint.h has for files: `base` is "run/ckpt",
