@@ -380,3 +380,16 @@ TEST(ShardedCheckpoint, ResumeSkipsACorruptNewestAndKeepPrunesOnlyOlderDirectori
   EXPECT_TRUE(fs::exists(base));
   EXPECT_TRUE(io::prune_sharded_checkpoints(step40, 0).empty());
 }
+
+TEST(ShardedCheckpoint, WaitingForShardsNamesTheMissingRanksOrTheOneThatFailed) {
+  TempDir dir;
+  const auto shards = shards_of(reference_tensors(), kUneven);
+  const std::string tmp = io::sharded_temp_dir(dir.path("ckpt"), "t");
+  io::write_checkpoint_shard(tmp, 0, 4, shards[0]);
+  io::write_checkpoint_shard(tmp, 2, 4, shards[2]);
+  expect_error([&] { io::wait_for_checkpoint_shards(tmp, 4, std::chrono::milliseconds(50)); },
+               {tmp, "2 of 4 ranks had not written their shard (ranks 1, 3"});
+  io::write_checkpoint_shard_failure(tmp, 3, 4, "disk full on rank 3's node");
+  expect_error([&] { io::wait_for_checkpoint_shards(tmp, 4, std::chrono::minutes(10)); },
+               {"rank 3 could not write its shard: disk full on rank 3's node"});
+}
