@@ -714,6 +714,13 @@ void Trainer::save_final() {
 // under --zero 1 each keeps its 1/world_size shard of the moments and a step count per piece.
 // With --device cuda a third line gives each rank's peak of GPU memory in tensors (the caching
 // allocator's peak_allocated_bytes), which is where the model and activations live then.
+//
+// Note [Memory split]
+// The last line splits rank 0's peak of tensor memory (the CPU allocator's, or the GPU's) by
+// kind: the parameters it keeps (all of them, or its FSDP shards), their gradients (DDP's
+// buckets hold all of them; FSDP's shards), the optimizer state above, FSDP's gathered units and
+// full unit gradients at their peak, and what is left: activations, temporaries, batches. The
+// peaks of the parts need not coincide, so the rest is a lower bound of the activations.
 void Trainer::report_memory() {
   const auto* zero = dynamic_cast<const dist::ZeroRedundancyOptimizer*>(opt_.get());
   int64_t state = 0;
@@ -725,12 +732,31 @@ void Trainer::report_memory() {
       if (name.find('.') != std::string::npos && std::isdigit(static_cast<unsigned char>(name[0])))
         state += t.nbytes();
   }
-  Tensor mem = zeros({3, world_}, kFloat64);
+  // Note [Memory split]: what this rank's tensors held at their peak, by kind.
+  int64_t params = 0, grads = 0, gathered = 0;
+  if (fsdp_) {
+    const dist::FSDPStats f = fsdp_->stats();
+    params = f.shard_bytes;
+    grads = f.grad_shard_bytes;
+    gathered = f.peak_gathered_bytes + f.peak_full_grad_bytes;
+  } else {
+    for (const Tensor& p : gpt_->parameters()) params += p.nbytes();
+    grads = params;  // every rank holds the whole gradient (DDP's buckets)
+  }
+  const double peak =
+      device_.is_cuda()
+          ? static_cast<double>(cuda::memory_stats(device_.index).peak_allocated_bytes)
+          : static_cast<double>(cpu_allocator_stats().peak_allocated_bytes);
+  Tensor mem = zeros({7, world_}, kFloat64);
   mem.set_at({0, pg_->rank()}, io::peak_rss_mib());
   mem.set_at({1, pg_->rank()}, static_cast<double>(state));
   if (device_.is_cuda())
     mem.set_at({2, pg_->rank()},
                cuda::memory_stats(device_.index).peak_allocated_bytes / 1048576.0);
+  mem.set_at({3, pg_->rank()}, peak);
+  mem.set_at({4, pg_->rank()}, static_cast<double>(params));
+  mem.set_at({5, pg_->rank()}, static_cast<double>(grads));
+  mem.set_at({6, pg_->rank()}, static_cast<double>(gathered));
   pg_->all_reduce_host(mem);
   if (!main_rank_) return;
   std::string rss = "peak RSS per rank:", opt = "optimizer state per rank:";
@@ -745,6 +771,19 @@ void Trainer::report_memory() {
     dev += buf;
   }
   std::printf("%s MiB\n%s bytes\n", rss.c_str(), opt.c_str());
+  // Note [Memory split]
+  std::string split = "peak tensor memory per rank:";
+  for (int r = 0; r < world_; ++r) {
+    std::snprintf(buf, sizeof buf, " %.2f", mem.at({3, r}) / 1048576.0);
+    split += buf;
+  }
+  const double rest =
+      mem.at({3, 0}) - mem.at({4, 0}) - mem.at({5, 0}) - mem.at({1, 0}) - mem.at({6, 0});
+  std::printf(
+      "%s MiB (rank 0: parameters %.2f, gradients %.2f, optimizer state %.2f, gathered units "
+      "and their full gradients %.2f, activations and the rest %.2f MiB)\n",
+      split.c_str(), mem.at({4, 0}) / 1048576.0, mem.at({5, 0}) / 1048576.0,
+      mem.at({1, 0}) / 1048576.0, mem.at({6, 0}) / 1048576.0, std::max(0.0, rest) / 1048576.0);
   // With --device cuda, the caching allocator's peak of memory in tensors on each rank's GPU.
   if (device_.is_cuda()) std::printf("%s MiB (in tensors)\n", dev.c_str());
   // Note [ZeRO-1], Overlap: what the parameters' all-gathers cost rank 0's steps.

@@ -278,6 +278,7 @@ std::vector<std::string> FullyShardedDataParallel::unit_names() const {
 
 void FullyShardedDataParallel::start_gather(Unit& u) {
   if (u.gathered || u.gather || u.params.empty()) return;
+  AllocationScope scope("FSDP: a unit's gathered parameters");
   u.full->reset(static_cast<size_t>(u.bytes()));
   u.gather = pg_->all_gather(u.full_flat(), u.shard.detach());
   ++stats_.all_gathers;
@@ -372,6 +373,7 @@ void FullyShardedDataParallel::on_param_grad(size_t param, Tensor& leaf) {
   Unit& u = *units_[unit_of_[param]];
   autograd::NoGradGuard no_grad;
   if (!u.grad_full.defined()) {
+    AllocationScope scope("FSDP: a unit's full gradient");
     u.grad_full = zeros({u.padded}, TensorOptions(u.dtype).with_device(leaf.device()));
     note_memory();
   }
@@ -388,13 +390,37 @@ void FullyShardedDataParallel::on_param_grad(size_t param, Tensor& leaf) {
 
 void FullyShardedDataParallel::reduce_unit(Unit& u) {
   if (u.params.empty()) return;
+  // One reduction in flight: the previous unit's completes (it overlapped this unit's backward)
+  // and its full gradient goes before this one's shard is allocated, so the full gradients of
+  // at most two units are alive at once.
+  for (auto& other : units_)
+    if (other->scatter) complete_scatter(*other);
   if (!u.grad_full.defined()) {  // no parameter of the unit got a gradient here: zeros
     u.grad_full = zeros({u.padded}, TensorOptions(u.dtype).with_device(u.shard.device()));
     note_memory();
   }
+  // The last step's gradient shard, unless the optimizer still holds it, goes now.
+  u.shard.set_grad(Tensor());
+  for (size_t i : u.params) pieces_[i].set_grad(Tensor());
+  AllocationScope scope("FSDP: a unit's gradient shard");
   u.grad_shard = empty({u.shard_numel}, TensorOptions(u.dtype).with_device(u.shard.device()));
   u.scatter = pg_->reduce_scatter(u.grad_shard, u.grad_full, {.op = ReduceOp::avg});
+  u.reduced = true;
   ++stats_.reduce_scatters;
+  // A backend that reduced on this thread (shm) is done already: the full gradient goes now.
+  if (u.scatter->is_completed()) complete_scatter(u);
+}
+
+void FullyShardedDataParallel::complete_scatter(Unit& u) {
+  WorkPtr work = std::move(u.scatter);
+  u.scatter = nullptr;
+  work->wait();
+  u.grad_full = Tensor();  // the local sum has been reduced
+  u.shard.set_grad(u.grad_shard);
+  for (size_t i : u.params) {
+    const Piece piece = piece_of(i, pg_->rank());
+    pieces_[i].set_grad(u.grad_shard.narrow(0, piece.shard_at, piece.end - piece.begin));
+  }
 }
 
 void FullyShardedDataParallel::finish_backward() {
@@ -403,24 +429,14 @@ void FullyShardedDataParallel::finish_backward() {
   // in a fixed order, so every rank issues the same reductions.
   for (auto it = units_.rbegin(); it != units_.rend(); ++it) {
     Unit& u = **it;
-    const bool reduced = u.scatter != nullptr;
-    if (!no_sync_ && !reduced && u.grad_params > 0) reduce_unit(u);
+    if (!no_sync_ && u.grad_params > 0 && !u.reduced) reduce_unit(u);
     u.pending = -1;
   }
   stats_.grad_shard_bytes = 0;
   for (auto& u : units_) {
-    if (u->scatter) {
-      WorkPtr work = std::move(u->scatter);
-      u->scatter = nullptr;
-      work->wait();
-      u->grad_full = Tensor();  // the local sum has been reduced
-      u->shard.set_grad(u->grad_shard);
-      for (size_t i : u->params) {
-        const Piece piece = piece_of(i, pg_->rank());
-        pieces_[i].set_grad(u->grad_shard.narrow(0, piece.shard_at, piece.end - piece.begin));
-      }
-      stats_.grad_shard_bytes += u->grad_shard.nbytes();
-    }
+    if (u->scatter) complete_scatter(*u);
+    if (u->grad_shard.defined()) stats_.grad_shard_bytes += u->grad_shard.nbytes();
+    u->reduced = false;
     reshard(*u);
   }
 }

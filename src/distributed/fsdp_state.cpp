@@ -11,9 +11,21 @@
 namespace lockstep::dist {
 
 nn::NamedTensors FullyShardedDataParallel::full_state_dict() {
-  FullParams full(*this);
-  nn::NamedTensors state = module_->state_dict();
-  for (auto& [name, t] : state) t = t.clone();
+  // Unit by unit: what is gathered at once is one unit beside the copies made so far.
+  autograd::NoGradGuard no_grad;
+  std::unordered_map<const TensorImpl*, Tensor> copies;
+  for (auto& unit : units_) {
+    Unit& u = *unit;
+    const bool was_gathered = u.gathered;
+    wait_gather(u);
+    for (size_t i : u.params) copies[params_[i].second.impl()] = params_[i].second.clone();
+    if (!was_gathered) reshard(u);
+  }
+  nn::NamedTensors state = module_->state_dict();  // handles only: nothing is read here
+  for (auto& [name, t] : state) {
+    auto it = copies.find(t.impl());
+    t = it != copies.end() ? it->second : t.clone();  // a buffer
+  }
   return state;
 }
 

@@ -23,6 +23,7 @@ struct FullyShardedDataParallel::Unit {
   WorkPtr gather;     // in flight
   bool gathered = false;
   WorkPtr scatter;            // in flight
+  bool reduced = false;       // its reduction was issued in this backward
   int pending = -1;           // gradients not yet arrived in this backward (-1: none arrived yet)
   int grad_params = 0;        // parameters that require grad
   std::vector<int> hook_ids;  // on `module`

@@ -108,6 +108,7 @@ void Reducer::build_buckets(const std::vector<size_t>& order) {
     Bucket& b = buckets[bi];
     // On the parameters' device, so that the gradients accumulate straight into it there.
     b.extra = bi == 0 ? 1 + pg_->size() : 1;  // Note [Slow rank]: the time slots
+    AllocationScope scope("DDP's gradient buckets");
     b.flat = empty({b.numel + b.extra}, TensorOptions(b.dtype).with_device(b.device));
     b.flat.zero_();
     b.pending = static_cast<int>(b.params.size());

@@ -153,6 +153,7 @@ int64_t Optimizer::num_params() const { return static_cast<int64_t>(state_.size(
 
 Tensor& Optimizer::state(int64_t index, const std::string& field, const Tensor& like) {
   Tensor& t = state_[static_cast<size_t>(index)][field];
+  AllocationScope scope("optimizer state");
   if (!t.defined()) t = zeros(like.shape(), TensorOptions(like.dtype()).with_device(like.device()));
   return t;
 }

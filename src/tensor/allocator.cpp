@@ -1,10 +1,13 @@
 // The caching CPU allocator: 64-byte aligned blocks, freed blocks kept per size class.
 #include "lockstep/tensor/allocator.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <mutex>
 #include <new>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -46,6 +49,28 @@ size_t default_cache_limit() {
   return static_cast<size_t>(mb) << 20;
 }
 
+// Note [CPU memory limit]
+// With a limit (LOCKSTEP_CPU_MEMORY_LIMIT_MB, or set_cpu_memory_limit), an allocation that would
+// bring the bytes of live CPU tensors above it fails before asking the OS: a rank that would not
+// fit in its share of a machine's memory stops with a message that names the rank, the size, the
+// total it would have reached and what the allocation was for (an AllocationScope's name), rather
+// than being killed by the kernel's OOM killer with no word. It is also how a test holds a rank
+// to a budget without cgroups: the same model that fails under DDP must train under FSDP.
+thread_local const char* current_scope = nullptr;
+
+size_t default_memory_limit() {
+  const int64_t mb = env_int(env::kCpuMemoryLimitMb, 0, kMaxCacheMb,
+                             {.unit = "MiB", .note = "CPU tensor memory a process may hold"})
+                         .value_or(0);
+  return static_cast<size_t>(mb) << 20;
+}
+
+std::string mib(int64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f MiB", static_cast<double>(bytes) / 1048576.0);
+  return buf;
+}
+
 class CachingCpuAllocator final : public Allocator {
  public:
   ~CachingCpuAllocator() override { empty_cache(); }
@@ -54,6 +79,8 @@ class CachingCpuAllocator final : public Allocator {
     size_t cls = size_class(nbytes);
     {
       std::lock_guard<std::mutex> lock(mu_);
+      if (memory_limit_ > 0 && static_cast<size_t>(stats_.allocated_bytes) + cls > memory_limit_)
+        throw_over_limit(nbytes, cls);
       ++stats_.allocations;
       auto it = free_.find(cls);
       if (it != free_.end() && !it->second.empty()) {
@@ -61,10 +88,12 @@ class CachingCpuAllocator final : public Allocator {
         it->second.pop_back();
         stats_.cached_bytes -= static_cast<int64_t>(cls);
         stats_.allocated_bytes += static_cast<int64_t>(cls);
+        stats_.peak_allocated_bytes = std::max(stats_.peak_allocated_bytes, stats_.allocated_bytes);
         return p;
       }
       ++stats_.os_allocations;
       stats_.allocated_bytes += static_cast<int64_t>(cls);
+      stats_.peak_allocated_bytes = std::max(stats_.peak_allocated_bytes, stats_.allocated_bytes);
     }
     void* p = std::aligned_alloc(kAlignment, cls);
     if (p == nullptr) {
@@ -113,11 +142,38 @@ class CachingCpuAllocator final : public Allocator {
     limit_ = bytes;
   }
 
+  void set_memory_limit(size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    memory_limit_ = bytes;
+  }
+
+  void reset_peak() {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.peak_allocated_bytes = stats_.allocated_bytes;
+  }
+
  private:
+  // Called with mu_ held.
+  [[noreturn]] void throw_over_limit(size_t nbytes, size_t cls) const {
+    const char* rank = std::getenv(env::kRank);
+    const char* what = AllocationScope::current();
+    LS_THROW(rank ? "rank " : "", rank ? rank : "", rank ? ": " : "", "out of memory: allocating ",
+             mib(static_cast<int64_t>(nbytes)), " for ",
+             what ? what
+                  : "a tensor (activations or "
+                    "temporaries)",
+             " would bring this process's CPU tensors to ",
+             mib(stats_.allocated_bytes + static_cast<int64_t>(cls)), ", above its limit of ",
+             mib(static_cast<int64_t>(memory_limit_)), " (", env::kCpuMemoryLimitMb,
+             "). Shard the model (FullyShardedDataParallel: --zero 3 in the examples), spread it "
+             "over more ranks, or train with a smaller batch.");
+  }
+
   std::mutex mu_;
   std::unordered_map<size_t, std::vector<void*>> free_;
   AllocatorStats stats_;
-  size_t limit_ = default_cache_limit();  // Note [CPU cache limit from the environment]
+  size_t limit_ = default_cache_limit();          // Note [CPU cache limit from the environment]
+  size_t memory_limit_ = default_memory_limit();  // Note [CPU memory limit]
 };
 
 CachingCpuAllocator& instance() {
@@ -132,5 +188,13 @@ Allocator& cpu_allocator() { return instance(); }
 AllocatorStats cpu_allocator_stats() { return instance().stats(); }
 void cpu_allocator_empty_cache() { instance().empty_cache(); }
 void set_cpu_allocator_cache_limit(size_t bytes) { instance().set_limit(bytes); }
+void set_cpu_memory_limit(size_t bytes) { instance().set_memory_limit(bytes); }
+void reset_cpu_allocator_peak() { instance().reset_peak(); }
+
+AllocationScope::AllocationScope(const char* what) : previous_(current_scope) {
+  current_scope = what;
+}
+AllocationScope::~AllocationScope() { current_scope = previous_; }
+const char* AllocationScope::current() { return current_scope; }
 
 }  // namespace lockstep

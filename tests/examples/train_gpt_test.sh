@@ -306,6 +306,43 @@ case "$case_name" in
     cmp "$work/r0/ck.safetensors" "$work/r3/ck.safetensors" \
       || fail "the 3-rank continuations of a 4-rank FSDP checkpoint differ between DDP and FSDP"
     ;;
+  memory_limit)
+    # A GPT that does not fit: each rank may hold 13 MiB of CPU tensors (LOCKSTEP_CPU_MEMORY_LIMIT_MB,
+    # Note [CPU memory limit]). 4 ranks of DDP need about 17.6 MiB each (its 0.83 M parameters,
+    # their gradients and AdamW's moments are 12.7 MiB on every rank) and every rank stops with an
+    # out-of-memory error naming itself and the allocation; 4 ranks of FSDP (--zero 3, about
+    # 10.9 MiB each) train to the end, and the split of the peak says where the memory went.
+    prepare_tiny
+    ranks() {  # name, then the flags
+      local name=$1 port=$((20000 + RANDOM % 20000)) r
+      shift
+      for r in 0 1 2 3; do
+        RANK=$r WORLD_SIZE=4 LOCAL_RANK=$r LOCAL_WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 \
+          MASTER_PORT=$port OMP_NUM_THREADS=1 LOCKSTEP_CPU_MEMORY_LIMIT_MB=13 \
+          "$exe" --data "$work/tiny" --block-size 32 --n-layer 4 --n-head 4 --n-embd 128 \
+          --threads 1 --eval-batches 2 --batch-size 4 --max-steps 6 --warmup-steps 2 \
+          --timeout 60 "$@" > "$work/$name.rank$r" 2>&1 &
+        pids[$r]=$!
+      done
+      for r in 0 1 2 3; do
+        wait "${pids[$r]}"
+        rcs[$r]=$?
+      done
+    }
+    ranks ddp --zero 0
+    for r in 0 1 2 3; do
+      [ "${rcs[$r]}" -eq 1 ] || { cat "$work/ddp.rank$r"; fail "DDP rank $r exited ${rcs[$r]}, expected 1"; }
+      grep -q "rank $r: out of memory: allocating [0-9.]* MiB for .* would bring this process's CPU tensors to [0-9.]* MiB, above its limit of 13.00 MiB (LOCKSTEP_CPU_MEMORY_LIMIT_MB)" "$work/ddp.rank$r" \
+        || { cat "$work/ddp.rank$r"; fail "DDP rank $r: no out-of-memory message naming it"; }
+    done
+    ranks fsdp --zero 3
+    for r in 0 1 2 3; do
+      [ "${rcs[$r]}" -eq 0 ] || { cat "$work/fsdp.rank$r"; fail "FSDP rank $r exited ${rcs[$r]}"; }
+    done
+    grep "^final val_loss=.* steps=6 " "$work/fsdp.rank0" || fail "FSDP did not train 6 steps"
+    grep "^peak tensor memory per rank: .* MiB (rank 0: parameters 0.79, gradients 0.79, optimizer state 1.58, " "$work/fsdp.rank0" \
+      || { cat "$work/fsdp.rank0"; fail "no memory split with a quarter of the states"; }
+    ;;
   amp)
     # --amp bf16 (Linear and attention in bf16 under autocast, the loss and the optimizer in
     # f32) learns the tiny corpus as f32 does: both end 1 nat below the unigram entropy, within

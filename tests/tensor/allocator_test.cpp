@@ -119,3 +119,30 @@ TEST(AllocatorEnv, OutOfRangeAndGarbledSizesAreErrorsAndAGoodOneRuns) {
     EXPECT_THAT(b.output, ::testing::HasSubstr("LOCKSTEP_CPU_CACHE_MB" + said)) << b.output;
   }
 }
+
+// Note [CPU memory limit]: an allocation beyond the limit fails with a message naming the size,
+// the total it would reach, the limit and what the innermost AllocationScope says it was for;
+// within the limit allocations go on, and the peak counts them.
+TEST(CpuAllocator, AMemoryLimitFailsTheAllocationThatWouldPassItNamingWhatItWasFor) {
+  reset_cpu_allocator_peak();
+  const int64_t before = cpu_allocator_stats().allocated_bytes;
+  set_cpu_memory_limit(static_cast<size_t>(before) + (size_t{4} << 20));
+  {
+    Tensor fits = empty({int64_t{1} << 19}, kFloat32);  // 2 MiB
+    EXPECT_GE(cpu_allocator_stats().peak_allocated_bytes, before + (int64_t{2} << 20));
+    try {
+      AllocationScope scope("the test's big block");
+      Tensor big = empty({int64_t{1} << 20}, kFloat32);  // 4 MiB more: over
+      ADD_FAILURE() << "an allocation over the limit succeeded";
+    } catch (const Error& e) {
+      EXPECT_THAT(e.what(),
+                  ::testing::HasSubstr("out of memory: allocating 4.00 MiB for the test's "
+                                       "big block"));
+      EXPECT_THAT(e.what(), ::testing::HasSubstr("LOCKSTEP_CPU_MEMORY_LIMIT_MB"));
+    }
+    EXPECT_EQ(AllocationScope::current(), nullptr);
+  }
+  set_cpu_memory_limit(0);
+  Tensor after = empty({int64_t{1} << 20}, kFloat32);  // no limit: fine
+  EXPECT_EQ(after.numel(), int64_t{1} << 20);
+}

@@ -64,6 +64,10 @@ inline constexpr const char* kNcclCheck = "LOCKSTEP_NCCL_CHECK";
 inline constexpr const char* kTestEmulateGpus = "LOCKSTEP_TEST_EMULATE_GPUS";
 // MiB of freed host memory the CPU allocator keeps for reuse (default 4096; 0 keeps none).
 inline constexpr const char* kCpuCacheMb = "LOCKSTEP_CPU_CACHE_MB";
+// MiB of CPU tensor memory this process may hold at once (default: no limit): an allocation
+// beyond it is an out-of-memory error naming the rank and what was allocated (Note [CPU memory
+// limit] in src/tensor/allocator.cpp).
+inline constexpr const char* kCpuMemoryLimitMb = "LOCKSTEP_CPU_MEMORY_LIMIT_MB";
 // "1": f32 matrix products may use TF32 tensor cores from the start (cuda::set_allow_tf32).
 inline constexpr const char* kAllowTf32 = "LOCKSTEP_ALLOW_TF32";
 

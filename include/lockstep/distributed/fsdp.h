@@ -158,6 +158,7 @@ class FullyShardedDataParallel : public nn::Module {
   void before_unit_backward(Unit& u);
   void on_param_grad(size_t param, Tensor& leaf);
   void reduce_unit(Unit& u);
+  void complete_scatter(Unit& u);
   void finish_backward();
   void note_memory();
   // This rank's piece of parameter `param`: [begin, end) of its flat elements, and where it
