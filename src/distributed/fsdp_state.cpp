@@ -235,6 +235,178 @@ void FullyShardedDataParallel::Optim::load_state_dict(const optim::NamedTensors&
   for (size_t g = 0; g < groups_.size(); ++g) groups_[g].lr = inner_->param_groups()[g].lr;
 }
 
+// Note [FSDP sharded checkpoint]
+// A piece of a parameter is a run of its flattened elements, which is what a slice of a sharded
+// checkpoint is: each rank writes the pieces it holds of the parameters and of the optimizer's
+// per-element fields (AdamW's moments), rank 0 the rest whole (buffers, per-parameter step counts,
+// which every rank holds alike, the global step and the groups' learning rates). On load each
+// rank asks for its own pieces at its own layout, whatever layout wrote them; names are those of
+// an ordinary checkpoint ("model.<name>", "optim.<name>.<field>"), so `lockstep checkpoint
+// consolidate` writes one that any run loads.
+std::vector<io::TensorSlice> FullyShardedDataParallel::state_slices(
+    const optim::Optimizer* opt) const {
+  autograd::NoGradGuard no_grad;
+  const int rank = pg_->rank();
+  std::vector<io::TensorSlice> out;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& [name, p] = params_[i];
+    const Piece piece = piece_of(i, rank);
+    if (piece.end == piece.begin) continue;
+    out.push_back(
+        {"model." + name, p.shape(), piece.begin,
+         units_[piece.unit]->shard.detach().narrow(0, piece.shard_at, piece.end - piece.begin)});
+  }
+  if (rank == 0) {
+    for (const auto& [name, b] : module_->state_dict()) {
+      bool is_param = false;
+      for (const auto& [pname, p] : params_) is_param = is_param || pname == name;
+      if (!is_param) out.push_back({"model." + name, b.shape(), 0, b});
+    }
+  }
+  if (opt == nullptr) return out;
+  const auto* wrapped = dynamic_cast<const Optim*>(opt);
+  LS_CHECK(wrapped != nullptr,
+           "FullyShardedDataParallel::state_slices: expected the optimizer wrap_optimizer() "
+           "built, got another");
+  for (const auto& [key, t] : wrapped->inner_->state_dict()) {
+    size_t k = 0;
+    std::string field;
+    if (!Optim::split_key(key, k, field)) {
+      if (key == "step") {
+        if (rank == 0)
+          out.push_back(
+              {"optim.step", {}, 0, full({}, static_cast<double>(wrapped->steps_), kInt64)});
+      } else if (key.rfind("group.", 0) == 0) {
+        const size_t g = std::stoul(key.substr(6, key.find('.', 6) - 6));
+        if (rank == 0)
+          out.push_back({"optim." + key, {}, 0, full({}, wrapped->groups_.at(g).lr, kFloat64)});
+      }
+      continue;
+    }
+    const size_t i = wrapped->param_of_.at(k);
+    const std::string name = "optim." + params_[i].first + "." + field;
+    if (Optim::is_scalar(field, t)) {
+      if (rank == 0) out.push_back({name, t.shape(), 0, t});
+      continue;
+    }
+    const Piece piece = piece_of(i, rank);
+    if (piece.end > piece.begin)
+      out.push_back({name, params_[i].second.shape(), piece.begin, t.reshape({-1})});
+  }
+  return out;
+}
+
+std::vector<io::SliceRequest> FullyShardedDataParallel::state_requests(
+    const std::vector<std::string>& available, const optim::Optimizer* opt) const {
+  const int rank = pg_->rank();
+  std::unordered_map<std::string, size_t> param_named;
+  for (size_t i = 0; i < params_.size(); ++i) param_named["model." + params_[i].first] = i;
+  std::vector<io::SliceRequest> out;
+  for (const std::string& name : available) {
+    if (name.rfind("model.", 0) == 0) {
+      auto it = param_named.find(name);
+      if (it == param_named.end()) {
+        out.push_back({name, 0, -1});  // a buffer (or unknown: load_state_slices names it)
+        continue;
+      }
+      const Piece piece = piece_of(it->second, rank);
+      if (piece.end > piece.begin) out.push_back({name, piece.begin, piece.end - piece.begin});
+      continue;
+    }
+    if (opt == nullptr || name.rfind("optim.", 0) != 0) continue;
+    // "optim.<param>.<field>": the longest parameter name that prefixes it.
+    size_t best = SIZE_MAX, best_len = 0;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const std::string prefix = "optim." + params_[i].first + ".";
+      if (name.rfind(prefix, 0) == 0 && prefix.size() > best_len) {
+        best = i;
+        best_len = prefix.size();
+      }
+    }
+    const std::string field = best == SIZE_MAX ? "" : name.substr(best_len);
+    if (best == SIZE_MAX || field == "step") {
+      out.push_back({name, 0, -1});  // "optim.step", a group's lr, a step count
+      continue;
+    }
+    const Piece piece = piece_of(best, rank);
+    if (piece.end > piece.begin) out.push_back({name, piece.begin, piece.end - piece.begin});
+  }
+  return out;
+}
+
+void FullyShardedDataParallel::load_state_slices(const std::vector<io::TensorSlice>& slices,
+                                                 optim::Optimizer* opt) {
+  autograd::NoGradGuard no_grad;
+  const int rank = pg_->rank();
+  std::unordered_map<std::string, const io::TensorSlice*> by_name;
+  for (const auto& s : slices) by_name[s.name] = &s;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& [name, p] = params_[i];
+    const Piece piece = piece_of(i, rank);
+    if (piece.end == piece.begin) continue;  // none of it is this rank's
+    auto it = by_name.find("model." + name);
+    LS_CHECK(it != by_name.end(),
+             "FullyShardedDataParallel::load_state_slices: the checkpoint "
+             "has no parameter 'model.",
+             name, "'");
+    const io::TensorSlice& s = *it->second;
+    LS_CHECK(
+        s.shape == p.shape() && s.start == piece.begin && s.data.numel() == piece.end - piece.begin,
+        "FullyShardedDataParallel::load_state_slices: 'model.", name, "' is ", s.shape.str(),
+        " from element ", s.start, " (", s.data.numel(), " elements) in the checkpoint, expected ",
+        p.shape().str(), " from ", piece.begin, " (", piece.end - piece.begin, ")");
+    units_[piece.unit]
+        ->shard.detach()
+        .narrow(0, piece.shard_at, piece.end - piece.begin)
+        .copy_(s.data.reshape({-1}));
+  }
+  for (const auto& [name, b] : module_->named_buffers()) {
+    auto it = by_name.find("model." + name);
+    if (it == by_name.end()) continue;  // non-persistent
+    LS_CHECK(it->second->shape == b.shape(), "FullyShardedDataParallel::load_state_slices: '",
+             "model.", name, "' has shape ", it->second->shape.str(), ", expected ",
+             b.shape().str());
+    Tensor(b).copy_(it->second->data.reshape(b.shape()));
+  }
+  for (auto& u : units_) reshard(*u);
+  if (opt == nullptr) return;
+  auto* wrapped = dynamic_cast<Optim*>(opt);
+  LS_CHECK(wrapped != nullptr,
+           "FullyShardedDataParallel::load_state_slices: expected the optimizer wrap_optimizer() "
+           "built, got another");
+  // The inner optimizer's own format: "<k>.<field>" over the pieces.
+  std::vector<size_t> index_of(params_.size(), SIZE_MAX);
+  for (size_t k = 0; k < wrapped->param_of_.size(); ++k) index_of[wrapped->param_of_[k]] = k;
+  optim::NamedTensors inner;
+  for (const auto& s : slices) {
+    if (s.name.rfind("optim.", 0) != 0) continue;
+    const std::string rest = s.name.substr(6);
+    if (rest == "step" || rest.rfind("group.", 0) == 0) {
+      inner.emplace_back(rest, s.data.reshape(s.shape));
+      continue;
+    }
+    size_t best = SIZE_MAX, best_len = 0;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const std::string prefix = params_[i].first + ".";
+      if (rest.rfind(prefix, 0) == 0 && prefix.size() > best_len) {
+        best = i;
+        best_len = prefix.size();
+      }
+    }
+    LS_CHECK(best != SIZE_MAX && index_of[best] != SIZE_MAX,
+             "FullyShardedDataParallel::load_state_slices: '", s.name,
+             "' names no parameter of the optimizer");
+    const std::string field = rest.substr(best_len);
+    const Tensor value = field == "step" ? s.data.reshape(s.shape) : s.data.reshape({-1});
+    inner.emplace_back(std::to_string(index_of[best]) + "." + field, value);
+  }
+  wrapped->inner_->load_state_dict(inner);
+  for (size_t g = 0; g < wrapped->groups_.size(); ++g)
+    wrapped->groups_[g].lr = wrapped->inner_->param_groups()[g].lr;
+  for (const auto& [name, t] : inner)
+    if (name == "step") wrapped->steps_ = static_cast<int64_t>(t.item());
+}
+
 const optim::Optimizer* FullyShardedDataParallel::local_optimizer(const optim::Optimizer& opt) {
   const auto* wrapped = dynamic_cast<const Optim*>(&opt);
   return wrapped ? wrapped->inner_.get() : nullptr;

@@ -2,13 +2,18 @@
 // DDP (clipped, with gradient accumulation, both reshard settings, any world size, shm and Gloo),
 // parameters that hold no memory outside their unit's use, and state that moves between FSDP
 // and DDP runs of other sizes.
+#include <unistd.h>
+
+#include <algorithm>
 #include <cmath>
+#include <filesystem>
 
 #include "distributed/ddp_helpers.h"
 #include "distributed/thread_ranks.h"
 #include "lockstep/amp/grad_scaler.h"
 #include "lockstep/distributed/ddp.h"
 #include "lockstep/distributed/fsdp.h"
+#include "lockstep/io/sharded_checkpoint.h"
 #include "testing.h"
 
 using namespace lockstep;
@@ -129,6 +134,14 @@ void expect_same(const optim::NamedTensors& got, const optim::NamedTensors& want
   }
 }
 
+// The same, whatever the order of the entries (a file's are sorted by name).
+void expect_same_by_name(optim::NamedTensors got, optim::NamedTensors want) {
+  auto by_name = [](const auto& a, const auto& b) { return a.first < b.first; };
+  std::sort(got.begin(), got.end(), by_name);
+  std::sort(want.begin(), want.end(), by_name);
+  expect_same(got, want);
+}
+
 struct Case {
   std::string backend;
   int world;
@@ -227,6 +240,85 @@ TEST(Fsdp, FullStateMovesBetweenFsdpAndDdpAtOtherWorldSizes) {
   const Result ddp2 = run_all("gloo", 2, {.fsdp = false, .steps = 2, .start = 5, .from = &ddp3})[0];
   expect_same(fsdp2.model, ddp2.model);
   expect_same(fsdp2.optimizer, ddp2.optimizer);
+}
+
+// A sharded checkpoint (each rank's pieces, io/sharded_checkpoint.h) written by 4 FSDP ranks
+// holds the full state bitwise (consolidated into one file: DDP's model and optimizer state at
+// that step), and 3 FSDP ranks that read only their own pieces continue as 3 DDP ranks continue
+// from the full state.
+TEST(Fsdp, ShardedCheckpointOfFourRanksResumesInThreeAndConsolidates) {
+  const std::string dir = ::testing::TempDir() + "fsdp_sharded_" + std::to_string(::getpid());
+  std::filesystem::remove_all(dir);
+  std::vector<std::vector<io::TensorSlice>> shards(4);
+  const auto errors = lockstep::testing::run_ranks_on("shm", 4, [&](int r, ProcessGroupPtr pg) {
+    auto model = mlp(7);
+    FullyShardedDataParallel fsdp(model, pg, fsdp_options(true));
+    auto opt = fsdp.wrap_optimizer(groups_of(*model), adamw);
+    for (int s = 0; s < 3; ++s) {
+      const Data b = batch_for(s, 0, r, 4);
+      opt->zero_grad();
+      cross_entropy(fsdp.forward(b.x), b.y).backward();
+      fsdp.clip_grad_norm(kClip);
+      opt->step();
+    }
+    for (auto& slice : fsdp.state_slices(opt.get())) {
+      slice.data = slice.data.clone();
+      shards[r].push_back(std::move(slice));
+    }
+  });
+  for (const auto& e : errors) ASSERT_EQ(e, "");
+  io::TrainingCheckpoint meta;
+  meta.step = 3;
+  meta.world_size = 4;
+  io::save_sharded_checkpoint(dir, shards, meta);
+
+  // The same 3 steps under DDP give the full state to compare with.
+  const Result ddp_saved = run_all("shm", 4, {.fsdp = false, .steps = 3})[0];
+  const std::string file = dir + ".consolidated.safetensors";
+  io::consolidate(dir, file);
+  const io::TrainingCheckpoint whole = io::load_checkpoint(file);
+  expect_same_by_name(whole.model, ddp_saved.model);
+  // The file names optimizer state by parameter ("optim.0.weight.exp_avg"), DDP's state_dict
+  // by index: the same tensors.
+  ASSERT_EQ(whole.optimizer.size(), ddp_saved.optimizer.size());
+  optim::NamedTensors indexed;
+  const auto names = mlp(7)->named_parameters();
+  for (auto [name, t] : whole.optimizer) {
+    for (size_t k = 0; k < names.size(); ++k)
+      if (name.rfind(names[k].first + ".", 0) == 0)
+        name = std::to_string(k) + name.substr(names[k].first.size());
+    indexed.emplace_back(name, t);
+  }
+  expect_same_by_name(indexed, ddp_saved.optimizer);
+
+  std::vector<Result> resumed(3);
+  const auto errors3 = lockstep::testing::run_ranks_on("shm", 3, [&](int r, ProcessGroupPtr pg) {
+    auto model = mlp(7);
+    FullyShardedDataParallel fsdp(model, pg, fsdp_options(false));
+    auto opt = fsdp.wrap_optimizer(groups_of(*model), adamw);
+    const io::ShardedCheckpointReader reader(dir);
+    std::vector<std::string> names;
+    for (const auto& t : reader.tensors()) names.push_back(t.name);
+    std::vector<io::TensorSlice> mine;
+    for (const auto& req : fsdp.state_requests(names, opt.get())) mine.push_back(reader.read(req));
+    fsdp.load_state_slices(mine, opt.get());
+    for (int s = 3; s < 5; ++s) {
+      const Data b = batch_for(s, 0, r, 3);
+      opt->zero_grad();
+      cross_entropy(fsdp.forward(b.x), b.y).backward();
+      fsdp.clip_grad_norm(kClip);
+      opt->step();
+    }
+    resumed[r].model = fsdp.full_state_dict();
+    resumed[r].optimizer = opt->state_dict();
+  });
+  for (const auto& e : errors3) EXPECT_EQ(e, "");
+  const Result ddp3 =
+      run_all("shm", 3, {.fsdp = false, .steps = 2, .start = 3, .from = &ddp_saved})[0];
+  expect_same(resumed[0].model, ddp3.model);
+  expect_same(resumed[0].optimizer, ddp3.optimizer);
+  std::filesystem::remove_all(dir);
+  std::filesystem::remove(file);
 }
 
 // A GradScaler over the wrapped optimizer: an overflow in one rank's shard of the gradient skips

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "lockstep/distributed/process_group.h"
+#include "lockstep/io/sharded_checkpoint.h"
 #include "lockstep/nn/module.h"
 #include "lockstep/optim/optimizer.h"
 
@@ -135,6 +136,21 @@ class FullyShardedDataParallel : public nn::Module {
   std::unique_ptr<optim::Optimizer> wrap_optimizer(
       const std::vector<optim::ParamGroup>& groups,
       const std::function<std::unique_ptr<optim::Optimizer>(std::vector<optim::ParamGroup>)>& make);
+
+  // Sharded checkpoints (io/sharded_checkpoint.h), local (no collective). This rank's slices of
+  // the state: each parameter's piece as "model.<name>" (elements [begin, end) of it), the
+  // buffers whole from rank 0; with `opt` (wrap_optimizer's) its per-element state as
+  // "optim.<name>.<field>" pieces, its per-parameter scalars and "optim.step", "optim.group.<g>.lr"
+  // from rank 0. Every element of every tensor is in exactly one rank's slices.
+  std::vector<io::TensorSlice> state_slices(const optim::Optimizer* opt) const;
+  // What this rank reads back at its own layout, for tensors named in `available` (the
+  // checkpoint's): its pieces of the parameters and of the optimizer's per-element fields, the
+  // buffers and scalars whole. A checkpoint from any world size and layout (DDP, ZeRO, FSDP).
+  std::vector<io::SliceRequest> state_requests(const std::vector<std::string>& available,
+                                               const optim::Optimizer* opt) const;
+  // Takes what state_requests() asked for: the pieces into the shards, the buffers, and (with
+  // `opt`) the optimizer's pieces and scalars. A missing parameter is an error naming it.
+  void load_state_slices(const std::vector<io::TensorSlice>& slices, optim::Optimizer* opt);
 
   // The optimizer wrap_optimizer() built over the shards, when `opt` is such a wrapper (its
   // state, per rank, is what each rank holds); null otherwise.
