@@ -78,6 +78,9 @@ struct Impl {
   static const std::shared_ptr<TensorImpl>& of(const Tensor& t) { return t.impl_ptr(); }
 };
 
+// The most bytes the constructor's broadcast of rank 0's parameters packs at once.
+constexpr int64_t kBroadcastBytes = int64_t{4} << 20;
+
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -117,10 +120,23 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<nn::Module> m
   check_same_model(*pg_, *module_, "FullyShardedDataParallel");
   {
     autograd::NoGradGuard no_grad;
+    // In pieces of at most kBroadcastBytes: one fused broadcast would pack a second copy of the
+    // whole model, the memory FSDP is there to save.
     std::vector<Tensor> state;
     for (const auto& [name, t] : module_->named_parameters()) state.push_back(t);
     for (const auto& [name, t] : module_->named_buffers()) state.push_back(t);
-    if (pg_->size() > 1 && !state.empty()) broadcast_tensors(*pg_, state, 0);
+    std::vector<Tensor> chunk;
+    int64_t bytes = 0;
+    for (size_t k = 0; k <= state.size() && pg_->size() > 1; ++k) {
+      if (k == state.size() || (bytes > 0 && bytes + state[k].nbytes() > kBroadcastBytes)) {
+        if (!chunk.empty()) broadcast_tensors(*pg_, chunk, 0);
+        chunk.clear();
+        bytes = 0;
+      }
+      if (k == state.size()) break;
+      chunk.push_back(state[k]);
+      bytes += state[k].nbytes();
+    }
   }
   std::set<const TensorImpl*> seen;
   for (auto& [name, t] : module_->named_parameters()) {

@@ -2,6 +2,10 @@
 // through the file system, rank 0's choice of what to resume, the collective load.
 #include "lockstep/distributed/sharded_checkpoint.h"
 
+#include <pthread.h>
+#include <sched.h>
+#include <sys/resource.h>
+#include <unistd.h>
 #include <nlohmann/json.hpp>
 
 #include <atomic>
@@ -14,6 +18,24 @@
 #include "lockstep/base/log.h"
 
 namespace lockstep::dist {
+
+namespace {
+
+// Note [Background save priority]
+// The writer runs at SCHED_IDLE (else at nice 19): it takes a core only when training leaves one
+// idle. Writing a shard is CPU work too (the SHA-256, the copies into the page cache), and on a
+// machine whose cores the ranks' compute fills (measured on the 2-core VM: bench/sharded_save)
+// a writer at the training's priority took that time out of the steps; idle, it fills the gaps
+// (data loading, communication waits) and the save takes longer instead. Best effort: a failure
+// to lower it leaves the writer as it was.
+void yield_to_training() {
+  sched_param param{};
+  param.sched_priority = 0;
+  if (::pthread_setschedparam(::pthread_self(), SCHED_IDLE, &param) == 0) return;
+  (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), 19);
+}
+
+}  // namespace
 
 namespace {
 
@@ -135,6 +157,7 @@ void AsyncShardedSaver::save(const std::string& dir, const std::vector<io::Tenso
   }
   state_->running = true;
   state_->worker = std::thread([this, tmp, dir, rank, world, meta, copy = std::move(copy)] {
+    yield_to_training();
     // Note [Sharded checkpoint]: nothing here touches the process group.
     state_->error = failure_of([&] {
       try {
