@@ -27,6 +27,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -39,12 +40,14 @@
 #include "lockstep/data/data.h"
 #include "lockstep/distributed/checkpoint.h"
 #include "lockstep/distributed/fsdp.h"
+#include "lockstep/distributed/sharded_checkpoint.h"
 #include "lockstep/distributed/sync_check.h"
 #include "lockstep/distributed/zero.h"
 #include "lockstep/io/checkpoint.h"
 #include "lockstep/io/metrics.h"
 #include "lockstep/io/progress.h"
 #include "lockstep/io/safetensors.h"
+#include "lockstep/io/sharded_checkpoint.h"
 #include "lockstep/lockstep.h"
 #include "lockstep/optim/optimizer.h"
 #include "lockstep/optim/schedule.h"
@@ -56,6 +59,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using examples::GptConfig;
+using examples::is_sharded_checkpoint_path;
 using examples::number_text;
 
 double seconds_since(Clock::time_point t) {
@@ -259,6 +263,19 @@ std::unique_ptr<optim::Optimizer> build_optimizer(const GptConfig& cfg, const nn
       dist::ZeroOptions{.reduce_scatter_gradients = scatter, .overlap_all_gather = scatter});
 }
 
+// The names of the optimizer's parameters in its order, which is gpt_param_groups' (the groups
+// one after the other), not the module's: a checkpoint names the state "<index>.<field>" of
+// index i "optim.<name i>.<field>" (Note [Checkpoint layout]), as FSDP's state_slices does.
+std::vector<std::string> optimizer_param_names(const nn::Module& model, double weight_decay) {
+  const auto named = model.named_parameters();
+  std::vector<std::string> names;
+  for (const optim::ParamGroup& g : examples::gpt_param_groups(model, weight_decay))
+    for (const Tensor& p : g.params)
+      for (const auto& [name, q] : named)
+        if (q.is_same(p)) names.push_back(name);
+  return names;
+}
+
 // Where training stands: optimizer steps taken; the sampler epoch and the windows all ranks
 // together consumed in it. A checkpoint stores exactly this (and resumes the data exactly, as
 // the Fashion-MNIST example does).
@@ -316,6 +333,8 @@ bool check_job_settings(const GptConfig& cfg, dist::ProcessGroup& pg,
        {"--eval-every", text(cfg.eval_every)},
        {"--eval-batches", text(cfg.eval_batches)},
        {"--save (given or not)", yes_no(!cfg.save.empty())},
+       {"--save (a sharded directory or not)", yes_no(is_sharded_checkpoint_path(cfg.save))},
+       {"--async-save", yes_no(cfg.async_save)},
        {"--save-every", text(cfg.save_every)},
        {"--resume", cfg.resume},
        {"--no-shuffle", yes_no(cfg.no_shuffle)},
@@ -357,11 +376,15 @@ class Trainer {
         loader_(train_data_, sampler_,
                 {.batch_size = cfg.batch_size, .drop_last = true, .num_workers = cfg.workers}),
         amp_dtype_(cfg.amp == "bf16" ? kBFloat16 : kFloat32),
-        progress_({.terminal = true, .enabled = main_rank_ && stdout_is_terminal()}) {
+        progress_({.terminal = true, .enabled = main_rank_ && stdout_is_terminal()}),
+        sharded_(is_sharded_checkpoint_path(cfg.save)),
+        saver_(cfg.async_save ? std::make_unique<dist::AsyncShardedSaver>(
+                                    *pg_, dist::AsyncSaveOptions{.keep = cfg.keep})
+                              : nullptr) {
     LS_CHECK(loader_.num_batches() > 0, "expected at least one batch of ", cfg.batch_size,
              " windows per rank in ", cfg.data, "/train.tokens, got ", sampler_->num_samples(),
              " windows of ", cfg.block_size, " tokens for this rank");
-    for (const auto& [name, p] : gpt_->named_parameters()) param_names_.push_back(name);
+    param_names_ = optimizer_param_names(*gpt_, cfg.weight_decay);
     if (cfg.zero_reduce_scatter && ddp_) {
       zero_scatter_ = static_cast<dist::ZeroRedundancyOptimizer*>(opt_.get());
       ddp_->register_comm_hook(zero_scatter_->comm_hook());
@@ -380,8 +403,13 @@ class Trainer {
  private:
   double train_step();
   void log_step(double loss, double grad_norm, double tokens_per_s);
-  void save(const std::string& path);
+  void save(const std::string& path, bool periodic);
+  void wait_for_saver();
+  io::TrainingCheckpoint checkpoint_meta() const;
   io::TrainingCheckpoint checkpoint() const;
+  std::vector<io::TensorSlice> state_slices() const;
+  dist::ShardedLoad read_sharded(const std::string& dir) const;
+  io::TrainingCheckpoint whole_checkpoint(dist::ShardedLoad loaded, const std::string& dir) const;
   bool done() const { return pos_.step >= cfg_.max_steps; }
 
   const GptConfig& cfg_;
@@ -419,7 +447,11 @@ class Trainer {
   data::DataLoader loader_;
   const DType amp_dtype_;
   io::Progress progress_;
-  std::vector<std::string> param_names_;
+  std::vector<std::string> param_names_;  // the optimizer's parameters, in its order
+  // Note [Sharded checkpoints in train_gpt]
+  const bool sharded_;  // --save names a directory of per-rank shards, not one file
+  std::unique_ptr<dist::AsyncShardedSaver> saver_;  // --async-save
+  std::string saving_;                              // the directory saver_ is writing, "" when none
   std::optional<io::MetricsWriter> metrics_;
   Position pos_;
   double peak_flops_ = 0;  // the job's: world x a rank's measured GEMM peak (Note [MFU])
@@ -429,19 +461,40 @@ class Trainer {
   double seconds_ = 0;  // spent in train steps in this run
 };
 
-// --resume FILE, or auto: the newest checkpoint beside --save that verifies.
+// --resume FILE or DIR, or auto: the newest checkpoint beside --save that verifies (files or
+// sharded directories, as --save names them).
 void Trainer::resume() {
-  if (!cfg_.save.empty()) dist::check_checkpoint_path(*pg_, "--save", cfg_.save);
+  // A sharded --save is a directory that may exist already; what a save needs is a new entry
+  // beside it (its temporary directory), so that is what is checked.
+  if (!cfg_.save.empty())
+    dist::check_checkpoint_path(*pg_, "--save",
+                                sharded_ ? io::sharded_temp_dir(cfg_.save, "check") : cfg_.save);
   if (cfg_.resume.empty()) return;
-  const io::CheckpointChoice choice = dist::resolve_resume(*pg_, cfg_.resume, cfg_.save);
+  const bool sharded = is_sharded_checkpoint_path(cfg_.resume == "auto" ? cfg_.save : cfg_.resume);
+  const io::CheckpointChoice choice =
+      sharded ? dist::resolve_sharded_resume(*pg_, cfg_.resume, cfg_.save)
+              : dist::resolve_resume(*pg_, cfg_.resume, cfg_.save);
   if (choice.path.empty()) {
     log_rank0(LogLevel::kInfo, "resume: no checkpoint beside ", cfg_.save,
               " yet, starting from step 0");
     return;
   }
-  io::TrainingCheckpoint ckpt = dist::load_checkpoint(*pg_, choice.path);
+  // Under FSDP a sharded checkpoint gives each rank its own pieces, loaded into its shards;
+  // otherwise every rank has the whole state, as from a file.
+  const bool own_pieces = sharded && fsdp_;
+  dist::ShardedLoad pieces;
+  io::TrainingCheckpoint ckpt;
+  if (own_pieces) {
+    pieces = read_sharded(choice.path);
+    ckpt = pieces.meta;
+  } else {
+    ckpt = sharded ? whole_checkpoint(read_sharded(choice.path), choice.path)
+                   : dist::load_checkpoint(*pg_, choice.path);
+  }
   try {
-    if (fsdp_) {
+    if (own_pieces) {
+      fsdp_->load_state_slices(pieces.slices, opt_.get());
+    } else if (fsdp_) {
       fsdp_->load_full_state_dict(ckpt.model);
     } else {
       gpt_->load_state_dict(ckpt.model);
@@ -463,7 +516,7 @@ void Trainer::resume() {
                                   "epoch will be trained twice and some never)"
                                 : " (the steps from here on hold another number of windows)");
   }
-  opt_->load_state_dict(ckpt.optimizer);
+  if (!own_pieces) opt_->load_state_dict(ckpt.optimizer);
   pos_ = {.step = ckpt.step, .epoch = ckpt.epoch, .epoch_consumed = ckpt.epoch_samples};
   scheduler_.set_step(pos_.step);
   log_rank0(LogLevel::kInfo, "resumed ", choice.path, ": step ", pos_.step, ", epoch ", pos_.epoch,
@@ -564,7 +617,7 @@ void Trainer::train() {
             .peak_rss_mib = io::peak_rss_mib()});
       progress_.update(pos_.step, loss, windows);
       if (cfg_.save_every > 0 && pos_.step % cfg_.save_every == 0 && !cfg_.save.empty())
-        save(io::checkpoint_path_for_step(cfg_.save, pos_.step));
+        save(io::checkpoint_path_for_step(cfg_.save, pos_.step), /*periodic=*/true);
       if (pos_.step % cfg_.eval_every == 0 || done())
         log_step(loss, grad_norm, windows * cfg_.block_size / dt);
     }
@@ -676,12 +729,9 @@ void Trainer::sample() {
               static_cast<long long>(cfg_.top_k), text.c_str());
 }
 
-io::TrainingCheckpoint Trainer::checkpoint() const {
-  settle();
+// Where training stands and the settings, without tensors: a sharded checkpoint's metadata.
+io::TrainingCheckpoint Trainer::checkpoint_meta() const {
   io::TrainingCheckpoint ckpt;
-  ckpt.model = fsdp_ ? fsdp_->full_state_dict() : gpt_->state_dict();
-  ckpt.optimizer = opt_->state_dict();
-  ckpt.optimizer_param_names = param_names_;
   ckpt.step = pos_.step;
   ckpt.epoch = pos_.epoch;
   ckpt.epoch_samples = pos_.epoch_consumed;
@@ -694,13 +744,114 @@ io::TrainingCheckpoint Trainer::checkpoint() const {
   return ckpt;
 }
 
-void Trainer::save(const std::string& path) {
-  dist::save_checkpoint(*pg_, path, checkpoint(), cfg_.keep);
+// The whole state (a collective under FSDP and ZeRO-1, which gather it for rank 0).
+io::TrainingCheckpoint Trainer::checkpoint() const {
+  settle();
+  io::TrainingCheckpoint ckpt = checkpoint_meta();
+  ckpt.model = fsdp_ ? fsdp_->full_state_dict() : gpt_->state_dict();
+  ckpt.optimizer = opt_->state_dict();
+  ckpt.optimizer_param_names = param_names_;
+  return ckpt;
+}
+
+// Note [Sharded checkpoints in train_gpt]
+// A --save that does not end in ".safetensors" is a directory of shards (io/sharded_checkpoint.h)
+// whose tensors are named as a file's (Note [Checkpoint layout]), so that `lockstep checkpoint
+// consolidate` turns it into the very tensors the file format holds. Under FSDP every rank writes
+// its own pieces of the parameters and of AdamW's moments (state_slices) and reads back only the
+// pieces its layout needs, from a checkpoint of any world size and layout. Without FSDP (one
+// process, DDP, ZeRO-1) rank 0 writes the whole state, each tensor one slice, and the others
+// nothing; every rank then reads every tensor whole. --async-save writes the periodic ones from
+// a background thread (dist::AsyncShardedSaver): the step pays for a copy to host memory, and the
+// next save, the final one, waits for it.
+
+// This rank's slices of the state, named as io::checkpoint_contents names a file's tensors.
+std::vector<io::TensorSlice> Trainer::state_slices() const {
+  if (fsdp_) return fsdp_->state_slices(opt_.get());
+  io::TrainingCheckpoint ckpt = checkpoint();  // on every rank: ZeRO-1's state_dict gathers
+  if (!main_rank_) return {};
+  std::vector<io::TensorSlice> whole;
+  for (auto& [name, t] : io::checkpoint_contents(ckpt).tensors)
+    whole.push_back({.name = name, .shape = t.shape(), .start = 0, .data = t});
+  return whole;
+}
+
+// Collective. Reads what this rank needs of the sharded checkpoint `dir`: under FSDP its pieces
+// at its own layout, else every tensor whole.
+dist::ShardedLoad Trainer::read_sharded(const std::string& dir) const {
+  // An empty read first, so that a directory that does not open fails every rank alike; then
+  // each rank learns the names from the index.
+  (void)dist::load_sharded_checkpoint(*pg_, dir, {});
+  const io::ShardedCheckpointReader index(dir);
+  std::vector<std::string> names;
+  for (const io::ShardedTensorInfo& t : index.tensors()) names.push_back(t.name);
+  std::vector<io::SliceRequest> wanted;
+  if (fsdp_) {
+    wanted = fsdp_->state_requests(names, opt_.get());
+  } else {
+    for (const std::string& name : names) wanted.push_back({.name = name});
+  }
+  return dist::load_sharded_checkpoint(*pg_, dir, wanted);
+}
+
+// Whole tensors of a sharded checkpoint as the checkpoint a file holds: "model.<name>" into the
+// model's state, "optim.<param>.<field>" back to the optimizer's "<index>.<field>" (as
+// io::checkpoint_from_contents maps a file's names).
+io::TrainingCheckpoint Trainer::whole_checkpoint(dist::ShardedLoad loaded,
+                                                 const std::string& dir) const {
+  io::TrainingCheckpoint ckpt = std::move(loaded.meta);
+  std::map<std::string, size_t> index_of;
+  for (size_t i = 0; i < param_names_.size(); ++i) index_of[param_names_[i]] = i;
+  for (io::TensorSlice& s : loaded.slices) {
+    Tensor t = s.data.reshape(s.shape);
+    if (s.name.rfind("model.", 0) == 0) {
+      ckpt.model.emplace_back(s.name.substr(6), std::move(t));
+      continue;
+    }
+    std::string key = s.name.substr(6);  // "optim." (the reader refuses other names)
+    if (key != "step" && key.rfind("group.", 0) != 0) {
+      const size_t dot = key.rfind('.');
+      auto it = dot == std::string::npos ? index_of.end() : index_of.find(key.substr(0, dot));
+      LS_CHECK(it != index_of.end(), "--resume ", dir, ": optimizer state '", s.name,
+               "' names no parameter of this model");
+      key = std::to_string(it->second) + key.substr(dot);
+    }
+    ckpt.optimizer.emplace_back(std::move(key), std::move(t));
+  }
+  return ckpt;
+}
+
+// Writes `path`: one file (rank 0) or a sharded directory (every rank its slices); a periodic
+// sharded one in the background under --async-save.
+void Trainer::save(const std::string& path, bool periodic) {
+  if (!sharded_) {
+    dist::save_checkpoint(*pg_, path, checkpoint(), cfg_.keep);
+    log_rank0(LogLevel::kInfo, "saved ", path);
+    return;
+  }
+  const std::vector<io::TensorSlice> slices = state_slices();
+  if (saver_ && periodic) {
+    wait_for_saver();
+    saver_->save(path, slices, checkpoint_meta());  // returns once the slices are copied
+    saving_ = path;
+    return;
+  }
+  wait_for_saver();
+  dist::save_sharded_checkpoint(*pg_, path, slices, checkpoint_meta(), cfg_.keep);
   log_rank0(LogLevel::kInfo, "saved ", path);
 }
 
+// Collective: the background save in flight is committed (or its failure thrown on every rank).
+void Trainer::wait_for_saver() {
+  if (!saver_ || saving_.empty()) return;
+  saver_->wait();
+  log_rank0(LogLevel::kInfo, "saved ", saving_, " (in the background)");
+  saving_.clear();
+}
+
 void Trainer::save_final() {
-  if (!cfg_.save.empty()) save(cfg_.save);
+  if (!cfg_.save.empty()) save(cfg_.save, /*periodic=*/false);
+  wait_for_saver();
 }
 
 // Note [Peak RSS per rank]

@@ -19,6 +19,13 @@ namespace lockstep::examples {
 // Where `train_gpt --prepare` writes and training reads, unless --out / --data say otherwise.
 constexpr const char* kDefaultGptDataDir = "gpt-data";
 
+// Whether a --save or --resume path names a sharded checkpoint (a directory each rank writes its
+// part of, io/sharded_checkpoint.h) rather than one file: any path but one ending in
+// ".safetensors". Decided by the name alone, so every rank decides alike before anything exists.
+inline bool is_sharded_checkpoint_path(const std::string& path) {
+  return !path.empty() && !path.ends_with(".safetensors");
+}
+
 struct GptConfig {
   // --prepare [FILES...]: turn text files (none: the fortunes corpus) into token files and stop.
   bool prepare = false;
@@ -58,11 +65,13 @@ struct GptConfig {
   int64_t sample = 0;        // bytes generated at the end (rank 0)
   double temperature = 0.8;
   int64_t top_k = 40;
-  // Checkpoints, as train_fashion_mnist.
+  // Checkpoints, as train_fashion_mnist: a file when --save ends in ".safetensors", else a
+  // sharded directory (is_sharded_checkpoint_path).
   std::string save;
   int64_t save_every = 0;
   int64_t keep = 0;
-  std::string resume;       // a checkpoint file, or "auto": the latest beside --save
+  std::string resume;       // a checkpoint file or directory, or "auto": the latest beside --save
+  bool async_save = false;  // periodic sharded checkpoints written in the background
   std::string init;         // start from these model weights (safetensors) instead of GPT-2's init
   bool no_shuffle = false;  // the windows in file order, every epoch
   // Execution.
@@ -173,11 +182,18 @@ inline int parse_gpt_flags(int argc, char** argv, GptConfig& cfg) {
              "At the end, print N bytes the model generates (rank 0)");
   add_number(app, "--temperature", cfg.temperature, R{0, 1e6, true}, "Sampling temperature");
   add_number(app, "--top-k", cfg.top_k, I{1, 1 << 16}, "Sample among the k likeliest bytes");
-  app.add_option("--save", cfg.save, "Checkpoint at the end (and with --save-every beside it)");
+  app.add_option(
+      "--save", cfg.save,
+      "Checkpoint at the end (and with --save-every beside it): one file when the "
+      "path ends in .safetensors, else a sharded directory each rank writes its part of");
   add_number(app, "--save-every", cfg.save_every, I{0}, "A checkpoint every N steps (0: none)");
   add_number(app, "--keep", cfg.keep, I{0}, "Keep the newest N periodic checkpoints (0 = all)");
   app.add_option("--resume", cfg.resume,
-                 "Continue from a checkpoint file, or 'auto': the newest beside --save");
+                 "Continue from a checkpoint file, a sharded checkpoint directory, or 'auto': the "
+                 "newest beside --save");
+  app.add_flag("--async-save", cfg.async_save,
+               "With a sharded --save: write the --save-every checkpoints in the background "
+               "while training goes on (the step only copies its part to host memory)");
   app.add_option("--init", cfg.init,
                  "Start from the model weights in this safetensors file (a train_gpt "
                  "checkpoint's model, or the names of its model without 'model.', as "
@@ -226,6 +242,8 @@ inline int parse_gpt_flags(int argc, char** argv, GptConfig& cfg) {
   if ((cfg.save_every > 0 || cfg.resume == "auto") && cfg.save.empty())
     return usage_error(std::string(cfg.save_every > 0 ? "--save-every" : "--resume auto") +
                        " needs --save: where the checkpoints go");
+  if (cfg.async_save && !is_sharded_checkpoint_path(cfg.save))
+    return usage_error("--async-save needs a sharded --save (a path not ending in .safetensors)");
   if (cfg.n_embd % cfg.n_head != 0)
     return usage_error("--n-embd " + std::to_string(cfg.n_embd) +
                        " must be divisible by --n-head " + std::to_string(cfg.n_head));
