@@ -174,6 +174,12 @@ case "$case_name" in
       cmp "$work/gpt$n.cpu.safetensors" "$work/gpt$n.gpu.safetensors" \
         || fail "train_gpt on $n emulated GPUs saved another checkpoint than on the CPU"
       echo "ok: train_gpt on $n emulated GPUs: $(final_of "$work/gpt$n.gpu")"
+      # FSDP (--zero 3) on the nccl backend: DDP's checkpoint on the CPU, byte for byte.
+      launch $n gpt$n.fsdp gpu $n "$gpt" "${small[@]}" --device cuda --zero 3 \
+        --save "$work/gpt$n.fsdp.safetensors"
+      grep -q "^\[rank0\]: fsdp: 3 units" "$work/gpt$n.fsdp" || { cat "$work/gpt$n.fsdp"; fail "no fsdp line"; }
+      cmp "$work/gpt$n.cpu.safetensors" "$work/gpt$n.fsdp.safetensors" \
+        || fail "train_gpt --zero 3 on $n emulated GPUs saved another checkpoint than DDP on the CPU"
     done
     # Without GPUs: --device cuda is a usage error naming why, before any data is read.
     "$gpt" "${small[@]}" --device cuda > "$work/nogpu" 2>&1
