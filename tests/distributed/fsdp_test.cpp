@@ -177,7 +177,8 @@ TEST_P(FsdpEqualsDDP, ParametersOptimizerStateAndNormsBitwiseWithClippingAndAccu
 INSTANTIATE_TEST_SUITE_P(Layouts, FsdpEqualsDDP,
                          ::testing::Values(Case{"shm", 2, true}, Case{"shm", 3, false},
                                            Case{"shm", 4, true}, Case{"gloo", 2, false},
-                                           Case{"gloo", 3, true}, Case{"gloo", 4, false}),
+                                           Case{"gloo", 3, true}, Case{"gloo", 4, false},
+                                           Case{"hier", 2, true}),
                          [](const auto& info) {
                            return info.param.backend + "_" + std::to_string(info.param.world) +
                                   (info.param.reshard ? "_reshard" : "_keep");
