@@ -94,6 +94,23 @@ int64_t numel_of(const nn::Module& m) {
 
 }  // namespace
 
+namespace {
+
+// Note [FSDP placeholder gradients]
+// Once a parameter's gradient is in its unit's flat gradient, its .grad() becomes a tensor of
+// its shape whose storage holds no memory. An optimizer built over the wrapped module's own
+// parameters (the pitfall: it would see no gradient and silently step nothing) or
+// optim::clip_grad_norm over them then fails at its first read with a message that says how to
+// build the optimizer over the shards. The next forward drops the placeholders, so that the
+// backward's AccumulateGrad starts from nothing.
+Tensor placeholder_like(const Tensor& t) {
+  auto storage = std::make_shared<StorageImpl>(nullptr, 0, t.device());
+  return Tensor(std::make_shared<TensorImpl>(std::move(storage), t.shape(),
+                                             contiguous_strides(t.shape()), 0, t.dtype()));
+}
+
+}  // namespace
+
 WrapPolicy wrap_by_type(std::vector<std::string> type_names) {
   return [names = std::move(type_names)](const std::string&, const nn::Module& m) {
     return std::find(names.begin(), names.end(), m.type_name()) != names.end();
@@ -340,6 +357,9 @@ Tensor FullyShardedDataParallel::forward(const Tensor& x) {
   // stepped since, so start from the shards again.
   if (!summoned_)
     for (auto& u : units_) reshard(*u);
+  // Note [FSDP placeholder gradients]: this backward's AccumulateGrad starts from nothing.
+  for (auto& [name, p] : params_)
+    if (p.grad().defined() && p.grad().storage()->data() == nullptr) p.set_grad(Tensor());
   Unit& root = *units_[0];
   start_gather(root);
   if (opts_.prefetch && units_.size() > 1) start_gather(*units_[1]);
@@ -397,7 +417,8 @@ void FullyShardedDataParallel::on_param_grad(size_t param, Tensor& leaf) {
   const Tensor g = leaf.grad();
   // Summed as DDP's AccumulateGrad sums into its bucket views (Note [FSDP gradient accumulation]).
   u.grad_full.narrow(0, offset_of_[param], g.numel()).add_(g.reshape({-1}));
-  leaf.set_grad(Tensor());
+  // Note [FSDP placeholder gradients]: no memory, and loud when read.
+  leaf.set_grad(placeholder_like(leaf));
   if (--u.pending > 0) return;
   u.pending = -1;
   if (!no_sync_) reduce_unit(u);

@@ -51,8 +51,11 @@ bool Tensor::is_contiguous() const {
 void* Tensor::data_ptr() const {
   if (impl_->storage_->data() == nullptr && numel() > 0) [[unlikely]]
     LS_THROW("a tensor of shape ", shape().str(), " whose storage holds no memory: a parameter of ",
-             "a FullyShardedDataParallel unit outside its forward and backward (read it through ",
-             "the wrapper: full_state_dict(), or inside summon_full_params())");
+             "a FullyShardedDataParallel unit outside its forward and backward, or its .grad() "
+             "(read parameters through the wrapper: full_state_dict(), or inside "
+             "summon_full_params(); FSDP keeps gradients in its shards: build the optimizer "
+             "with wrap_optimizer() or over the wrapper's parameters(), and clip with its "
+             "clip_grad_norm())");
   return static_cast<char*>(impl_->storage_->data()) + impl_->offset_ * element_size();
 }
 

@@ -351,6 +351,24 @@ TEST(Fsdp, GradScalerSkipsOnEveryRankWhenOneShardOverflows) {
   EXPECT_EQ(firsts[0], mlp(7)->state_dict()[0].second.to_vector<double>());  // not stepped
 }
 
+// The pitfall of an optimizer built over the wrapped module's own parameters: it would find no
+// gradient and step nothing, silently; their gradients are placeholders that fail when read,
+// saying how to build it (Note [FSDP placeholder gradients]). The next step trains as usual.
+TEST(Fsdp, AnOptimizerOverTheWrappedModulesParametersFailsSayingHowToBuildIt) {
+  const auto errors = lockstep::testing::run_ranks_on("shm", 2, [&](int r, ProcessGroupPtr pg) {
+    auto model = mlp(7);
+    FullyShardedDataParallel fsdp(model, pg, fsdp_options(true));
+    optim::AdamW wrong(model->parameters(), optim::AdamWOptions{});
+    for (int s = 0; s < 2; ++s) {
+      const Data b = batch_for(s, 0, r, 2);
+      cross_entropy(fsdp.forward(b.x), b.y).backward();
+    }
+    wrong.step();
+  });
+  for (const auto& e : errors) EXPECT_THAT(e, ::testing::HasSubstr("build the optimizer with "
+                                                                   "wrap_optimizer()"));
+}
+
 TEST(Fsdp, ShardGroupsRefusesATensorThatIsNoParameterOfTheModel) {
   const auto errors = lockstep::testing::run_ranks_on("shm", 2, [&](int, ProcessGroupPtr pg) {
     auto model = mlp(7);
