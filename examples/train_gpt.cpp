@@ -228,8 +228,11 @@ std::shared_ptr<dist::FullyShardedDataParallel> build_fsdp(
   if (cfg.zero < 2) return nullptr;
   return std::make_shared<dist::FullyShardedDataParallel>(
       gpt, pg,
-      dist::FSDPOptions{.reshard_after_forward = cfg.zero == 3,
-                        .wrap = dist::wrap_by_type({"GptBlock"})});
+      dist::FSDPOptions{
+          .reshard_after_forward = cfg.zero == 3,
+          .wrap = dist::wrap_by_type({"GptBlock"}),
+          .param_dtype = cfg.param_dtype == "bf16" ? std::optional<DType>(kBFloat16) : std::nullopt,
+          .reduce_dtype = cfg.reduce_dtype == "bf16" ? kBFloat16 : kFloat32});
 }
 
 // AdamW over the GPT's two groups (gpt_param_groups); with --zero 1 wrapped so that each rank
@@ -329,6 +332,8 @@ bool check_job_settings(const GptConfig& cfg, dist::ProcessGroup& pg,
        {"--amp", cfg.amp},
        {"--device", cfg.device},
        {"--zero", text(cfg.zero)},
+       {"--param-dtype", cfg.param_dtype},
+       {"--reduce-dtype", cfg.reduce_dtype},
        {"--zero-reduce-scatter", yes_no(cfg.zero_reduce_scatter)},
        {"--eval-every", text(cfg.eval_every)},
        {"--eval-batches", text(cfg.eval_batches)},

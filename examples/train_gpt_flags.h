@@ -57,6 +57,8 @@ struct GptConfig {
   int64_t accum_steps = 1;
   std::string amp = "none";  // or "bf16"
   int64_t zero = 0;  // 1: ZeRO-1 (dist::ZeroRedundancyOptimizer); 2, 3: FSDP (ZeRO-2, ZeRO-3)
+  std::string param_dtype = "f32";   // --zero 2/3: the dtype units gather and compute in
+  std::string reduce_dtype = "f32";  // --zero 2/3: the dtype gradients are reduced in
   bool zero_reduce_scatter = false;  // --zero 1 with DDP's buckets reduce-scattered (Note [ZeRO-1])
   // Reporting.
   int64_t eval_every = 25;   // a log line with the validation loss every N steps
@@ -170,6 +172,16 @@ inline int parse_gpt_flags(int argc, char** argv, GptConfig& cfg) {
              "keeps its shard of the parameters, gradients and moments, a block gathered whole "
              "from its forward to its backward; 3: FSDP freeing each block's parameters after "
              "its forward (the least memory)");
+  app.add_option("--param-dtype", cfg.param_dtype,
+                 "With --zero 2 or 3: gather the blocks and compute in bf16 over f32 master "
+                 "shards (FSDP's mixed precision: half the gathers' bytes and memory)")
+      ->check(CLI::IsMember({"f32", "bf16"}))
+      ->capture_default_str();
+  app.add_option("--reduce-dtype", cfg.reduce_dtype,
+                 "With --zero 2 or 3: reduce-scatter the gradients in f32 or in bf16 (half the "
+                 "bytes)")
+      ->check(CLI::IsMember({"f32", "bf16"}))
+      ->capture_default_str();
   app.add_flag("--zero-reduce-scatter", cfg.zero_reduce_scatter,
                "With --zero 1: reduce-scatter DDP's buckets into the shards during backward and "
                "overlap the parameters' all-gather with the next forward");
@@ -242,6 +254,10 @@ inline int parse_gpt_flags(int argc, char** argv, GptConfig& cfg) {
   if ((cfg.save_every > 0 || cfg.resume == "auto") && cfg.save.empty())
     return usage_error(std::string(cfg.save_every > 0 ? "--save-every" : "--resume auto") +
                        " needs --save: where the checkpoints go");
+  if (cfg.zero < 2 && (cfg.param_dtype != "f32" || cfg.reduce_dtype != "f32"))
+    return usage_error(std::string(cfg.param_dtype != "f32" ? "--param-dtype" : "--reduce-dtype") +
+                       " is FSDP's mixed precision: it needs --zero 2 or 3, got --zero " +
+                       std::to_string(cfg.zero) + " (for DDP, --amp bf16)");
   if (cfg.async_save && !is_sharded_checkpoint_path(cfg.save))
     return usage_error("--async-save needs a sharded --save (a path not ending in .safetensors)");
   if (cfg.n_embd % cfg.n_head != 0)

@@ -57,6 +57,17 @@ namespace lockstep::dist {
 // clipping sums the norm exactly (Note [Exact norm]). So parameters and optimizer state equal
 // DDP's bit for bit.
 //
+// Note [FSDP mixed precision]
+// With param_dtype (bf16, say) a unit's run, which its parameters view, holds that dtype: the
+// parameters' TensorImpls take it at construction, each gather casts the master shard (kept in the
+// parameters' own dtype, f32) and all-gathers the cast (half the bytes, half the memory), and the
+// layers compute in it (the forward's floating inputs are cast to it, as PyTorch's
+// MixedPrecisionPolicy does). Gradients arrive in it; each unit's full gradient is summed and
+// reduce-scattered in reduce_dtype (f32 by choice: a bf16 sum of N ranks loses bits that an f32
+// one keeps; bf16 halves the reduction's bytes), and the shard's gradient is cast to the master's
+// dtype, which the optimizer steps. full_state_dict() gathers the master shards, so checkpoints
+// hold f32 values whatever the compute dtype.
+//
 // Note [FSDP units]
 // The wrap policy is asked of submodules outermost first; an accepted module is one unit and its
 // submodules are not asked, so units never nest. Units are ordered as their parameters are
@@ -220,6 +231,8 @@ void FullyShardedDataParallel::build_units(const FSDPOptions& opts) {
     if (u.params.empty()) continue;  // a root with nothing: no layout, no collectives
     const Tensor& first = params_[u.params[0]].second;
     u.dtype = first.dtype();
+    u.compute = opts.param_dtype.value_or(u.dtype);
+    u.reduce = opts.reduce_dtype.value_or(u.compute);
     for (size_t i : u.params) {
       unit_of_[i] = k;
       offset_of_[i] = u.numel;
@@ -232,13 +245,21 @@ void FullyShardedDataParallel::build_units(const FSDPOptions& opts) {
     for (size_t i : u.params) {
       Tensor& p = params_[i].second;
       flat.narrow(0, offset_of_[i], p.numel()).copy_(p.reshape({-1}));
-      // The parameter's TensorImpl now views the unit's run (Note [FSDP]); its old memory goes.
-      TensorImpl* impl = p.impl();
-      impl->storage_ = flat.storage();
-      impl->offset_ = offset_of_[i];
     }
     u.shard = flat.narrow(0, static_cast<int64_t>(rank) * u.shard_numel, u.shard_numel).clone();
-    u.full = flat.storage();
+    // The run the parameters view from now on, in the compute dtype (Note [FSDP mixed
+    // precision]): each parameter's TensorImpl is re-pointed at it (Note [FSDP]) and its old
+    // memory goes.
+    Tensor run = u.compute == u.dtype
+                     ? flat
+                     : empty({u.padded}, TensorOptions(u.compute).with_device(first.device()));
+    for (size_t i : u.params) {
+      TensorImpl* impl = params_[i].second.impl();
+      impl->storage_ = run.storage();
+      impl->offset_ = offset_of_[i];
+      impl->dtype_ = u.compute;
+    }
+    u.full = run.storage();
     u.full->reset(0);
     u.shard.requires_grad_(true);
     std::string pname = u.name.empty() ? "root" : u.name;
@@ -313,7 +334,8 @@ void FullyShardedDataParallel::start_gather(Unit& u) {
   if (u.gathered || u.gather || u.params.empty()) return;
   AllocationScope scope("FSDP: a unit's gathered parameters");
   u.full->reset(static_cast<size_t>(u.bytes()));
-  u.gather = pg_->all_gather(u.full_flat(), u.shard.detach());
+  u.gather_input = u.compute == u.dtype ? u.shard.detach() : u.shard.detach().to(u.compute);
+  u.gather = pg_->all_gather(u.full_flat(), u.gather_input);
   ++stats_.all_gathers;
   note_memory();
 }
@@ -326,6 +348,7 @@ void FullyShardedDataParallel::wait_gather(Unit& u) {
   u.gather = nullptr;
   work->wait();
   stats_.exposed_gather_seconds += seconds_since(t0);
+  u.gather_input = Tensor();
   u.gathered = true;
 }
 
@@ -335,6 +358,7 @@ void FullyShardedDataParallel::reshard(Unit& u) {
     WorkPtr work = std::move(u.gather);
     u.gather = nullptr;
     work->wait();  // its output is the memory about to go
+    u.gather_input = Tensor();
   }
   u.full->reset(0);
   u.gathered = false;
@@ -364,7 +388,9 @@ Tensor FullyShardedDataParallel::forward(const Tensor& x) {
   start_gather(root);
   if (opts_.prefetch && units_.size() > 1) start_gather(*units_[1]);
   wait_gather(root);
-  Tensor out = (*module_)(x);
+  // Note [FSDP mixed precision]: the layers see their parameters' dtype.
+  const bool cast = opts_.param_dtype && is_floating(x.dtype()) && x.dtype() != *opts_.param_dtype;
+  Tensor out = (*module_)(cast ? x.to(*opts_.param_dtype) : x);
   if (!autograd::grad_enabled() || !out.requires_grad())
     for (auto& u : units_) reshard(*u);  // no backward follows
   return out;
@@ -410,13 +436,14 @@ void FullyShardedDataParallel::on_param_grad(size_t param, Tensor& leaf) {
   autograd::NoGradGuard no_grad;
   if (!u.grad_full.defined()) {
     AllocationScope scope("FSDP: a unit's full gradient");
-    u.grad_full = zeros({u.padded}, TensorOptions(u.dtype).with_device(leaf.device()));
+    u.grad_full = zeros({u.padded}, TensorOptions(u.reduce).with_device(leaf.device()));
     note_memory();
   }
   if (u.pending < 0) u.pending = u.grad_params;
   const Tensor g = leaf.grad();
   // Summed as DDP's AccumulateGrad sums into its bucket views (Note [FSDP gradient accumulation]).
-  u.grad_full.narrow(0, offset_of_[param], g.numel()).add_(g.reshape({-1}));
+  u.grad_full.narrow(0, offset_of_[param], g.numel())
+      .add_(g.dtype() == u.reduce ? g.reshape({-1}) : g.reshape({-1}).to(u.reduce));
   // Note [FSDP placeholder gradients]: no memory, and loud when read.
   leaf.set_grad(placeholder_like(leaf));
   if (--u.pending > 0) return;
@@ -433,14 +460,14 @@ void FullyShardedDataParallel::reduce_unit(Unit& u) {
   for (auto& other : units_)
     if (other->scatter) complete_scatter(*other);
   if (!u.grad_full.defined()) {  // no parameter of the unit got a gradient here: zeros
-    u.grad_full = zeros({u.padded}, TensorOptions(u.dtype).with_device(u.shard.device()));
+    u.grad_full = zeros({u.padded}, TensorOptions(u.reduce).with_device(u.shard.device()));
     note_memory();
   }
   // The last step's gradient shard, unless the optimizer still holds it, goes now.
   u.shard.set_grad(Tensor());
   for (size_t i : u.params) pieces_[i].set_grad(Tensor());
   AllocationScope scope("FSDP: a unit's gradient shard");
-  u.grad_shard = empty({u.shard_numel}, TensorOptions(u.dtype).with_device(u.shard.device()));
+  u.grad_shard = empty({u.shard_numel}, TensorOptions(u.reduce).with_device(u.shard.device()));
   u.scatter = pg_->reduce_scatter(u.grad_shard, u.grad_full, {.op = ReduceOp::avg});
   u.reduced = true;
   ++stats_.reduce_scatters;
@@ -453,6 +480,7 @@ void FullyShardedDataParallel::complete_scatter(Unit& u) {
   u.scatter = nullptr;
   work->wait();
   u.grad_full = Tensor();  // the local sum has been reduced
+  if (u.grad_shard.dtype() != u.dtype) u.grad_shard = u.grad_shard.to(u.dtype);  // the master's
   u.shard.set_grad(u.grad_shard);
   for (size_t i : u.params) {
     const Piece piece = piece_of(i, pg_->rank());

@@ -11,15 +11,19 @@
 namespace lockstep::dist {
 
 nn::NamedTensors FullyShardedDataParallel::full_state_dict() {
-  // Unit by unit: what is gathered at once is one unit beside the copies made so far.
+  // Unit by unit, from the master shards (not the gathered runs, which may hold a lower compute
+  // dtype: Note [FSDP mixed precision]): what is gathered at once is one unit beside the copies.
   autograd::NoGradGuard no_grad;
   std::unordered_map<const TensorImpl*, Tensor> copies;
   for (auto& unit : units_) {
     Unit& u = *unit;
-    const bool was_gathered = u.gathered;
-    wait_gather(u);
-    for (size_t i : u.params) copies[params_[i].second.impl()] = params_[i].second.clone();
-    if (!was_gathered) reshard(u);
+    if (u.params.empty()) continue;
+    Tensor whole = empty({u.padded}, TensorOptions(u.dtype).with_device(u.shard.device()));
+    pg_->all_gather(whole, u.shard.detach())->synchronize();
+    for (size_t i : u.params) {
+      const Tensor& p = params_[i].second;
+      copies[p.impl()] = whole.narrow(0, offset_of_[i], p.numel()).reshape(p.shape()).clone();
+    }
   }
   nn::NamedTensors state = module_->state_dict();  // handles only: nothing is read here
   for (auto& [name, t] : state) {

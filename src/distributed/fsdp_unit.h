@@ -15,7 +15,10 @@ struct FullyShardedDataParallel::Unit {
   nn::Module* module = nullptr;  // null for the root
   std::vector<size_t> params;    // indices into params_, in layout order
   int64_t numel = 0, padded = 0, shard_numel = 0;
-  DType dtype = DType::f32;
+  DType dtype = DType::f32;    // the master shard's (the parameters' as built)
+  DType compute = DType::f32;  // the gathered run's (FSDPOptions::param_dtype)
+  DType reduce = DType::f32;   // the full gradient's and its reduction's (reduce_dtype)
+  Tensor gather_input;         // the shard cast to `compute` while its gather is in flight
   Storage full;       // what the parameters view: padded elements while gathered, else none
   Tensor shard;       // (shard_numel): this rank's master values, the registered parameter
   Tensor grad_full;   // (padded): summed local gradients of this backward (and no_sync's)
@@ -28,9 +31,9 @@ struct FullyShardedDataParallel::Unit {
   int grad_params = 0;        // parameters that require grad
   std::vector<int> hook_ids;  // on `module`
 
-  int64_t bytes() const { return padded * dtype_size(dtype); }
+  int64_t bytes() const { return padded * dtype_size(compute); }
   Tensor full_flat() const {
-    return Tensor(std::make_shared<TensorImpl>(full, Dims{padded}, Dims{1}, 0, dtype));
+    return Tensor(std::make_shared<TensorImpl>(full, Dims{padded}, Dims{1}, 0, compute));
   }
 };
 

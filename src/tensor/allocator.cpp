@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -155,7 +156,9 @@ class CachingCpuAllocator final : public Allocator {
  private:
   // Called with mu_ held.
   [[noreturn]] void throw_over_limit(size_t nbytes, size_t cls) const {
-    const char* rank = std::getenv(env::kRank);
+    // Under a lock, on the path to an error: the rank as the environment says it, as text.
+    const std::optional<std::string> rank_text = env_string(env::kRank);
+    const char* rank = rank_text ? rank_text->c_str() : nullptr;
     const char* what = AllocationScope::current();
     LS_THROW(rank ? "rank " : "", rank ? rank : "", rank ? ": " : "", "out of memory: allocating ",
              mib(static_cast<int64_t>(nbytes)), " for ",

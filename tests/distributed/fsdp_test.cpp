@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <optional>
 
 #include "distributed/ddp_helpers.h"
 #include "distributed/thread_ranks.h"
@@ -365,8 +366,58 @@ TEST(Fsdp, AnOptimizerOverTheWrappedModulesParametersFailsSayingHowToBuildIt) {
     }
     wrong.step();
   });
-  for (const auto& e : errors) EXPECT_THAT(e, ::testing::HasSubstr("build the optimizer with "
-                                                                   "wrap_optimizer()"));
+  for (const auto& e : errors)
+    EXPECT_THAT(e, ::testing::HasSubstr("build the optimizer with "
+                                        "wrap_optimizer()"));
+}
+
+// Note [FSDP mixed precision]: bf16 gathers and compute over f32 master shards, gradients
+// reduced in f32 or in bf16. The master state stays f32, the gathered memory halves, and the
+// losses and gradient norms of 6 steps stay within 2% of the f32 run's (bf16 keeps 8 bits of
+// mantissa), without being the same bits (it did compute in bf16).
+TEST(Fsdp, Bf16GathersAndComputeOverF32MasterShards) {
+  struct Out {
+    std::vector<double> losses, norms;
+    FSDPStats stats;
+    DType master = DType::f64;
+  };
+  auto run = [](std::optional<DType> param, std::optional<DType> reduce) {
+    std::vector<Out> out(2);
+    const auto errors = lockstep::testing::run_ranks_on("shm", 2, [&](int r, ProcessGroupPtr pg) {
+      auto model = mlp(7);
+      FSDPOptions opts = fsdp_options(true);
+      opts.param_dtype = param;
+      opts.reduce_dtype = reduce;
+      FullyShardedDataParallel fsdp(model, pg, opts);
+      auto opt = fsdp.wrap_optimizer(groups_of(*model), adamw);
+      for (int s = 0; s < 6; ++s) {
+        const Data b = batch_for(s, 0, r, 2);
+        opt->zero_grad();
+        Tensor loss = cross_entropy(fsdp.forward(b.x), b.y);
+        out[r].losses.push_back(loss.item());
+        loss.backward();
+        out[r].norms.push_back(fsdp.clip_grad_norm(kClip));
+        opt->step();
+      }
+      out[r].stats = fsdp.stats();
+      out[r].master = fsdp.full_state_dict()[0].second.dtype();
+      for (const auto& [name, t] : opt->state_dict())
+        if (t.dim() > 0) EXPECT_EQ(t.dtype(), kFloat32) << name;
+    });
+    for (const auto& e : errors) EXPECT_EQ(e, "");
+    return out[0];
+  };
+  const Out f32 = run(std::nullopt, std::nullopt);
+  for (const auto& reduce : {std::optional<DType>(kFloat32), std::optional<DType>(kBFloat16)}) {
+    const Out mixed = run(kBFloat16, reduce);
+    EXPECT_EQ(mixed.master, kFloat32);  // checkpoints hold the master's values
+    EXPECT_EQ(mixed.stats.peak_gathered_bytes * 2, f32.stats.peak_gathered_bytes);
+    EXPECT_NE(mixed.losses, f32.losses);
+    for (size_t s = 0; s < f32.losses.size(); ++s) {
+      EXPECT_NEAR(mixed.losses[s], f32.losses[s], 0.02 * f32.losses[s]) << "step " << s;
+      EXPECT_NEAR(mixed.norms[s], f32.norms[s], 0.02 * f32.norms[s]) << "step " << s;
+    }
+  }
 }
 
 TEST(Fsdp, ShardGroupsRefusesATensorThatIsNoParameterOfTheModel) {

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -38,6 +39,13 @@ struct FSDPOptions {
   // Gather the next unit while this one computes (forward: the next in order; backward: the
   // previous one). Off, each gather is waited for at once (for measuring what prefetch hides).
   bool prefetch = true;
+  // Note [FSDP mixed precision] (src/distributed/fsdp.cpp): the dtype units are gathered and
+  // compute in (bf16: half the gathers' bytes and memory), while the master shards, the
+  // optimizer and its state keep the parameters' dtype; unset: the parameters' own. And the
+  // dtype each unit's gradient is summed and reduce-scattered in (f32 for accuracy, bf16 for half
+  // the bytes); unset: param_dtype's. The forward's floating inputs are cast to param_dtype.
+  std::optional<DType> param_dtype;
+  std::optional<DType> reduce_dtype;
 };
 
 // What a user tunes FSDP with, and what each rank's memory holds (bytes).
