@@ -59,6 +59,30 @@ prepare_tiny() {
 small=(--data "$work/tiny" --block-size 32 --n-layer 2 --n-head 2 --n-embd 32 --threads 1
   --eval-batches 2)
 
+# Starts `world` ranks of the example (torchrun's variables, loopback, one thread each) with the
+# flags after the first two arguments, rank r's output in $work/<name>.rank<r>, and waits for
+# them: their exit codes are in rcs[]. run_ranks fails the test when one of them failed.
+launch_ranks() {
+  local name=$1 world=$2 port=$((20000 + RANDOM % 20000)) r
+  shift 2
+  for ((r = 0; r < world; ++r)); do
+    RANK=$r WORLD_SIZE=$world LOCAL_RANK=$r LOCAL_WORLD_SIZE=$world MASTER_ADDR=127.0.0.1 \
+      MASTER_PORT=$port OMP_NUM_THREADS=1 "$exe" "$@" > "$work/$name.rank$r" 2>&1 &
+    pids[$r]=$!
+  done
+  for ((r = 0; r < world; ++r)); do
+    wait "${pids[$r]}"
+    rcs[$r]=$?
+  done
+}
+run_ranks() {
+  local name=$1 world=$2 r
+  launch_ranks "$@"
+  for ((r = 0; r < world; ++r)); do
+    [ "${rcs[$r]}" -eq 0 ] || { cat "$work/$name.rank"*; fail "$name: rank $r exited ${rcs[$r]}"; }
+  done
+}
+
 # The largest absolute difference between the model tensors of two checkpoints (safetensors,
 # f32). python3 comes with scripts/install-deps.sh; without it this fails, it is not skipped.
 max_param_diff() {
@@ -237,18 +261,10 @@ case "$case_name" in
     # exactly, Note [Exact norm]).
     prepare_tiny
     two_ranks() {  # name, then the flags
-      local name=$1 port=$((20000 + RANDOM % 20000)) r
+      local name=$1
       shift
-      for r in 0 1; do
-        RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 \
-          MASTER_PORT=$port OMP_NUM_THREADS=1 \
-          "$exe" "${small[@]}" --batch-size 4 --max-steps 12 --warmup-steps 2 "$@" \
-          --save "$work/$name.safetensors" > "$work/$name.rank$r" 2>&1 &
-        pids[$r]=$!
-      done
-      for r in 0 1; do
-        wait "${pids[$r]}" || { cat "$work/$name.rank0" "$work/$name.rank1"; fail "$name: rank $r failed"; }
-      done
+      run_ranks "$name" 2 "${small[@]}" --batch-size 4 --max-steps 12 --warmup-steps 2 "$@" \
+        --save "$work/$name.safetensors"
     }
     two_ranks z0 --zero 0
     two_ranks z1 --zero 1
@@ -288,19 +304,8 @@ case "$case_name" in
     # FSDP to the same end.
     prepare_tiny
     ranks() {  # name, world, then the flags
-      local name=$1 world=$2 port=$((20000 + RANDOM % 20000)) r
-      shift 2
-      for ((r = 0; r < world; ++r)); do
-        RANK=$r WORLD_SIZE=$world LOCAL_RANK=$r LOCAL_WORLD_SIZE=$world MASTER_ADDR=127.0.0.1 \
-          MASTER_PORT=$port OMP_NUM_THREADS=1 \
-          "$exe" --data "$work/tiny" --block-size 32 --n-layer 2 --n-head 2 --n-embd 30 \
-          --threads 1 --eval-batches 2 --batch-size 4 --max-steps 30 --warmup-steps 2 "$@" \
-          > "$work/$name.rank$r" 2>&1 &
-        pids[$r]=$!
-      done
-      for ((r = 0; r < world; ++r)); do
-        wait "${pids[$r]}" || { cat "$work/$name.rank"*; fail "$name: rank $r failed"; }
-      done
+      run_ranks "$1" "$2" --data "$work/tiny" --block-size 32 --n-layer 2 --n-head 2 --n-embd 30 \
+        --threads 1 --eval-batches 2 --batch-size 4 --max-steps 30 --warmup-steps 2 "${@:3}"
     }
     for layout in "2 shm" "4 gloo"; do
       read -r world backend <<< "$layout"
@@ -342,19 +347,9 @@ case "$case_name" in
     command -v python3 > /dev/null || fail "python3 is missing (scripts/install-deps.sh installs it)"
     prepare_tiny
     ranks() {  # name, world, then the flags
-      local name=$1 world=$2 port=$((20000 + RANDOM % 20000)) r
-      shift 2
-      for ((r = 0; r < world; ++r)); do
-        RANK=$r WORLD_SIZE=$world LOCAL_RANK=$r LOCAL_WORLD_SIZE=$world MASTER_ADDR=127.0.0.1 \
-          MASTER_PORT=$port OMP_NUM_THREADS=1 \
-          "$exe" --data "$work/tiny" --block-size 32 --n-layer 2 --n-head 2 --n-embd 30 \
-          --threads 1 --eval-batches 2 --batch-size 4 --max-steps 20 --warmup-steps 2 \
-          --eval-every 10 --timeout 60 "$@" > "$work/$name.rank$r" 2>&1 &
-        pids[$r]=$!
-      done
-      for ((r = 0; r < world; ++r)); do
-        wait "${pids[$r]}" || { cat "$work/$name.rank"*; fail "$name: rank $r failed"; }
-      done
+      run_ranks "$1" "$2" --data "$work/tiny" --block-size 32 --n-layer 2 --n-head 2 --n-embd 30 \
+        --threads 1 --eval-batches 2 --batch-size 4 --max-steps 20 --warmup-steps 2 \
+        --eval-every 10 --timeout 60 "${@:3}"
     }
     consolidated() {  # a sharded checkpoint directory -> the file it consolidates to
       "$tool" checkpoint consolidate "$1" -o "$1.consolidated.safetensors" > "$work/consolidate" 2>&1 \
@@ -418,21 +413,10 @@ case "$case_name" in
     # out-of-memory error naming itself and the allocation; 4 ranks of FSDP (--zero 3, about
     # 10.9 MiB each) train to the end, and the split of the peak says where the memory went.
     prepare_tiny
-    ranks() {  # name, then the flags
-      local name=$1 port=$((20000 + RANDOM % 20000)) r
-      shift
-      for r in 0 1 2 3; do
-        RANK=$r WORLD_SIZE=4 LOCAL_RANK=$r LOCAL_WORLD_SIZE=4 MASTER_ADDR=127.0.0.1 \
-          MASTER_PORT=$port OMP_NUM_THREADS=1 LOCKSTEP_CPU_MEMORY_LIMIT_MB=13 \
-          "$exe" --data "$work/tiny" --block-size 32 --n-layer 4 --n-head 4 --n-embd 128 \
-          --threads 1 --eval-batches 2 --batch-size 4 --max-steps 6 --warmup-steps 2 \
-          --timeout 60 "$@" > "$work/$name.rank$r" 2>&1 &
-        pids[$r]=$!
-      done
-      for r in 0 1 2 3; do
-        wait "${pids[$r]}"
-        rcs[$r]=$?
-      done
+    ranks() {  # name, then the flags; rcs[] has the exit codes
+      LOCKSTEP_CPU_MEMORY_LIMIT_MB=13 launch_ranks "$1" 4 --data "$work/tiny" --block-size 32 \
+        --n-layer 4 --n-head 4 --n-embd 128 --threads 1 --eval-batches 2 --batch-size 4 \
+        --max-steps 6 --warmup-steps 2 --timeout 60 "${@:2}"
     }
     ranks ddp --zero 0
     for r in 0 1 2 3; do
