@@ -227,8 +227,11 @@ EOF
     ;;
   amp)
     # One epoch of the MLP with bf16 autocast reaches the f32 target (cosine schedule: 0.869 in
-    # f32 and bf16 alike over three seeds); a short f16 run uses the loss scaler.
+    # f32 and bf16 alike over three seeds).
     train_check 0.85 --amp bf16 --schedule cosine --threads 2
+    ;;
+  amp_fp16)
+    # A short f16 run uses the loss scaler.
     "$exe" --amp fp16 --max-steps 60 --log-every 20 --no-eval > "$work/out" 2>&1 \
       || { cat "$work/out"; fail "fp16 run failed"; }
     cat "$work/out"

@@ -524,12 +524,14 @@ TEST_F(Launcher, ANodeWhoseNodeZeroRunsAnotherJobIsToldWhatIsTrue) {
 
 // A node of another lockstep version joins without writing its job signature: node 0 says so at
 // once instead of waiting for the key until its store's timeout (--rdzv-timeout). The test plays
-// that node, writing only the keys an older agent wrote.
+// that node, writing only the keys an older agent wrote (and, like such an agent, never counting
+// itself in `checked`: node 0 waits --node-timeout for it before it fails, 3 s here).
 TEST_F(Launcher, ANodeThatWritesNoSignatureIsCalledAnotherVersionAtOnce) {
   const std::string port = std::to_string(free_port());
   const Launch l0 = start_launcher(
       {"run", "--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1", "--master-port", port,
-       "--run-id", "old", "--rdzv-timeout", "100", kWorker, "env", out_.string()},
+       "--run-id", "old", "--rdzv-timeout", "100", "--node-timeout", "3", kWorker, "env",
+       out_.string()},
       dir_, "node0", {"LOCKSTEP_STORE_TOKEN=shared"});
   ASSERT_TRUE(wait_for_stderr(l0, "the store listens on")) << wait_launcher(l0).describe();
   lockstep::dist::TCPStoreOptions so;
