@@ -46,6 +46,7 @@
 #include "lockstep/lockstep.h"
 #include "lockstep/nn/layers.h"
 #include "lockstep/optim/optimizer.h"
+#include "test_sample_log.h"
 #include "train_fashion_mnist_flags.h"
 
 using namespace lockstep;
@@ -56,6 +57,7 @@ constexpr int64_t kEvalBatch = 1000;
 
 using Clock = std::chrono::steady_clock;
 using examples::Config;
+using examples::first_attempt;
 using examples::number_text;
 
 // ---------------------------------------------------------------------------------------------
@@ -150,14 +152,6 @@ dist::CommHook comm_hook_named(const std::string& name) {
 io::Metadata run_metadata(const Config& cfg) {
   return {{"model", cfg.model}, {"amp", cfg.amp}, {"seed", std::to_string(cfg.seed)}};
 }
-
-// LOCKSTEP_RESTART_COUNT as `lockstep run` sets it: 0 on the first attempt of a run, or unset.
-std::string restart_count() {
-  return std::to_string(env_int(env::kRestartCount, 0, 1 << 30).value_or(0));
-}
-
-// The first attempt of a run (not a restart by `lockstep run --max-restarts`).
-bool first_attempt() { return restart_count() == "0"; }
 
 // Whether rank 0's stdout ends on a terminal, where a progress bar replaces the loss lines: as
 // the launcher says when there is one, else as isatty says.
@@ -383,68 +377,6 @@ class TestCrash {
   int rank_;
 };
 
-// Note [Sample log]
-// --test-sample-log PATH is for the tests alone (the rescale test, and the launcher's elastic
-// tests): it shows which samples the model was trained on, so that a test can check that a run
-// resumed at another world size skipped none of the epoch and repeated none. After each
-// optimizer step every rank appends one line:
-//
-//   restart=R step=S epoch=E rank=K world_size=W samples=I,J,...
-//
-// R is LOCKSTEP_RESTART_COUNT (0 when unset), S the optimizer step just taken (1 for the first,
-// as in --metrics and the checkpoint names), E its epoch, K this rank, W the world size, and
-// the samples are the dataset indices of this rank's micro-batches of the step, in order. Each
-// line is one write(2) to a file opened with O_APPEND, so ranks and restarts share the file
-// with whole lines. A rank writes its line before the step's checkpoint, which is collective:
-// every step a checkpoint holds has the lines of all its ranks.
-//
-// A run (one restart count; with separate `lockstep run` invocations, which all count from 0,
-// one file each) trains on from the step its checkpoint holds. What the final model trained on
-// is therefore, run by run in order: the run's records, less those of steps after the step the
-// next run resumed from (the next run's first step minus 1), which the crash lost. The
-// remaining records have each step once, with one line per rank of the world that trained it.
-class TestSampleLog {
- public:
-  TestSampleLog(const Config& cfg, const dist::ProcessGroup& pg)
-      : prefix_("restart=" + restart_count()), rank_(pg.rank()), world_(pg.size()) {
-    if (cfg.test_sample_log.empty()) return;
-    fd_ = Fd(LS_SYSCHECK_MSG(
-        ::open(cfg.test_sample_log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644),
-        "--test-sample-log: cannot open ", cfg.test_sample_log));
-    path_ = cfg.test_sample_log;
-  }
-
-  // One micro-batch of the coming optimizer step.
-  void add(const data::Batch& batch) {
-    if (fd_.valid()) samples_.insert(samples_.end(), batch.indices.begin(), batch.indices.end());
-  }
-
-  // The step's line: Note [Sample log].
-  void after_step(int64_t step, int64_t epoch) {
-    if (!fd_.valid()) return;
-    std::string line = prefix_ + " step=" + std::to_string(step) +
-                       " epoch=" + std::to_string(epoch) + " rank=" + std::to_string(rank_) +
-                       " world_size=" + std::to_string(world_) + " samples=";
-    for (size_t k = 0; k < samples_.size(); ++k)
-      line += (k ? "," : "") + std::to_string(samples_[k]);
-    line += '\n';
-    samples_.clear();
-    // One write in practice (a short write to a regular file means a full disk): an error then.
-    const ssize_t n = LS_SYSCHECK_MSG(
-        retry_on_eintr([&] { return ::write(fd_.get(), line.data(), line.size()); }),
-        "--test-sample-log: cannot write to ", path_);
-    LS_CHECK(static_cast<size_t>(n) == line.size(), "--test-sample-log: wrote ", n, " of the ",
-             line.size(), " bytes of a line to ", path_, " (is the disk full?)");
-  }
-
- private:
-  std::string prefix_;
-  int rank_, world_;
-  std::string path_;
-  Fd fd_;
-  std::vector<int64_t> samples_;  // the current step's, so far
-};
-
 // Each rank evaluates its share of the test set (the non-padding sampler: every sample once over
 // all ranks); the counts are summed across ranks.
 double test_accuracy(nn::Module& model, const data::MnistDataset& test, dist::ProcessGroup& pg,
@@ -619,7 +551,7 @@ class Trainer {
         // On a terminal, rank 0 draws a progress bar in place of the periodic loss lines.
         progress_({.terminal = true, .enabled = main_rank_ && stdout_is_terminal()}),
         test_crash_(cfg, *pg_),
-        sample_log_(cfg, *pg_) {
+        sample_log_(cfg.test_sample_log, pg_->rank(), pg_->size()) {
     for (const auto& [name, p] : model_.params->named_parameters()) param_names_.push_back(name);
   }
 
@@ -675,7 +607,7 @@ class Trainer {
   optim::LRScheduler scheduler_;
   io::Progress progress_;
   const TestCrash test_crash_;
-  TestSampleLog sample_log_;
+  examples::TestSampleLog sample_log_;
   std::vector<std::string> param_names_;
   std::optional<io::MetricsWriter> metrics_;
   Position pos_;
@@ -882,7 +814,7 @@ EpochResult Trainer::train_epoch() {
   int64_t step_samples = 0;
   for (data::Batch& batch : loader_) {
     const bool epoch_end = batch.index + 1 == micro_batches;
-    sample_log_.add(batch);  // testing only: Note [Sample log]
+    sample_log_.add(batch.indices);  // testing only: Note [Sample log]
     const std::optional<StepResult> step = train_step(batch, pass_samples);
     const int64_t samples = batch.input.size(0) * world_;  // every rank read a batch as large
     e.samples += samples;

@@ -51,6 +51,7 @@
 #include "lockstep/lockstep.h"
 #include "lockstep/optim/optimizer.h"
 #include "lockstep/optim/schedule.h"
+#include "test_sample_log.h"
 #include "train_gpt_flags.h"
 
 using namespace lockstep;
@@ -385,7 +386,8 @@ class Trainer {
         sharded_(is_sharded_checkpoint_path(cfg.save)),
         saver_(cfg.async_save ? std::make_unique<dist::AsyncShardedSaver>(
                                     *pg_, dist::AsyncSaveOptions{.keep = cfg.keep})
-                              : nullptr) {
+                              : nullptr),
+        sample_log_(cfg.test_sample_log, pg_->rank(), world_) {
     LS_CHECK(loader_.num_batches() > 0, "expected at least one batch of ", cfg.batch_size,
              " windows per rank in ", cfg.data, "/train.tokens, got ", sampler_->num_samples(),
              " windows of ", cfg.block_size, " tokens for this rank");
@@ -457,6 +459,7 @@ class Trainer {
   const bool sharded_;  // --save names a directory of per-rank shards, not one file
   std::unique_ptr<dist::AsyncShardedSaver> saver_;  // --async-save
   std::string saving_;                              // the directory saver_ is writing, "" when none
+  examples::TestSampleLog sample_log_;              // --test-sample-log (testing only)
   std::optional<io::MetricsWriter> metrics_;
   Position pos_;
   double peak_flops_ = 0;  // the job's: world x a rank's measured GEMM peak (Note [MFU])
@@ -586,6 +589,7 @@ void Trainer::train() {
         Tensor l;
         {
           amp::autocast ac(amp_dtype_, cfg_.amp == "bf16");
+          sample_log_.add((*it).indices);  // testing only: Note [Sample log]
           Tensor logits = net().forward((*it).input.to(device_));    // (B,T,V)
           l = examples::gpt_loss(logits, (*it).target.to(device_));  // () f32
         }
@@ -621,6 +625,7 @@ void Trainer::train() {
             .grad_norm = cfg_.grad_clip > 0 ? std::optional<double>(grad_norm) : std::nullopt,
             .peak_rss_mib = io::peak_rss_mib()});
       progress_.update(pos_.step, loss, windows);
+      sample_log_.after_step(pos_.step, pos_.epoch);  // before the step's checkpoint
       if (cfg_.save_every > 0 && pos_.step % cfg_.save_every == 0 && !cfg_.save.empty())
         save(io::checkpoint_path_for_step(cfg_.save, pos_.step), /*periodic=*/true);
       if (pos_.step % cfg_.eval_every == 0 || done())

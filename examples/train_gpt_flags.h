@@ -76,6 +76,7 @@ struct GptConfig {
   bool async_save = false;  // periodic sharded checkpoints written in the background
   std::string init;         // start from these model weights (safetensors) instead of GPT-2's init
   bool no_shuffle = false;  // the windows in file order, every epoch
+  std::string test_sample_log;  // testing only: Note [Sample log]
   // Execution.
   int64_t threads = 0;
   int64_t workers = 1;
@@ -211,6 +212,12 @@ inline int parse_gpt_flags(int argc, char** argv, GptConfig& cfg) {
                  "checkpoint's model, or the names of its model without 'model.', as "
                  "bench/pytorch_gpt.py --save-init writes them) instead of GPT-2's random init; "
                  "the optimizer starts afresh, and a resumed run takes the checkpoint's weights");
+  app.add_option("--test-sample-log", cfg.test_sample_log,
+                 "Testing only (the sharded-checkpoint test): every rank appends to this file, "
+                 "after each optimizer step, one line 'restart=R step=S epoch=E rank=K "
+                 "world_size=W samples=I,J,...' (the indices of the step's token windows on that "
+                 "rank, in order), each line one O_APPEND write")
+      ->type_name("PATH");
   app.add_flag("--no-shuffle", cfg.no_shuffle,
                "Read the training windows in file order every epoch (to compare step for step "
                "with another program, e.g. bench/pytorch_gpt.py --no-shuffle)");

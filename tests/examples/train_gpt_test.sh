@@ -50,8 +50,9 @@ check_prepared() {
 
 # A tiny corpus prepared into $work/tiny: a sentence that repeats with a number in it, which a
 # small model learns in a few dozen steps.
-prepare_tiny() {
-  for i in $(seq 1 300); do echo "the quick brown fox $i jumps over the lazy dog"; done > "$work/tiny.txt"
+prepare_tiny() {  # [lines]: 300 (401 training windows of 32 tokens) unless given
+  for i in $(seq 1 "${1:-300}"); do echo "the quick brown fox $i jumps over the lazy dog"; done \
+    > "$work/tiny.txt"
   "$exe" --prepare "$work/tiny.txt" --out "$work/tiny" > "$work/prep" 2>&1 \
     || { cat "$work/prep"; fail "--prepare failed"; }
 }
@@ -343,21 +344,25 @@ case "$case_name" in
     # in the background with --async-save), each ending on the tensors of the same world size
     # resumed from the 4 DDP ranks' step-10 file. --resume auto passes over a truncated newest
     # directory to the older one, saying so. --n-embd 30: every unit is padded at 2, 3 and 4.
+    # The resumed runs finish the epoch (400 windows: 160 in 10 steps of 4 ranks, the other 240 in
+    # 20 steps of 3 or 30 of 2), and their sample logs with the 4 ranks' first 10 steps (Note
+    # [Sample log]) hold every window of it exactly once.
     [ -x "$tool" ] || fail "no lockstep binary given"
     command -v python3 > /dev/null || fail "python3 is missing (scripts/install-deps.sh installs it)"
-    prepare_tiny
+    prepare_tiny 299
     ranks() {  # name, world, then the flags
       run_ranks "$1" "$2" --data "$work/tiny" --block-size 32 --n-layer 2 --n-head 2 --n-embd 30 \
-        --threads 1 --eval-batches 2 --batch-size 4 --max-steps 20 --warmup-steps 2 \
-        --eval-every 10 --timeout 60 "${@:3}"
+        --threads 1 --eval-batches 2 --batch-size 4 --warmup-steps 2 --eval-every 10 --timeout 60 \
+        "${@:3}"
     }
     consolidated() {  # a sharded checkpoint directory -> the file it consolidates to
       "$tool" checkpoint consolidate "$1" -o "$1.consolidated.safetensors" > "$work/consolidate" 2>&1 \
         || { cat "$work/consolidate"; fail "consolidate $1 failed"; }
       echo "$1.consolidated.safetensors"
     }
-    ranks s4 4 --zero 3 --save "$work/s4/ck" --save-every 10
-    ranks f4 4 --zero 0 --save "$work/f4/ck.safetensors" --save-every 10
+    ranks s4 4 --zero 3 --save "$work/s4/ck" --save-every 10 --max-steps 20 \
+      --test-sample-log "$work/s4.samples"
+    ranks f4 4 --zero 0 --save "$work/f4/ck.safetensors" --save-every 10 --max-steps 20
     for d in ck.step00000010 ck.step00000020 ck; do
       [ -f "$work/s4/$d/index.json" ] || { ls -R "$work/s4"; fail "no sharded checkpoint $d"; }
       [ -f "$work/s4/$d/shard-3-of-4.safetensors" ] || { ls "$work/s4/$d"; fail "$d lacks rank 3's shard"; }
@@ -367,8 +372,10 @@ case "$case_name" in
         || fail "4 FSDP ranks' sharded step-$s checkpoint consolidates to other tensors than 4 DDP ranks' file"
     done
     # 3 DDP ranks: rank 0 writes the whole state into the directory, every rank reads it whole.
-    ranks r3s 3 --zero 0 --resume "$work/s4/ck.step00000010" --save "$work/r3s/ck"
-    ranks r3f 3 --zero 0 --resume "$work/f4/ck.step00000010.safetensors" --save "$work/r3f/ck.safetensors"
+    ranks r3s 3 --zero 0 --resume "$work/s4/ck.step00000010" --save "$work/r3s/ck" --max-steps 30 \
+      --test-sample-log "$work/r3s.samples"
+    ranks r3f 3 --zero 0 --resume "$work/f4/ck.step00000010.safetensors" --save "$work/r3f/ck.safetensors" \
+      --max-steps 30
     grep -q "resumed .*s4/ck.step00000010: step 10, epoch 0 after 160 of its windows (written by 4 ranks, now 3)" \
       "$work/r3s.rank0" || { cat "$work/r3s.rank0"; fail "no resume line"; }
     for r in 1 2; do  # an empty shard: a safetensors header and no data
@@ -379,14 +386,34 @@ case "$case_name" in
       || fail "3 DDP ranks resumed from the sharded checkpoint end elsewhere than from the file"
     # 2 FSDP ranks, each reading its own pieces, writing in the background.
     ranks r2s 2 --zero 3 --resume "$work/s4/ck.step00000010" --save "$work/r2s/ck" --save-every 5 \
-      --async-save
+      --async-save --max-steps 40 --test-sample-log "$work/r2s.samples"
     ranks r2f 2 --zero 0 --resume "$work/f4/ck.step00000010.safetensors" \
-      --save "$work/r2f/ck.safetensors" --save-every 5
+      --save "$work/r2f/ck.safetensors" --save-every 5 --max-steps 40
     grep -q "saved .*r2s/ck.step00000015 (in the background)" "$work/r2s.rank0" \
       || { cat "$work/r2s.rank0"; fail "no background save of step 15"; }
     for f in ck.step00000015 ck.step00000020 ck; do
       same_tensors "$(consolidated "$work/r2s/$f")" "$work/r2f/$f.safetensors" \
         || fail "2 FSDP ranks resumed from the sharded checkpoint wrote another $f than 2 DDP ranks from the file"
+    done
+    # Every window of the epoch once: the 4 ranks' steps 1-10, then 3 ranks' 11-30 or 2 ranks' 11-40.
+    for r in r3s:30 r2s:40; do
+      python3 - "$work/s4.samples" "$work/${r%:*}.samples" "${r#*:}" "$(dirname "$0")" <<'PY' \
+        || fail "${r%:*}: the epoch's windows were not each trained on once"
+import sys
+sys.path.insert(0, sys.argv[4])
+from sample_log import check_epoch, kept_records
+
+kept, [(resumed_at, dropped)] = kept_records(sys.argv[1:3])
+assert resumed_at == 10, f"resumed after step {resumed_at}, expected 10"
+assert {r["step"] for r in dropped} == set(range(11, 21)), "the 4 ranks' steps 11-20 not logged"
+by_step = check_epoch(kept, 400)
+last = int(sys.argv[3])
+assert sorted(by_step) == list(range(1, last + 1)), f"steps {sorted(by_step)}, expected 1..{last}"
+worlds = {s: rs[0]["world_size"] for s, rs in by_step.items()}
+assert {worlds[s] for s in range(1, 11)} == {4}, worlds
+assert {worlds[s] for s in range(11, last + 1)} == {3 if last == 30 else 2}, worlds
+print(f"400 windows once each over steps 1-{last}")
+PY
     done
     # --resume auto: the newest directories (the final one and step 20's) have a truncated shard;
     # the run goes on from step 10 with a warning for each and ends where the first run did;
@@ -396,7 +423,7 @@ case "$case_name" in
     for d in ck ck.step00000020; do
       truncate -s -1 "$work/c4/$d/shard-2-of-4.safetensors"
     done
-    ranks c4 4 --zero 3 --save "$work/c4/ck" --save-every 10 --resume auto --keep 1
+    ranks c4 4 --zero 3 --save "$work/c4/ck" --save-every 10 --max-steps 20 --resume auto --keep 1
     grep -q "resumed .*c4/ck.step00000010: step 10" "$work/c4.rank0" \
       || { cat "$work/c4.rank0"; fail "--resume auto did not fall back to step 10"; }
     grep -q "WARN.*c4/ck.step00000020" "$work/c4.rank0" \
