@@ -22,8 +22,11 @@ namespace fs = std::filesystem;
 // may not include each other either. autograd is two layers: its graph types (Node, edges, grad
 // mode, hooks) sit below ops, since every op records its backward as it runs; its engine and
 // gradcheck sit above ops, since they run them. distributed/store/ is the bottom of
-// distributed/: the store knows nothing of process groups, DDP or backends. The same table is
-// docs/ARCHITECTURE.md's "Layers"; change both together.
+// distributed/: the store knows nothing of process groups, DDP or backends. The rest of
+// distributed/ is one layer whose folders group it by concern, not by rank (the process-group
+// core at its top, the backends' folders, data_parallel/, sharding/, checkpoint/, diagnosis/):
+// they may include each other, as the core names the built-in backends and each backend uses
+// the core. The same table is docs/ARCHITECTURE.md's "Layers"; change both together.
 struct Layer {
   const char* name;
   int rank;
@@ -155,7 +158,9 @@ TEST(Layers, CheckerFindsUpwardPeerAndUnknown) {
         "#include \"lockstep/ops/reduce.h\"\n#include \"lockstep/autograd/node.h\"\n");
   write("src/distributed/store/tcp_store.cpp",
         "#include \"lockstep/distributed/process_group.h\"\n");
-  write("src/distributed/ddp.cpp", "#include \"distributed/store/socket.h\"\n");
+  write(
+      "src/distributed/data_parallel/ddp.cpp",
+      "#include \"distributed/store/socket.h\"\n#include \"distributed/diagnosis/slow_rank.h\"\n");
   write("src/widgets/w.cpp", "\n");
   write("src/autograd/grad_mode.cpp", "#include \"engine.h\"\n#include \"node.h\"\n");
   write("src/data/x.cpp", "#include <lockstep/amp/grad_scaler.h>\n#include \"../ops/common.h\"\n");

@@ -5,7 +5,7 @@
 #include <thread>
 
 #include "distributed/ddp_helpers.h"
-#include "distributed/slow_rank.h"
+#include "distributed/diagnosis/slow_rank.h"
 #include "distributed/thread_ranks.h"
 #include "lockstep/base/log.h"
 #include "lockstep/distributed/join.h"

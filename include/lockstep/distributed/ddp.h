@@ -18,8 +18,8 @@ namespace lockstep::dist {
 // backward pass, then large ones so that per-collective latency is paid rarely.
 inline constexpr int64_t kDefaultFirstBucketBytes = int64_t{1} << 20;
 inline constexpr int64_t kDefaultBucketBytes = int64_t{25} << 20;
-// The slow-rank warning (Note [Slow rank], src/distributed/slow_rank.h): a rank whose compute
-// time is more than this many times the median ...
+// The slow-rank warning (Note [Slow rank], src/distributed/diagnosis/slow_rank.h): a rank whose
+// compute time is more than this many times the median ...
 inline constexpr double kDefaultSlowRankRatio = 1.5;
 // ... in this many synchronized steps in a row.
 inline constexpr int64_t kDefaultSlowRankSteps = 20;

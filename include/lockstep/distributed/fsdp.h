@@ -18,10 +18,10 @@
 
 namespace lockstep::dist {
 
-// Which submodules become units (Note [FSDP units] in src/distributed/fsdp.cpp): asked of every
-// submodule, outermost first, with its dotted path; a module it accepts is one unit with all of
-// its parameters (its submodules are not asked). The parameters of no accepted module form the
-// root unit, gathered for the whole forward and backward.
+// Which submodules become units (Note [FSDP units] in src/distributed/sharding/fsdp.cpp): asked
+// of every submodule, outermost first, with its dotted path; a module it accepts is one unit with
+// all of its parameters (its submodules are not asked). The parameters of no accepted module form
+// the root unit, gathered for the whole forward and backward.
 using WrapPolicy = std::function<bool(const std::string& path, const nn::Module& m)>;
 // Modules of these types (nn::Module::type_name(), e.g. "GptBlock"), as PyTorch's
 // transformer_auto_wrap_policy.
@@ -39,8 +39,8 @@ struct FSDPOptions {
   // Gather the next unit while this one computes (forward: the next in order; backward: the
   // previous one). Off, each gather is waited for at once (for measuring what prefetch hides).
   bool prefetch = true;
-  // Note [FSDP mixed precision] (src/distributed/fsdp.cpp): the dtype units are gathered and
-  // compute in (bf16: half the gathers' bytes and memory), while the master shards, the
+  // Note [FSDP mixed precision] (src/distributed/sharding/fsdp.cpp): the dtype units are gathered
+  // and compute in (bf16: half the gathers' bytes and memory), while the master shards, the
   // optimizer and its state keep the parameters' dtype; unset: the parameters' own. And the
   // dtype each unit's gradient is summed and reduce-scattered in (f32 for accuracy, bf16 for half
   // the bytes); unset: param_dtype's. The forward's floating inputs are cast to param_dtype.

@@ -55,7 +55,7 @@ struct ZeroStats {
   double gather_seconds = 0;
 };
 
-// Note [ZeRO-1] (src/distributed/zero.cpp): the parameters are cut into segments (all of
+// Note [ZeRO-1] (src/distributed/sharding/zero.cpp): the parameters are cut into segments (all of
 // them, flattened in group then parameter order; or, with reduce_scatter_gradients, each of
 // DDP's buckets), and each segment into world_size equal contiguous shards and a tail of fewer
 // than world_size elements; rank r owns shard r of every segment, and every rank steps the

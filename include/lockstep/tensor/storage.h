@@ -27,7 +27,8 @@ class StorageImpl {
   bool owned() const { return alloc_ != nullptr; }
   // Owned storage only: frees the memory and takes a fresh block of `nbytes` (contents not kept;
   // 0 leaves none, data() null). Every tensor and view on this storage sees the new block: what
-  // FSDP does to a unit's parameters between uses (Note [FSDP] in src/distributed/fsdp.cpp).
+  // FSDP does to a unit's parameters between uses (Note [FSDP] in
+  // src/distributed/sharding/fsdp.cpp).
   void reset(size_t nbytes);
 
  private:

@@ -3,7 +3,7 @@
 #include <map>
 #include <unordered_map>
 
-#include "distributed/fsdp_unit.h"
+#include "distributed/sharding/fsdp_unit.h"
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/base/error.h"
 #include "lockstep/distributed/fsdp.h"

@@ -7,9 +7,9 @@
 #include <set>
 #include <unordered_map>
 
-#include "distributed/fsdp_unit.h"
-#include "distributed/grad_norm.h"
-#include "distributed/reducer.h"
+#include "distributed/data_parallel/reducer.h"
+#include "distributed/sharding/fsdp_unit.h"
+#include "distributed/sharding/grad_norm.h"
 #include "lockstep/autograd/engine.h"
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/autograd/node.h"

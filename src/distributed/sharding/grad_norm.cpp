@@ -1,5 +1,5 @@
 // sharded_grad_norm: one exact sum per rank, added across ranks as integers.
-#include "distributed/grad_norm.h"
+#include "distributed/sharding/grad_norm.h"
 
 #include <algorithm>
 #include <cmath>

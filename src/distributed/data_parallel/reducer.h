@@ -8,7 +8,7 @@
 #include <utility>
 #include <vector>
 
-#include "distributed/slow_rank.h"
+#include "distributed/diagnosis/slow_rank.h"
 #include "lockstep/distributed/ddp.h"
 
 namespace lockstep::dist {

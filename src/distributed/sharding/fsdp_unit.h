@@ -1,5 +1,6 @@
 // FullyShardedDataParallel's unit: a run of parameters laid out flat, sharded and gathered
-// together (Note [FSDP] in src/distributed/fsdp.cpp); shared by fsdp.cpp and fsdp_state.cpp.
+// together (Note [FSDP] in src/distributed/sharding/fsdp.cpp); shared by fsdp.cpp and
+// fsdp_state.cpp.
 #pragma once
 
 #include <string>

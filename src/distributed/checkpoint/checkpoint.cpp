@@ -7,8 +7,8 @@
 #include <cstring>
 #include <filesystem>
 
-#include "distributed/agree.h"
-#include "distributed/resume_choice.h"
+#include "distributed/checkpoint/agree.h"
+#include "distributed/checkpoint/resume_choice.h"
 #include "lockstep/base/log.h"
 
 namespace lockstep::dist {

@@ -12,8 +12,8 @@
 #include <filesystem>
 #include <thread>
 
-#include "distributed/agree.h"
-#include "distributed/resume_choice.h"
+#include "distributed/checkpoint/agree.h"
+#include "distributed/checkpoint/resume_choice.h"
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/base/log.h"
 

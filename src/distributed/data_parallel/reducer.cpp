@@ -1,5 +1,5 @@
 // Reducer: gradient buckets, launched as their gradients become ready during backward.
-#include "distributed/reducer.h"
+#include "distributed/data_parallel/reducer.h"
 
 #include <cstring>
 #include <numeric>

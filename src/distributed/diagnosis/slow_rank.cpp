@@ -1,6 +1,6 @@
 // The slow rank (Note [Slow rank]): the per-step verdict over every rank's compute time, and the
 // warning when one rank lags for many steps in a row.
-#include "distributed/slow_rank.h"
+#include "distributed/diagnosis/slow_rank.h"
 
 #include <algorithm>
 #include <cstdio>

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "distributed/reducer.h"
+#include "distributed/data_parallel/reducer.h"
 #include "lockstep/amp/grad_scaler.h"
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/base/error.h"

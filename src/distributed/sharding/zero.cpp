@@ -2,7 +2,7 @@
 // parameters, and the full state gathered for checkpoints and re-sharded on load.
 #include "lockstep/distributed/zero.h"
 
-#include "distributed/grad_norm.h"
+#include "distributed/sharding/grad_norm.h"
 
 #include <algorithm>
 #include <chrono>
@@ -15,7 +15,7 @@
 #include <string>
 #include <tuple>
 
-#include "distributed/grad_norm.h"
+#include "distributed/sharding/grad_norm.h"
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/base/error.h"
 #include "lockstep/ops/elementwise.h"

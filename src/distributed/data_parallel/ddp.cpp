@@ -7,7 +7,7 @@
 #include <iomanip>
 #include <sstream>
 
-#include "distributed/reducer.h"
+#include "distributed/data_parallel/reducer.h"
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/base/error.h"
 #include "lockstep/distributed/join.h"
