@@ -1,21 +1,18 @@
-// ZeroRedundancyOptimizer: sharded optimizer state, the shard's step, the all-gather of the
-// parameters, and the full state gathered for checkpoints and re-sharded on load.
+// ZeroRedundancyOptimizer: Note [ZeRO-1], construction, the shard's step and the all-gather of
+// the parameters (waited for at once or overlapped), the averaged gradients that clipping and a
+// GradScaler see, and stats. The shard layout is in zero_layout.cpp, the comm hook that
+// reduce-scatters DDP's buckets into the shard in zero_comm_hook.cpp, the state gathered for
+// checkpoints and re-sharded across layouts and world sizes in zero_state.cpp.
 #include "lockstep/distributed/zero.h"
-
-#include "distributed/sharding/grad_norm.h"
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
-#include <cstdio>
 #include <cstdlib>
-#include <map>
-#include <set>
 #include <sstream>
 #include <string>
-#include <tuple>
 
 #include "distributed/sharding/grad_norm.h"
+#include "distributed/sharding/zero_internal.h"
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/base/error.h"
 #include "lockstep/ops/elementwise.h"
@@ -99,33 +96,6 @@ namespace lockstep::dist {
 // the same file whether ZeRO wrote it or not, and loads into any world size, with ZeRO or
 // without, in either mode.
 
-namespace {
-
-// Exact text for a double (hexadecimal floating point).
-std::string exact(double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%a", v);
-  return buf;
-}
-
-// "<index>.<field>" -> (index, field); false for the global entries.
-bool split_key(const std::string& name, size_t& index, std::string& field) {
-  const size_t dot = name.find('.');
-  if (dot == std::string::npos || dot == 0) return false;
-  const std::string idx = name.substr(0, dot);
-  if (idx.find_first_not_of("0123456789") != std::string::npos) return false;
-  index = std::stoul(idx);
-  field = name.substr(dot + 1);
-  return true;
-}
-
-}  // namespace
-
-// What comm_hook() holds: the optimizer while it lives (its destructor clears it).
-struct ZeroRedundancyOptimizer::HookLink {
-  ZeroRedundancyOptimizer* zero = nullptr;
-};
-
 ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> groups,
                                                  ProcessGroupPtr pg, const OptimizerFactory& make,
                                                  ZeroOptions opts)
@@ -176,7 +146,7 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> 
   // the user left them unset), from rank 0.
   std::ostringstream text;
   for (const auto& g : local_->param_groups())
-    text << exact(g.lr) << ' ' << exact(g.weight_decay) << ' ';
+    text << detail::exact(g.lr) << ' ' << detail::exact(g.weight_decay) << ' ';
   const std::string mine = text.str();
   const Bytes agreed = pg_->broadcast_object(Bytes(mine.begin(), mine.end()), 0);
   std::istringstream in(std::string(agreed.begin(), agreed.end()));
@@ -207,193 +177,6 @@ ZeroRedundancyOptimizer::~ZeroRedundancyOptimizer() {
       }
     }
   }
-}
-
-std::vector<ZeroRedundancyOptimizer::Piece> ZeroRedundancyOptimizer::pieces_of(int rank) const {
-  const int64_t world = pg_->size();
-  std::vector<Piece> pieces;
-  for (size_t si = 0; si < segments_.size(); ++si) {
-    const Segment& s = segments_[si];
-    // This rank's shard, then the tail, each with where it lies in shard_.
-    const int64_t ranges[2][3] = {{rank * s.per_rank, (rank + 1) * s.per_rank, s.own_at},
-                                  {world * s.per_rank, s.numel, s.tail_at}};
-    for (int k = 0; k < 2; ++k) {
-      const auto [begin, end, at] = std::tuple(ranges[k][0], ranges[k][1], ranges[k][2]);
-      for (size_t j = 0; j < s.params.size(); ++j) {
-        const int64_t lo = std::max(begin, s.offset[j]);
-        const int64_t hi = std::min(end, s.offset[j] + params_[s.params[j]].numel());
-        if (lo >= hi) continue;
-        pieces.push_back(
-            Piece{s.params[j], si, lo - s.offset[j], at + lo - begin, hi - lo, k == 1, Tensor()});
-      }
-    }
-  }
-  // The wrapped optimizer's order: by group, then parameter, then element.
-  std::sort(pieces.begin(), pieces.end(), [&](const Piece& a, const Piece& b) {
-    return std::tuple(group_of_[a.param], a.param, a.param_offset) <
-           std::tuple(group_of_[b.param], b.param, b.param_offset);
-  });
-  return pieces;
-}
-
-void ZeroRedundancyOptimizer::lay_out(std::vector<Segment> segments) {
-  autograd::NoGradGuard no_grad;
-  const int64_t world = pg_->size();
-  const auto options = TensorOptions(params_[0].dtype()).with_device(params_[0].device());
-  int64_t at = 0;
-  for (Segment& s : segments) {
-    s.per_rank = s.numel / world;
-    s.own_at = at;
-    s.tail_at = at + s.per_rank;
-    at = s.tail_at + (s.numel - world * s.per_rank);
-    s.gathered = empty({world * s.per_rank}, options);
-    s.gather.reset();
-  }
-  segments_ = std::move(segments);
-  shard_size_ = at;
-  shard_ = zeros({shard_size_}, options);
-  pieces_ = pieces_of(pg_->rank());
-  std::vector<optim::ParamGroup> local(user_groups_.size());
-  for (size_t g = 0; g < user_groups_.size(); ++g) {
-    local[g].lr = user_groups_[g].lr;
-    local[g].weight_decay = user_groups_[g].weight_decay;
-  }
-  for (Piece& piece : pieces_) {
-    piece.tensor = shard_.narrow(0, piece.shard_offset, piece.numel);
-    local[group_of_[piece.param]].params.push_back(piece.tensor);
-  }
-  local_ = make_(std::move(local));
-  LS_CHECK(local_ != nullptr, "ZeroRedundancyOptimizer: the optimizer factory returned null");
-}
-
-// The indices of a bucket's parameters.
-std::vector<size_t> ZeroRedundancyOptimizer::params_of(const GradBucket& b) const {
-  std::vector<size_t> out;
-  for (size_t k = 0; k < b.parameters.size(); ++k) {
-    const auto it = index_of_.find(b.parameters[k].impl());
-    LS_CHECK(it != index_of_.end(), "ZeroRedundancyOptimizer::comm_hook(): DDP's bucket ", b.index,
-             " holds parameter '", k < b.parameter_names.size() ? b.parameter_names[k] : "?",
-             "', which this optimizer does not step; give it all of the DDP model's parameters "
-             "that require grad");
-    out.push_back(it->second);
-  }
-  return out;
-}
-
-void ZeroRedundancyOptimizer::take_buckets(const std::vector<GradBucket>& buckets, bool final) {
-  std::vector<Reduced> layout(buckets.size());
-  for (size_t k = 0; k < buckets.size(); ++k) {
-    layout[k].params = params_of(buckets[k]);
-    layout[k].numel = buckets[k].numel;
-  }
-  announced_ = std::move(layout);
-  announced_final_ = final;
-  // The next backward reduces these buckets only (a rebuild may make fewer).
-  reduced_.resize(announced_.size());
-}
-
-// Note [ZeRO-1], Reduce-scatter: the bucket's first world * q gradient elements (q = numel /
-// world) are reduce-scattered into this rank's shard of the bucket; the rest of the buffer, the
-// tail of fewer than world gradients and the reducer's own elements, is all-reduced in place.
-WorkPtr ZeroRedundancyOptimizer::reduce_bucket(ProcessGroup& pg, GradBucket& b) {
-  autograd::NoGradGuard no_grad;
-  const int64_t world = pg_->size();
-  LS_CHECK(pg.size() == world && pg.rank() == pg_->rank(),
-           "ZeroRedundancyOptimizer::comm_hook(): the DDP model's process group (rank ", pg.rank(),
-           " of ", pg.size(), ") is not this optimizer's (rank ", pg_->rank(), " of ", world, ")");
-  LS_CHECK(b.buffer.dtype() == params_[0].dtype(), "ZeroRedundancyOptimizer::comm_hook(): bucket ",
-           b.index, " holds ", dtype_name(b.buffer.dtype()), " gradients, the parameters are ",
-           dtype_name(params_[0].dtype()));
-  const size_t index = static_cast<size_t>(b.index);
-  if (reduced_.size() <= index) reduced_.resize(index + 1);
-  Reduced& r = reduced_[index];
-  r.params = params_of(b);
-  r.numel = b.numel;
-  ++launched_;
-  r.scatter.reset();
-  // Note [ZeRO-1], Buckets: before DDP's layout is final, whole buckets, as DDP would.
-  full_grads_ = !announced_final_;
-  r.whole = full_grads_;
-  if (r.whole) return pg.all_reduce(b.buffer, {.op = ReduceOp::avg});
-  const int64_t q = b.numel / world;
-  if (!r.own.defined() || r.own.numel() != q)
-    r.own = empty({q}, TensorOptions(b.buffer.dtype()).with_device(b.buffer.device()));
-  if (q > 0) {
-    r.scatter = pg.reduce_scatter(r.own, b.buffer.narrow(0, 0, world * q), {.op = ReduceOp::avg});
-  }
-  Tensor rest = b.buffer.narrow(0, world * q, b.buffer.numel() - world * q);
-  return pg.all_reduce(rest, {.op = ReduceOp::avg});
-}
-
-void ZeroRedundancyOptimizer::finish_bucket(GradBucket& b) {
-  Reduced& r = reduced_.at(static_cast<size_t>(b.index));
-  ++finished_;
-  if (r.whole) return;  // the reducer rescales the buffer itself
-  if (r.scatter) r.scatter->wait();
-  // Note [Join]: the reducer rescales the buffer (the tail) after finish(); the shard here.
-  const int world = pg_->size();
-  if (b.contributors > 0 && b.contributors != world) {
-    autograd::NoGradGuard no_grad;
-    r.own.mul_(static_cast<double>(world) / b.contributors);
-  }
-}
-
-CommHook ZeroRedundancyOptimizer::comm_hook() {
-  LS_CHECK(opts_.reduce_scatter_gradients,
-           "ZeroRedundancyOptimizer::comm_hook() is for ZeroOptions::reduce_scatter_gradients; "
-           "without it DDP's own all-reduce averages the gradients");
-  auto link = link_;
-  auto zero = [link](const char* what) {
-    LS_CHECK(link->zero != nullptr, "ZeroRedundancyOptimizer::comm_hook(): ", what,
-             " after the optimizer was destroyed");
-    return link->zero;
-  };
-  return {
-      "zero_reduce_scatter",
-      [zero](ProcessGroup& pg, GradBucket& b) { return zero("a backward")->reduce_bucket(pg, b); },
-      [zero](GradBucket& b) { zero("a backward")->finish_bucket(b); },
-      [link] {
-        if (link->zero != nullptr) link->zero->wait_parameters();
-      },
-      [zero](const std::vector<GradBucket>& buckets, bool final) {
-        zero("DDP laid its buckets out")->take_buckets(buckets, final);
-      }};
-}
-
-void ZeroRedundancyOptimizer::follow_buckets() {
-  LS_CHECK(launched_ > 0 && finished_ == launched_,
-           "ZeroRedundancyOptimizer: step() with reduce_scatter_gradients needs a synchronized "
-           "backward of the DDP model since the last step, with comm_hook() registered "
-           "(DistributedDataParallel::register_comm_hook); ",
-           launched_ == 0 ? "no bucket was reduced by it" : "some buckets were not");
-  // A reduce-scattering backward fixes the layout (its shards); whole buckets fit any, so then
-  // the segments become DDP's buckets as they are now (rebuilt after the first backward).
-  const std::vector<Reduced>& buckets = full_grads_ && !announced_.empty() ? announced_ : reduced_;
-  bool same = buckets.size() == segments_.size();
-  for (size_t b = 0; same && b < buckets.size(); ++b)
-    same = buckets[b].params == segments_[b].params && buckets[b].numel == segments_[b].numel;
-  if (same) return;
-  std::vector<Segment> segments(buckets.size());
-  std::vector<bool> seen(params_.size(), false);
-  for (size_t b = 0; b < buckets.size(); ++b) {
-    Segment& s = segments[b];
-    s.params = buckets[b].params;
-    for (size_t i : s.params) {
-      LS_CHECK(!seen[i], "ZeroRedundancyOptimizer: parameter ", i, " is in two DDP buckets");
-      seen[i] = true;
-      s.offset.push_back(s.numel);
-      s.numel += params_[i].numel();
-    }
-    LS_CHECK(s.numel == buckets[b].numel, "ZeroRedundancyOptimizer: DDP's bucket ", b, " holds ",
-             buckets[b].numel, " gradient elements, its parameters ", s.numel);
-  }
-  for (size_t i = 0; i < params_.size(); ++i) {
-    LS_CHECK(seen[i], "ZeroRedundancyOptimizer: parameter ", i, " (shape ",
-             params_[i].shape().str(),
-             ") is in no DDP bucket; with reduce_scatter_gradients every parameter it steps must "
-             "be one of the DDP model's that require grad");
-  }
-  reshard(std::move(segments));
 }
 
 double ZeroRedundancyOptimizer::clip_grad_norm(double max_norm) {
@@ -520,226 +303,9 @@ ZeroStats ZeroRedundancyOptimizer::stats() const {
   size_t index = 0;
   std::string field;
   for (const auto& [name, t] : local_->state_dict()) {
-    if (split_key(name, index, field)) s.state_bytes += t.nbytes();
+    if (detail::split_key(name, index, field)) s.state_bytes += t.nbytes();
   }
   return s;
-}
-
-// Note [ZeRO-1], Checkpoints. The text each rank sends: "field <name> <dtype>" per per-element
-// field, "has <param> <field>" per parameter that
-// has it, "scalar <param> <field> <dtype> <value>" per piece scalar.
-// Collective: what every rank's wrapped optimizer holds, by parameter.
-ZeroRedundancyOptimizer::StateIndex ZeroRedundancyOptimizer::index_state() const {
-  StateIndex index;
-  std::ostringstream text;
-  std::map<std::string, DType> fields;  // per-element fields here
-  for (const auto& [name, t] : local_->state_dict()) {
-    size_t k = 0;
-    std::string field;
-    if (!split_key(name, k, field)) {  // the wrapped optimizer's "step", "group.<g>.lr"
-      index.globals.emplace_back(name, t);
-      continue;
-    }
-    LS_CHECK(k < pieces_.size(), "ZeroRedundancyOptimizer: the wrapped optimizer has state '", name,
-             "' for piece ", k, " of ", pieces_.size());
-    const Piece& piece = pieces_[k];
-    if (t.dim() == 1 && t.numel() == piece.numel) {
-      fields.emplace(field, t.dtype());
-      text << "has " << piece.param << ' ' << field << '\n';
-      index.local[name] = t;
-    } else {
-      LS_CHECK(t.numel() == 1, "ZeroRedundancyOptimizer: expected state '", name,
-               "' to be shaped like its piece (", piece.numel, ") or a scalar, got shape ",
-               t.shape().str());
-      text << "scalar " << piece.param << ' ' << field << ' ' << static_cast<int>(t.dtype()) << ' '
-           << exact(t.item()) << '\n';
-    }
-  }
-  for (const auto& [field, dtype] : fields) {
-    text << "field " << field << ' ' << static_cast<int>(dtype) << '\n';
-  }
-  const std::string mine = text.str();
-  const auto all = pg_->all_gather_object(Bytes(mine.begin(), mine.end()));
-  for (size_t r = 0; r < all.size(); ++r) {
-    std::istringstream in(std::string(all[r].begin(), all[r].end()));
-    std::string kind;
-    while (in >> kind) {
-      std::string name, value;
-      int dtype = 0;
-      size_t param = 0;
-      if (kind == "field") {
-        in >> name >> dtype;
-        index.fields.emplace(name, static_cast<DType>(dtype));
-      } else if (kind == "has") {
-        in >> param >> name;
-        index.has.emplace(param, name);
-      } else {
-        LS_CHECK(kind == "scalar", "ZeroRedundancyOptimizer: bad state line '", kind, "'");
-        in >> param >> name >> dtype >> value;
-        index.scalars.emplace(
-            std::make_pair(param, name),
-            full({}, std::strtod(value.c_str(), nullptr), static_cast<DType>(dtype)));
-      }
-    }
-  }
-  return index;
-}
-
-// This rank's state of one per-element field, laid out as shard_ (zeros where it has none).
-Tensor ZeroRedundancyOptimizer::field_shard(const StateIndex& index, const std::string& field,
-                                            DType dtype) const {
-  Tensor shard = zeros({shard_size_}, TensorOptions(dtype).with_device(params_[0].device()));
-  for (size_t k = 0; k < pieces_.size(); ++k) {
-    auto it = index.local.find(std::to_string(k) + "." + field);
-    if (it != index.local.end())
-      shard.narrow(0, pieces_[k].shard_offset, pieces_[k].numel).copy_(it->second);
-  }
-  return shard;
-}
-
-// Note [ZeRO-1], Buckets: the state moves to the new segments one old segment at a time: its
-// shards all-gathered (a bucket's worth of memory, not the whole state), its tail this rank's
-// own, and each new piece copies its elements out. Scalars per parameter travel as text.
-void ZeroRedundancyOptimizer::reshard(std::vector<Segment> next) {
-  autograd::NoGradGuard no_grad;
-  const StateIndex index = index_state();
-  const int64_t world = pg_->size();
-  std::vector<Tensor> old_shards;
-  for (const auto& [field, dtype] : index.fields)
-    old_shards.push_back(field_shard(index, field, dtype));
-  const std::vector<Segment> old = std::move(segments_);
-  lay_out(std::move(next));
-  // Each parameter's old segment and first element in it.
-  std::vector<std::pair<size_t, int64_t>> where(params_.size());
-  for (size_t k = 0; k < old.size(); ++k) {
-    for (size_t j = 0; j < old[k].params.size(); ++j)
-      where[old[k].params[j]] = {k, old[k].offset[j]};
-  }
-  optim::NamedTensors state = index.globals;
-  size_t f = 0;
-  for (const auto& [field, dtype] : index.fields) {
-    const Tensor& before = old_shards[f++];
-    Tensor after = zeros({shard_size_}, TensorOptions(dtype).with_device(params_[0].device()));
-    for (size_t k = 0; k < old.size(); ++k) {
-      const Segment& s = old[k];
-      const int64_t shards = world * s.per_rank;
-      Tensor gathered = empty({shards}, TensorOptions(dtype).with_device(params_[0].device()));
-      if (s.per_rank > 0) pg_->all_gather(gathered, before.narrow(0, s.own_at, s.per_rank))->wait();
-      for (const Piece& piece : pieces_) {
-        if (where[piece.param].first != k) continue;
-        const int64_t o = where[piece.param].second + piece.param_offset, n = piece.numel;
-        if (o < shards) {
-          const int64_t m = std::min(o + n, shards) - o;
-          after.narrow(0, piece.shard_offset, m).copy_(gathered.narrow(0, o, m));
-        }
-        if (o + n > shards) {
-          const int64_t lo = std::max(o, shards);
-          after.narrow(0, piece.shard_offset + lo - o, o + n - lo)
-              .copy_(before.narrow(0, s.tail_at + lo - shards, o + n - lo));
-        }
-      }
-    }
-    for (size_t k = 0; k < pieces_.size(); ++k) {
-      if (index.has.count({pieces_[k].param, field}))
-        state.emplace_back(std::to_string(k) + "." + field,
-                           after.narrow(0, pieces_[k].shard_offset, pieces_[k].numel).clone());
-    }
-  }
-  for (size_t k = 0; k < pieces_.size(); ++k) {
-    for (const auto& [key, t] : index.scalars)
-      if (key.first == pieces_[k].param)
-        state.emplace_back(std::to_string(k) + "." + key.second, t);
-  }
-  local_->load_state_dict(state);
-}
-
-optim::NamedTensors ZeroRedundancyOptimizer::state_dict() const {
-  autograd::NoGradGuard no_grad;
-  const StateIndex index = index_state();
-  // The step count and the groups' lr are the same on every rank: this rank's.
-  optim::NamedTensors out;
-  out.emplace_back("step", full({}, static_cast<double>(steps_), kInt64));
-  for (size_t g = 0; g < groups_.size(); ++g)
-    out.emplace_back("group." + std::to_string(g) + ".lr", full({}, groups_[g].lr, kFloat64));
-  const auto& all_fields = index.fields;
-  const auto& has = index.has;
-  const auto& scalars = index.scalars;
-  // Each rank's shards and tails, gathered; every rank's pieces follow from the segments.
-  std::map<std::pair<size_t, std::string>, Tensor> per_element;
-  const auto device = params_[0].device();
-  const int world = pg_->size();
-  std::vector<std::vector<Piece>> pieces_by_rank;
-  for (int r = 0; r < world; ++r) pieces_by_rank.push_back(pieces_of(r));
-  for (const auto& [field, dtype] : all_fields) {
-    const Tensor shard = field_shard(index, field, dtype);
-    Tensor gathered = empty({shard_size_ * world}, TensorOptions(dtype).with_device(device));
-    pg_->all_gather(gathered, shard)->wait();
-    for (size_t i = 0; i < params_.size(); ++i) {
-      if (has.count({i, field}))
-        per_element[{i, field}] =
-            zeros({params_[i].numel()}, TensorOptions(dtype).with_device(device));
-    }
-    for (int r = 0; r < world; ++r) {
-      for (const Piece& piece : pieces_by_rank[r]) {
-        auto it = per_element.find({piece.param, field});
-        if (it == per_element.end()) continue;
-        it->second.narrow(0, piece.param_offset, piece.numel)
-            .copy_(gathered.narrow(0, r * shard_size_ + piece.shard_offset, piece.numel));
-      }
-    }
-    for (size_t i = 0; i < params_.size(); ++i) {
-      auto it = per_element.find({i, field});
-      if (it != per_element.end()) it->second = it->second.view(params_[i].shape());
-    }
-  }
-  // The plain optimizer's order: step, groups, then by parameter, fields sorted.
-  for (size_t i = 0; i < params_.size(); ++i) {
-    std::map<std::string, Tensor> entries;
-    for (const auto& [key, t] : per_element)
-      if (key.first == i) entries[key.second] = t;
-    for (const auto& [key, t] : scalars)
-      if (key.first == i) entries[key.second] = t;
-    for (const auto& [field, t] : entries) out.emplace_back(std::to_string(i) + "." + field, t);
-  }
-  return out;
-}
-
-void ZeroRedundancyOptimizer::load_state_dict(const optim::NamedTensors& state) {
-  autograd::NoGradGuard no_grad;
-  // Note [ZeRO-1], Overlap: all-gathers still running would overwrite parameters loaded next.
-  wait_parameters();
-  optim::NamedTensors local;
-  std::map<size_t, std::vector<size_t>> pieces_of;  // parameter -> its pieces here
-  for (size_t k = 0; k < pieces_.size(); ++k) pieces_of[pieces_[k].param].push_back(k);
-  for (const auto& [name, t] : state) {
-    size_t i = 0;
-    std::string field;
-    if (!split_key(name, i, field)) {
-      if (name == "step") steps_ = static_cast<int64_t>(t.item());
-      const size_t dot = name.rfind('.');
-      if (name.rfind("group.", 0) == 0 && dot > 6 && name.substr(dot) == ".lr") {
-        const size_t g = std::stoul(name.substr(6, dot - 6));
-        LS_CHECK(g < groups_.size(), "ZeroRedundancyOptimizer: state has group ", g,
-                 " but the optimizer has ", groups_.size(), " groups");
-        groups_[g].lr = t.item();
-      }
-      local.emplace_back(name, t);
-      continue;
-    }
-    LS_CHECK(i < params_.size(), "ZeroRedundancyOptimizer: state for parameter ", i,
-             " but the optimizer has ", params_.size(), " parameters");
-    auto it = pieces_of.find(i);
-    if (it == pieces_of.end()) continue;  // another rank's
-    const bool per_element = t.shape() == params_[i].shape();
-    for (size_t k : it->second) {
-      const Piece& piece = pieces_[k];
-      local.emplace_back(
-          std::to_string(k) + "." + field,
-          per_element ? t.reshape({-1}).narrow(0, piece.param_offset, piece.numel).contiguous()
-                      : t);
-    }
-  }
-  if (local_) local_->load_state_dict(local);
 }
 
 }  // namespace lockstep::dist

@@ -1,0 +1,107 @@
+// ZeroRedundancyOptimizer's communication hook (Note [ZeRO-1] in zero.cpp, Reduce-scatter and
+// Buckets): DDP's bucket layouts as announced, each bucket reduce-scattered into this rank's shard
+// of it with the rest all-reduced, and the CommHook that DDP calls.
+#include <vector>
+
+#include "distributed/sharding/zero_internal.h"
+#include "lockstep/autograd/grad_mode.h"
+#include "lockstep/base/error.h"
+#include "lockstep/distributed/zero.h"
+
+namespace lockstep::dist {
+
+// The indices of a bucket's parameters.
+std::vector<size_t> ZeroRedundancyOptimizer::params_of(const GradBucket& b) const {
+  std::vector<size_t> out;
+  for (size_t k = 0; k < b.parameters.size(); ++k) {
+    const auto it = index_of_.find(b.parameters[k].impl());
+    LS_CHECK(it != index_of_.end(), "ZeroRedundancyOptimizer::comm_hook(): DDP's bucket ", b.index,
+             " holds parameter '", k < b.parameter_names.size() ? b.parameter_names[k] : "?",
+             "', which this optimizer does not step; give it all of the DDP model's parameters "
+             "that require grad");
+    out.push_back(it->second);
+  }
+  return out;
+}
+
+void ZeroRedundancyOptimizer::take_buckets(const std::vector<GradBucket>& buckets, bool final) {
+  std::vector<Reduced> layout(buckets.size());
+  for (size_t k = 0; k < buckets.size(); ++k) {
+    layout[k].params = params_of(buckets[k]);
+    layout[k].numel = buckets[k].numel;
+  }
+  announced_ = std::move(layout);
+  announced_final_ = final;
+  // The next backward reduces these buckets only (a rebuild may make fewer).
+  reduced_.resize(announced_.size());
+}
+
+// Note [ZeRO-1], Reduce-scatter: the bucket's first world * q gradient elements (q = numel /
+// world) are reduce-scattered into this rank's shard of the bucket; the rest of the buffer, the
+// tail of fewer than world gradients and the reducer's own elements, is all-reduced in place.
+WorkPtr ZeroRedundancyOptimizer::reduce_bucket(ProcessGroup& pg, GradBucket& b) {
+  autograd::NoGradGuard no_grad;
+  const int64_t world = pg_->size();
+  LS_CHECK(pg.size() == world && pg.rank() == pg_->rank(),
+           "ZeroRedundancyOptimizer::comm_hook(): the DDP model's process group (rank ", pg.rank(),
+           " of ", pg.size(), ") is not this optimizer's (rank ", pg_->rank(), " of ", world, ")");
+  LS_CHECK(b.buffer.dtype() == params_[0].dtype(), "ZeroRedundancyOptimizer::comm_hook(): bucket ",
+           b.index, " holds ", dtype_name(b.buffer.dtype()), " gradients, the parameters are ",
+           dtype_name(params_[0].dtype()));
+  const size_t index = static_cast<size_t>(b.index);
+  if (reduced_.size() <= index) reduced_.resize(index + 1);
+  Reduced& r = reduced_[index];
+  r.params = params_of(b);
+  r.numel = b.numel;
+  ++launched_;
+  r.scatter.reset();
+  // Note [ZeRO-1], Buckets: before DDP's layout is final, whole buckets, as DDP would.
+  full_grads_ = !announced_final_;
+  r.whole = full_grads_;
+  if (r.whole) return pg.all_reduce(b.buffer, {.op = ReduceOp::avg});
+  const int64_t q = b.numel / world;
+  if (!r.own.defined() || r.own.numel() != q)
+    r.own = empty({q}, TensorOptions(b.buffer.dtype()).with_device(b.buffer.device()));
+  if (q > 0) {
+    r.scatter = pg.reduce_scatter(r.own, b.buffer.narrow(0, 0, world * q), {.op = ReduceOp::avg});
+  }
+  Tensor rest = b.buffer.narrow(0, world * q, b.buffer.numel() - world * q);
+  return pg.all_reduce(rest, {.op = ReduceOp::avg});
+}
+
+void ZeroRedundancyOptimizer::finish_bucket(GradBucket& b) {
+  Reduced& r = reduced_.at(static_cast<size_t>(b.index));
+  ++finished_;
+  if (r.whole) return;  // the reducer rescales the buffer itself
+  if (r.scatter) r.scatter->wait();
+  // Note [Join]: the reducer rescales the buffer (the tail) after finish(); the shard here.
+  const int world = pg_->size();
+  if (b.contributors > 0 && b.contributors != world) {
+    autograd::NoGradGuard no_grad;
+    r.own.mul_(static_cast<double>(world) / b.contributors);
+  }
+}
+
+CommHook ZeroRedundancyOptimizer::comm_hook() {
+  LS_CHECK(opts_.reduce_scatter_gradients,
+           "ZeroRedundancyOptimizer::comm_hook() is for ZeroOptions::reduce_scatter_gradients; "
+           "without it DDP's own all-reduce averages the gradients");
+  auto link = link_;
+  auto zero = [link](const char* what) {
+    LS_CHECK(link->zero != nullptr, "ZeroRedundancyOptimizer::comm_hook(): ", what,
+             " after the optimizer was destroyed");
+    return link->zero;
+  };
+  return {
+      "zero_reduce_scatter",
+      [zero](ProcessGroup& pg, GradBucket& b) { return zero("a backward")->reduce_bucket(pg, b); },
+      [zero](GradBucket& b) { zero("a backward")->finish_bucket(b); },
+      [link] {
+        if (link->zero != nullptr) link->zero->wait_parameters();
+      },
+      [zero](const std::vector<GradBucket>& buckets, bool final) {
+        zero("DDP laid its buckets out")->take_buckets(buckets, final);
+      }};
+}
+
+}  // namespace lockstep::dist
