@@ -107,10 +107,10 @@ class ProcessGroupShm::Impl {
   // thread hand-offs (each a wake-up of tens to hundreds of microseconds) and would compete for
   // a core with the backward pass, since a machine running one rank per core has none to spare.
   // DDP's reducer launches a bucket's all_reduce from the backward hook of its last gradient
-  // (src/distributed/reducer.cpp), so backward pauses for that bucket's copy and for ranks
-  // behind it; ranks run the same backward on equal shards, so that wait is short, and the copy
-  // itself runs at memory bandwidth. A machine with idle cores could overlap more with a thread
-  // (measure before adding one).
+  // (src/distributed/data_parallel/reducer.cpp), so backward pauses for that bucket's copy and for
+  // ranks behind it; ranks run the same backward on equal shards, so that wait is short, and the
+  // copy itself runs at memory bandwidth. A machine with idle cores could overlap more with a
+  // thread (measure before adding one).
   void run(const WorkPtr& work, std::chrono::milliseconds timeout,
            const std::function<void(Clock::time_point, std::chrono::milliseconds)>& body) {
     if (!broken_.empty()) {
