@@ -11,6 +11,7 @@
 #include "lockstep/base/log.h"
 #include "lockstep/data/data.h"
 #include "lockstep/distributed/checkpoint.h"
+#include "lockstep/distributed/comm_hook.h"
 #include "lockstep/distributed/data_parallel.h"
 #include "lockstep/distributed/ddp.h"
 #include "lockstep/distributed/error_file.h"

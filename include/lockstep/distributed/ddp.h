@@ -4,11 +4,11 @@
 
 #include <chrono>
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "lockstep/distributed/comm_hook.h"
 #include "lockstep/distributed/process_group.h"
 #include "lockstep/nn/module.h"
 
@@ -23,46 +23,6 @@ inline constexpr int64_t kDefaultBucketBytes = int64_t{25} << 20;
 inline constexpr double kDefaultSlowRankRatio = 1.5;
 // ... in this many synchronized steps in a row.
 inline constexpr int64_t kDefaultSlowRankSteps = 20;
-
-// One bucket's gradients, handed to a communication hook: `buffer` is the flat tensor whose
-// slices are the parameters' .grad(), followed by elements of the reducer's that a hook reduces
-// like the rest: one status element, and in bucket 0 one slot per rank for the step's compute
-// time (Note [Slow rank]); `numel` is where the gradients end in it; `parameters` are the
-// parameters whose gradients it holds, in buffer order, with their names; `contributors` is how
-// many ranks' gradients this reduction carries (the world size, or fewer inside a dist::Join,
-// whose reducer rescales the average after finish(): Note [Join]); `scratch` is the hook's to
-// keep between start and finish.
-struct GradBucket {
-  int index = 0;
-  Tensor buffer;
-  int64_t numel = 0;
-  std::vector<std::string> parameter_names;
-  std::vector<Tensor> parameters;
-  int contributors = 0;
-  Tensor scratch;
-};
-
-// How a bucket is reduced. start() launches the reduction and returns its Work (it runs while
-// the backward pass goes on); after that Work completed, finish() (may be empty) leaves in
-// bucket.buffer the average over ranks (or, for a hook that hands the average elsewhere, as
-// ZeroRedundancyOptimizer::comm_hook() does, its own elements: those after `numel`).
-// before_forward (may be empty) runs at the start of every forward of the DDP model, before
-// anything reads the parameters (ZeRO waits there for the all-gathers it left running).
-// on_buckets (may be empty) is told the buckets (index, numel, parameters; no buffers) whenever
-// DDP lays them out: when the hook is set, and after the first synchronized backward, which
-// rebuilds them in the order gradients became ready (`final` is true from then on).
-struct CommHook {
-  std::string name;
-  std::function<WorkPtr(ProcessGroup&, GradBucket&)> start;
-  std::function<void(GradBucket&)> finish;
-  std::function<void()> before_forward;
-  std::function<void(const std::vector<GradBucket>&, bool final)> on_buckets;
-};
-// all_reduce with avg (the default).
-CommHook allreduce_hook();
-// Sends bf16 / f16 copies (half the bytes), and writes the averaged result back in full width.
-CommHook bf16_compress_hook();
-CommHook fp16_compress_hook();
 
 struct DDPOptions {
   int64_t first_bucket_bytes = kDefaultFirstBucketBytes;

@@ -11,7 +11,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "lockstep/distributed/ddp.h"
+#include "lockstep/distributed/comm_hook.h"
 #include "lockstep/distributed/process_group.h"
 #include "lockstep/optim/optimizer.h"
 

@@ -1,5 +1,5 @@
-// DistributedDataParallel: model check and broadcast at construction, buffers before forward,
-// the built-in communication hooks.
+// DistributedDataParallel: model check and broadcast at construction, buffers before forward.
+// The communication hooks it calls are in comm_hook.cpp.
 #include "lockstep/distributed/ddp.h"
 #include "lockstep/distributed/sync_check.h"
 
@@ -13,38 +13,6 @@
 #include "lockstep/distributed/join.h"
 
 namespace lockstep::dist {
-
-// ---- communication hooks ----
-
-CommHook allreduce_hook() {
-  return {"allreduce",
-          [](ProcessGroup& pg, GradBucket& b) {
-            return pg.all_reduce(b.buffer, {.op = ReduceOp::avg});
-          },
-          nullptr, nullptr, nullptr};
-}
-
-namespace {
-
-CommHook compress_hook(std::string name, DType wire) {
-  return {std::move(name),
-          [wire](ProcessGroup& pg, GradBucket& b) {
-            b.scratch = b.buffer.to(wire);
-            if (b.scratch.is_same(b.buffer)) b.scratch = b.buffer.clone();
-            return pg.all_reduce(b.scratch, {.op = ReduceOp::avg});
-          },
-          [](GradBucket& b) {
-            autograd::NoGradGuard no_grad;
-            b.buffer.copy_(b.scratch);
-            b.scratch = Tensor();
-          },
-          nullptr, nullptr};
-}
-
-}  // namespace
-
-CommHook bf16_compress_hook() { return compress_hook("bf16_compress", kBFloat16); }
-CommHook fp16_compress_hook() { return compress_hook("fp16_compress", kFloat16); }
 
 std::string DDPStats::str() const {
   std::ostringstream os;
