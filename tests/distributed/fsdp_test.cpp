@@ -15,6 +15,7 @@
 #include "lockstep/amp/grad_scaler.h"
 #include "lockstep/distributed/ddp.h"
 #include "lockstep/distributed/fsdp.h"
+#include "lockstep/distributed/join.h"
 #include "lockstep/io/sharded_checkpoint.h"
 #include "testing.h"
 
@@ -445,6 +446,129 @@ TEST(Fsdp, RanksWithDifferentModelsFailOnEveryRankNamingTheDifference) {
     EXPECT_THAT(e, ::testing::HasSubstr("FullyShardedDataParallel: ranks built different models"));
     EXPECT_THAT(e, ::testing::HasSubstr("rank 1"));
   }
+}
+
+// Note [Join and FSDP]: uneven inputs. Ranks with 1, 3 and 4 steps of data (and, accumulating 2
+// micro-batches per step without resharding, 0, 2 and 5, rank 0 giving a shadow input) train
+// under a Join, clipping in the step the joined ranks take too, to the very parameters and
+// optimizer state of DDP under a Join with the same data.
+struct JoinSpec {
+  bool reshard = true;
+  int micro = 1;
+  std::vector<int> steps;  // by rank
+};
+
+Result train_joined(int r, const ProcessGroupPtr& pg, bool use_fsdp, const JoinSpec& spec) {
+  auto model = mlp(7);
+  const int world = pg->size();
+  const int steps = spec.steps[static_cast<size_t>(r)];
+  Result res;
+  // One step of this rank's data: forward and backward of each micro-batch, the last synchronized.
+  auto backward = [&](nn::Module& net, int s, auto no_sync) {
+    for (int m = 0; m < spec.micro; ++m) {
+      const Data b = batch_for(s, m, r, world);
+      if (m + 1 < spec.micro) {
+        auto scope = no_sync();
+        cross_entropy(net.forward(b.x), b.y).backward();
+      } else {
+        cross_entropy(net.forward(b.x), b.y).backward();
+      }
+    }
+  };
+  if (use_fsdp) {
+    FullyShardedDataParallel fsdp(model, pg, fsdp_options(spec.reshard));
+    auto opt = fsdp.wrap_optimizer(groups_of(*model), adamw);
+    auto step = [&] {
+      fsdp.clip_grad_norm(kClip);
+      opt->step();
+    };
+    JoinOptions jo{.optimizer = opt.get(), .step = step};
+    if (steps == 0) jo.shadow_input = batch_for(0, 0, r, world).x;
+    Join join(fsdp, jo);
+    for (int s = 0; join.next(s < steps); ++s) {
+      opt->zero_grad();
+      backward(fsdp, s, [&] { return fsdp.no_sync(); });
+      step();
+    }
+    res.norms = {static_cast<double>(join.steps_shadowed())};
+    res.model = fsdp.full_state_dict();
+    res.optimizer = opt->state_dict();
+    return res;
+  }
+  DistributedDataParallel ddp(model, pg);
+  auto opt = adamw(groups_of(*model));
+  Join join(ddp, {.optimizer = opt.get()});
+  for (int s = 0; join.next(s < steps); ++s) {
+    opt->zero_grad();
+    backward(ddp, s, [&] { return ddp.no_sync(); });
+    optim::clip_grad_norm(model->parameters(), kClip);
+    opt->step();
+  }
+  res.model = model->state_dict();
+  res.optimizer = opt->state_dict();
+  return res;
+}
+
+TEST(Fsdp, UnevenInputsUnderJoinEqualDDPUnderJoin) {
+  for (const auto& [backend, spec] :
+       {std::pair{"shm", JoinSpec{.reshard = true, .micro = 1, .steps = {1, 3, 4}}},
+        std::pair{"gloo", JoinSpec{.reshard = false, .micro = 2, .steps = {0, 2, 5}}}}) {
+    SCOPED_TRACE(spec.reshard ? "shm, reshard_after_forward, 1, 3 and 4 steps"
+                              : "gloo, kept for the backward, 2 micro-batches, 0, 2 and 5 steps");
+    std::vector<Result> fsdp(3), ddp(3);
+    for (const bool use_fsdp : {true, false}) {
+      const auto errors =
+          lockstep::testing::run_ranks_on(backend, 3, [&](int r, ProcessGroupPtr pg) {
+            (use_fsdp ? fsdp : ddp)[static_cast<size_t>(r)] = train_joined(r, pg, use_fsdp, spec);
+          });
+      for (int r = 0; r < 3; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
+    }
+    const int last = *std::max_element(spec.steps.begin(), spec.steps.end());
+    for (int r = 0; r < 3; ++r) {
+      SCOPED_TRACE("rank " + std::to_string(r));
+      // Each rank shadowed the forwards of the steps it had no data for.
+      EXPECT_EQ(fsdp[r].norms,
+                std::vector<double>{static_cast<double>((last - spec.steps[r]) * spec.micro)});
+      expect_same(fsdp[r].model, ddp[0].model);
+      expect_same(fsdp[r].optimizer, ddp[0].optimizer);
+      expect_same(ddp[r].model, ddp[0].model);
+    }
+    // The steps moved the model.
+    EXPECT_NE(fsdp[0].model[0].second.to_vector<double>(),
+              mlp(7)->state_dict()[0].second.to_vector<double>());
+  }
+}
+
+// A rank out of data before its first batch has nothing to run the model on: it says so, and
+// what to give (the other ranks then fail on their timeout or the error's abort).
+TEST(Fsdp, AJoinedRankWithoutAnyInputSaysToGiveAShadowInput) {
+  const auto errors = lockstep::testing::run_ranks_on(
+      "shm", 2,
+      [&](int r, ProcessGroupPtr pg) {
+        auto model = mlp(7);
+        FullyShardedDataParallel fsdp(model, pg, fsdp_options(true));
+        auto opt = fsdp.wrap_optimizer(groups_of(*model), adamw);
+        Join join(fsdp, {.optimizer = opt.get()});
+        for (int s = 0; join.next(r == 1 && s < 1); ++s) {
+          const Data b = batch_for(s, 0, r, 2);
+          cross_entropy(fsdp.forward(b.x), b.y).backward();
+          opt->step();
+        }
+      },
+      std::chrono::seconds(5));
+  EXPECT_THAT(errors[0], ::testing::HasSubstr("give JoinOptions::shadow_input"));
+  EXPECT_NE(errors[1], "");
+}
+
+// Under FSDP a Join needs the wrapped optimizer: every rank steps its own shards.
+TEST(Fsdp, JoinWithoutTheWrappedOptimizerIsRefused) {
+  const auto errors = lockstep::testing::run_ranks_on("shm", 1, [&](int, ProcessGroupPtr pg) {
+    auto model = mlp(7);
+    FullyShardedDataParallel fsdp(model, pg, fsdp_options(true));
+    optim::SGD plain(model->parameters(), {.lr = 0.1});
+    Join join(fsdp, {.optimizer = &plain});
+  });
+  EXPECT_THAT(errors[0], ::testing::HasSubstr("must be the optimizer wrap_optimizer() built"));
 }
 
 }  // namespace

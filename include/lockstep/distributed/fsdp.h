@@ -18,6 +18,8 @@
 
 namespace lockstep::dist {
 
+class Join;
+
 // Which submodules become units (Note [FSDP units] in src/distributed/sharding/fsdp.cpp): asked
 // of every submodule, outermost first, with its dotted path; a module it accepts is one unit with
 // all of its parameters (its submodules are not asked). The parameters of no accepted module form
@@ -172,8 +174,13 @@ class FullyShardedDataParallel : public nn::Module {
   struct Unit;
   class Optim;
   friend class Optim;
+  friend class Join;  // Note [Join and FSDP]: the header in forward, the shadow steps
 
   void build_units(const FSDPOptions& opts);
+  Tensor run_forward(const Tensor& x);
+  // Note [Join and FSDP]: a forward and backward of `input` (else the last training input) whose
+  // gradient counts for nothing, as the ranks with data take a step (synced: they reduce it).
+  void shadow(const Tensor& input, bool synced, int active);
   void start_gather(Unit& u);
   void wait_gather(Unit& u);
   void reshard(Unit& u);
@@ -206,6 +213,10 @@ class FullyShardedDataParallel : public nn::Module {
   bool no_sync_ = false;
   bool backward_queued_ = false;  // finish_backward() is queued for this backward
   bool summoned_ = false;
+  Join* join_ = nullptr;  // the Join this model is inside, if any
+  Tensor join_input_;     // inside a Join: the last training input
+  int contributors_ = 0;  // inside a Join: the ranks whose gradients this backward reduces
+  bool shadowing_ = false;
   FSDPStats stats_;
 };
 

@@ -1,6 +1,7 @@
-// Join: training with uneven inputs under DistributedDataParallel (PyTorch's Join context
-// manager, Horovod's hvd.join()). A rank that runs out of batches shadows the collectives the
-// others still issue, until every rank has run out; then all leave together with the same state.
+// Join: training with uneven inputs under DistributedDataParallel or FullyShardedDataParallel
+// (PyTorch's Join context manager, Horovod's hvd.join()). A rank that runs out of batches shadows
+// the collectives the others still issue, until every rank has run out; then all leave together
+// with the same state.
 //
 //   dist::Join join(ddp, {.optimizer = &opt, .scaler = &scaler});
 //   for (data::Batch& b : loader) {                 // ranks may have different numbers of batches
@@ -28,6 +29,7 @@ class GradScaler;
 
 namespace lockstep::dist {
 
+class FullyShardedDataParallel;
 class ZeroRedundancyOptimizer;
 
 struct JoinOptions {
@@ -43,6 +45,10 @@ struct JoinOptions {
   // Empty: scaler->step(*optimizer) and scaler->update() with an enabled scaler, else
   // optimizer->step().
   std::function<void()> step;
+  // With FullyShardedDataParallel (Note [Join and FSDP]): the input a rank out of data runs
+  // through the model to take part in the others' gathers and reductions. Undefined: its last
+  // training input (a rank that never had a batch must give one).
+  Tensor shadow_input;
 };
 
 // Note [Join]
@@ -69,14 +75,30 @@ struct JoinOptions {
 // backward left in its .grad() (the average over the ranks with data, as on those ranks; in
 // ZeroOptions::reduce_scatter_gradients mode zeros in .grad(), and the comm hook scales each
 // rank's reduce-scattered shard to the contributors' mean), running JoinOptions::step, which
-// must do what
-// the ranks with data do (the same clipping, scaler and schedule), or the default step. Every
-// rank's optimizer and scaler state then moves as if it had data, and at the end only the
-// parameters and buffers are copied (the optimizer state is each rank's shard).
+// must do what the ranks with data do (the same clipping, scaler and schedule), or the default
+// step. Every rank's optimizer and scaler state then moves as if it had data, and at the end only
+// the parameters and buffers are copied (the optimizer state is each rank's shard).
+//
+// Note [Join and FSDP]
+// Under FullyShardedDataParallel every rank holds the only copy of its shards and steps them
+// itself, and a step's collectives are the units' gathers in forward and backward (prefetches
+// included) and their reduce-scatters, in the order autograd runs them: a joined rank can only
+// match them by running the model. So for each step of the others it runs a forward of
+// JoinOptions::shadow_input (or its last training input) and a backward from the output's sum,
+// inside no_sync() when they accumulate, with its gradient contribution zero (FSDP adds nothing
+// of it to the units' gradients); each reduce-scatter's average is rescaled to the ranks that
+// contributed, as DDP's buckets are. After each synchronizing backward it takes the step with
+// the others, as under ZeRO (JoinOptions::optimizer, the wrap_optimizer() one, is required; a
+// step that clips or scales goes in JoinOptions::step, since FSDP's clip_grad_norm and the
+// scaler's inf check are collectives). At the end only the buffers and the groups' learning
+// rates and weight decays are copied from the last active rank. The shadow assumes that the
+// others' loss reaches every unit the model's output does (any common loss does).
 class Join {
  public:
   // On every rank of ddp's process group, at the same point (before the loop).
   explicit Join(DistributedDataParallel& ddp, JoinOptions opts = {});
+  // Under FSDP (Note [Join and FSDP]): opts.optimizer is required.
+  Join(FullyShardedDataParallel& fsdp, JoinOptions opts);
   // Detaches from the model without communicating (an exception left the loop: the other ranks'
   // collectives fail on their timeout, as any rank failure does).
   ~Join();
@@ -95,6 +117,7 @@ class Join {
 
  private:
   friend class DistributedDataParallel;
+  friend class FullyShardedDataParallel;
   struct Header {
     int active = 0;        // ranks that still have data
     int synced = 0;        // of those, the ones whose backward synchronizes
@@ -103,12 +126,16 @@ class Join {
   // The header all-reduce (Note [Join]); DDP's forward calls it with active = true.
   Header exchange(bool active, bool synced);
   void sync_state(int source);
-  // Note [Join and ZeRO]: the step a joined rank takes with the others.
+  // Note [Join and ZeRO], Note [Join and FSDP]: the step a joined rank takes with the others.
   void shadow_step();
+  ProcessGroup& pg() const;
+  nn::Module& module() const;  // the wrapped model
 
-  DistributedDataParallel& ddp_;
+  DistributedDataParallel* ddp_ = nullptr;  // the model is one of these two
+  FullyShardedDataParallel* fsdp_ = nullptr;
   JoinOptions opts_;
   ZeroRedundancyOptimizer* zero_ = nullptr;  // opts_.optimizer, when it is one
+  optim::Optimizer* sharded_ = nullptr;      // zero_, or under FSDP opts_.optimizer
   bool finished_ = false;
   int last_first_active_ = 0;  // the lowest active rank of the last step anyone took
   int64_t shadowed_ = 0;

@@ -10,6 +10,7 @@
 #include "lockstep/amp/grad_scaler.h"
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/base/error.h"
+#include "lockstep/distributed/fsdp.h"
 #include "lockstep/distributed/zero.h"
 #include "lockstep/optim/optimizer.h"
 
@@ -116,29 +117,58 @@ std::string find_module(const nn::Module& m, const std::string& type, const std:
 
 }  // namespace
 
-Join::Join(DistributedDataParallel& ddp, JoinOptions opts) : ddp_(ddp), opts_(opts) {
-  LS_CHECK(ddp_.join_ == nullptr,
-           "Join: this DistributedDataParallel is already inside a Join; finish() that one (or "
-           "let it go out of scope) before starting another");
-  // Note [SyncBatchNorm]: its forward gathers every rank's statistics, which a rank out of data
-  // has none of; refused here rather than found as a hang in the last steps.
-  const std::string sync_bn = find_module(*ddp_.module_, "SyncBatchNorm", "");
+namespace {
+
+// Note [SyncBatchNorm]: its forward gathers every rank's statistics, which a rank out of data
+// has none of; refused here rather than found as a hang in the last steps.
+void refuse_sync_batchnorm(const nn::Module& model) {
+  const std::string sync_bn = find_module(model, "SyncBatchNorm", "");
   LS_CHECK(sync_bn.empty(), "Join: the model has a SyncBatchNorm (", sync_bn,
            "), whose forward all-gathers the batch statistics of every rank; a rank out of data "
            "cannot take part, so uneven inputs need BatchNorm (per-rank statistics) instead");
+}
+
+}  // namespace
+
+Join::Join(DistributedDataParallel& ddp, JoinOptions opts) : ddp_(&ddp), opts_(std::move(opts)) {
+  LS_CHECK(ddp_->join_ == nullptr,
+           "Join: this DistributedDataParallel is already inside a Join; finish() that one (or "
+           "let it go out of scope) before starting another");
+  refuse_sync_batchnorm(*ddp_->module_);
   zero_ = dynamic_cast<ZeroRedundancyOptimizer*>(opts_.optimizer);
-  ddp_.join_ = this;
+  sharded_ = zero_;
+  ddp_->join_ = this;
+}
+
+Join::Join(FullyShardedDataParallel& fsdp, JoinOptions opts)
+    : fsdp_(&fsdp), opts_(std::move(opts)) {
+  LS_CHECK(fsdp_->join_ == nullptr,
+           "Join: this FullyShardedDataParallel is already inside a Join; finish() that one (or "
+           "let it go out of scope) before starting another");
+  refuse_sync_batchnorm(*fsdp_->module_);
+  LS_CHECK(opts_.optimizer != nullptr &&
+               FullyShardedDataParallel::local_optimizer(*opts_.optimizer) != nullptr,
+           "Join: under FullyShardedDataParallel, JoinOptions::optimizer must be the optimizer "
+           "wrap_optimizer() built: every rank steps its own shards, a rank out of data too "
+           "(Note [Join and FSDP])");
+  sharded_ = opts_.optimizer;
+  fsdp_->join_ = this;
 }
 
 Join::~Join() {
-  if (ddp_.join_ == this) ddp_.join_ = nullptr;
+  if (ddp_ != nullptr && ddp_->join_ == this) ddp_->join_ = nullptr;
+  if (fsdp_ != nullptr && fsdp_->join_ == this) fsdp_->join_ = nullptr;
 }
 
+ProcessGroup& Join::pg() const { return ddp_ != nullptr ? *ddp_->pg_ : *fsdp_->pg_; }
+
+nn::Module& Join::module() const { return ddp_ != nullptr ? *ddp_->module_ : *fsdp_->module_; }
+
 Join::Header Join::exchange(bool active, bool synced) {
-  ProcessGroup& pg = *ddp_.pg_;
+  ProcessGroup& pg = this->pg();
   const int world = pg.size();
   // On the model's device, so that a device backend can reduce it.
-  const auto params = ddp_.module_->parameters();
+  const auto params = module().parameters();
   const Device device = params.empty() ? Device() : params[0].device();
   Tensor h = zeros({world + 1}, TensorOptions(kFloat32).with_device(device));
   {
@@ -174,16 +204,23 @@ void Join::finish() {
     const Header h = exchange(false, false);
     if (h.active == 0) break;
     ++shadowed_;
+    if (fsdp_ != nullptr) {
+      // Note [Join and FSDP]: the model's own collectives, by running it.
+      fsdp_->shadow(opts_.shadow_input, h.synced > 0, h.active);
+      if (h.synced > 0) shadow_step();
+      continue;
+    }
     // The same collectives, in the same order, as DistributedDataParallel::forward and the
     // backward of the ranks with data (Note [Join]).
-    ddp_.broadcast_buffers(h.first_active);
+    ddp_->broadcast_buffers(h.first_active);
     if (h.synced > 0) {
-      ddp_.reducer_->set_contributors(h.active);
-      ddp_.reducer_->shadow_backward(/*expose_grads=*/zero_ != nullptr);
+      ddp_->reducer_->set_contributors(h.active);
+      ddp_->reducer_->shadow_backward(/*expose_grads=*/zero_ != nullptr);
       if (zero_ != nullptr) shadow_step();
     }
   }
-  ddp_.join_ = nullptr;
+  if (ddp_ != nullptr) ddp_->join_ = nullptr;
+  if (fsdp_ != nullptr) fsdp_->join_ = nullptr;
   sync_state(last_first_active_);
 }
 
@@ -191,13 +228,13 @@ void Join::shadow_step() {
   if (opts_.step) {
     opts_.step();
   } else if (opts_.scaler != nullptr && opts_.scaler->is_enabled()) {
-    opts_.scaler->step(*zero_);
+    opts_.scaler->step(*sharded_);
     opts_.scaler->update();
   } else {
-    zero_->step();
+    sharded_->step();
   }
   // This rank has no backward of its own to come in this Join: nothing may accumulate onto them.
-  zero_->zero_grad();
+  sharded_->zero_grad();
 }
 
 bool Join::next(bool have_batch) {
@@ -207,24 +244,26 @@ bool Join::next(bool have_batch) {
 }
 
 void Join::sync_state(int source) {
-  ProcessGroup& pg = *ddp_.pg_;
+  ProcessGroup& pg = this->pg();
   if (pg.size() == 1) return;
   // Note [ZeRO-1], Overlap: the parameters the last step's all-gathers bring, before they are
   // read here.
   if (zero_ != nullptr) zero_->wait_parameters();
   std::vector<Tensor> state;
-  for (const auto& [name, t] : ddp_.module_->named_parameters()) state.push_back(t);
-  for (const auto& [name, t] : ddp_.module_->named_buffers()) state.push_back(t);
+  // Under FSDP the parameters are each rank's shards, every one stepped where it lives.
+  if (fsdp_ == nullptr)
+    for (const auto& [name, t] : module().named_parameters()) state.push_back(t);
+  for (const auto& [name, t] : module().named_buffers()) state.push_back(t);
   {
     autograd::NoGradGuard no_grad;
     if (!state.empty()) broadcast_tensors(pg, state, source);
   }
   const bool mine = pg.rank() == source;
-  // Note [Join and ZeRO]: every rank stepped its shard, and its state is where it belongs; the
-  // groups' learning rates and weight decays are the source's, in case the shadow step did not
-  // move a schedule as the ranks with data did.
-  if (zero_ != nullptr) {
-    auto& groups = zero_->param_groups();
+  // Note [Join and ZeRO], Note [Join and FSDP]: every rank stepped its shard, and its state is
+  // where it belongs; the groups' learning rates and weight decays are the source's, in case the
+  // shadow step did not move a schedule as the ranks with data did.
+  if (sharded_ != nullptr) {
+    auto& groups = sharded_->param_groups();
     Tensor hyper = empty({static_cast<int64_t>(2 * groups.size())}, kFloat64);
     if (mine) {
       for (size_t i = 0; i < groups.size(); ++i) {
@@ -243,7 +282,7 @@ void Join::sync_state(int source) {
       groups[i].weight_decay = v[2 * i + 1];
     }
   }
-  if (opts_.optimizer != nullptr && zero_ == nullptr) {
+  if (opts_.optimizer != nullptr && sharded_ == nullptr) {
     const Bytes b =
         pg.broadcast_object(mine ? pack(opts_.optimizer->state_dict()) : Bytes{}, source);
     if (!mine) opts_.optimizer->load_state_dict(unpack(b));

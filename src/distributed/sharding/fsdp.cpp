@@ -14,6 +14,8 @@
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/autograd/node.h"
 #include "lockstep/base/error.h"
+#include "lockstep/distributed/join.h"
+#include "lockstep/ops/reduce.h"
 
 namespace lockstep::dist {
 
@@ -377,6 +379,15 @@ void FullyShardedDataParallel::note_memory() {
 // ---- forward ----
 
 Tensor FullyShardedDataParallel::forward(const Tensor& x) {
+  if (join_ != nullptr && autograd::grad_enabled() && module_->is_training()) {
+    // Note [Join and FSDP]: tell ranks that ran out of data what this step does.
+    contributors_ = join_->exchange(true, !no_sync_).active;
+    join_input_ = x;
+  }
+  return run_forward(x);
+}
+
+Tensor FullyShardedDataParallel::run_forward(const Tensor& x) {
   // A forward whose graph got no backward leaves units gathered; the shards may have been
   // stepped since, so start from the shards again.
   if (!summoned_)
@@ -441,9 +452,12 @@ void FullyShardedDataParallel::on_param_grad(size_t param, Tensor& leaf) {
   }
   if (u.pending < 0) u.pending = u.grad_params;
   const Tensor g = leaf.grad();
-  // Summed as DDP's AccumulateGrad sums into its bucket views (Note [FSDP gradient accumulation]).
-  u.grad_full.narrow(0, offset_of_[param], g.numel())
-      .add_(g.dtype() == u.reduce ? g.reshape({-1}) : g.reshape({-1}).to(u.reduce));
+  // Summed as DDP's AccumulateGrad sums into its bucket views (Note [FSDP gradient accumulation]);
+  // a shadow step's counts for nothing (Note [Join and FSDP]).
+  if (!shadowing_) {
+    u.grad_full.narrow(0, offset_of_[param], g.numel())
+        .add_(g.dtype() == u.reduce ? g.reshape({-1}) : g.reshape({-1}).to(u.reduce));
+  }
   // Note [FSDP placeholder gradients]: no memory, and loud when read.
   leaf.set_grad(placeholder_like(leaf));
   if (--u.pending > 0) return;
@@ -480,6 +494,11 @@ void FullyShardedDataParallel::complete_scatter(Unit& u) {
   u.scatter = nullptr;
   work->wait();
   u.grad_full = Tensor();  // the local sum has been reduced
+  // Note [Join and FSDP]: the average was over the world size; fewer ranks contributed.
+  if (contributors_ > 0 && contributors_ != pg_->size()) {
+    autograd::NoGradGuard no_grad;
+    u.grad_shard.mul_(static_cast<double>(pg_->size()) / contributors_);
+  }
   if (u.grad_shard.dtype() != u.dtype) u.grad_shard = u.grad_shard.to(u.dtype);  // the master's
   u.shard.set_grad(u.grad_shard);
   for (size_t i : u.params) {
@@ -504,6 +523,27 @@ void FullyShardedDataParallel::finish_backward() {
     u->reduced = false;
     reshard(*u);
   }
+  if (!no_sync_) contributors_ = 0;
+}
+
+void FullyShardedDataParallel::shadow(const Tensor& input, bool synced, int active) {
+  const Tensor& x = input.defined() ? input : join_input_;
+  LS_CHECK(x.defined(), "Join: rank ", pg_->rank(),
+           " ran out of data before its first batch; under FullyShardedDataParallel it runs the "
+           "model to take part in the other ranks' gathers and reductions (Note [Join and FSDP]): "
+           "give JoinOptions::shadow_input, an input of the model's shape");
+  std::optional<NoSync> accumulating;
+  if (!synced) accumulating.emplace(*this);
+  contributors_ = synced ? active : 0;
+  autograd::EnableGradGuard grad;
+  shadowing_ = true;
+  try {
+    sum(run_forward(x)).backward();
+  } catch (...) {
+    shadowing_ = false;
+    throw;
+  }
+  shadowing_ = false;
 }
 
 FullyShardedDataParallel::NoSync::NoSync(FullyShardedDataParallel& fsdp)
