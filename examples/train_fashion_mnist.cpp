@@ -471,10 +471,13 @@ EpochResult Trainer::train_epoch() {
       cfg_.uneven ? 0 : (full_epoch_batches_ - micro_batches) / cfg_.accum_steps;
   // --uneven: Note [Uneven inputs].
   std::optional<dist::Join> join;
-  if (cfg_.uneven && model_.ddp) {
-    join.emplace(*model_.ddp, dist::JoinOptions{.optimizer = opt_.get(),
-                                                .scaler = &scaler_,
-                                                .step = [this] { optimizer_step(nullptr); }});
+  if (cfg_.uneven && (model_.ddp || model_.fsdp)) {
+    dist::JoinOptions opts{
+        .optimizer = opt_.get(), .scaler = &scaler_, .step = [this] { optimizer_step(nullptr); }};
+    if (model_.ddp)
+      join.emplace(*model_.ddp, std::move(opts));
+    else
+      join.emplace(*model_.fsdp, std::move(opts));
   }
   EpochResult e;
   e.finished = micro_batches == 0;
@@ -556,8 +559,9 @@ std::optional<StepResult> Trainer::train_step(const data::Batch& batch, int64_t 
 }
 
 // After a synchronized backward: clipping, the (scaled) step, the scaler's and the schedule's
-// updates. With --uneven and --zero 1 a rank out of data runs it too, over the others' averaged
-// gradients, so that its shard of the parameters moves with theirs (Note [Join and ZeRO]).
+// updates. With --uneven and --zero 1, 2 or 3 a rank out of data runs it too, over the others'
+// averaged gradients, so that its shard moves with theirs (Note [Join and ZeRO], Note [Join and
+// FSDP]).
 void Trainer::optimizer_step(StepResult* s) {
   double grad_norm = 0;
   if (cfg_.clip_grad_norm > 0) {

@@ -271,10 +271,10 @@ inline int parse_flags(int argc, char** argv, Config& cfg) {
       ->capture_default_str();
   add_number(app, "--clip-grad-norm", cfg.clip_grad_norm, R{0}, "Clip the gradient norm (0 = off)");
   app.add_flag("--uneven", cfg.uneven,
-               "DDP on uneven inputs: the train sampler does not pad, so ranks may get different "
-               "numbers of batches; a rank that runs out shadows the others' steps (dist::Join), "
-               "each step's gradient is the mean over the ranks that had a batch. Not with "
-               "--accum-steps above 1, --save-every, --resume, --dp or --sync-bn");
+               "DDP or FSDP on uneven inputs: the train sampler does not pad, so ranks may get "
+               "different numbers of batches; a rank that runs out shadows the others' steps "
+               "(dist::Join), each step's gradient is the mean over the ranks that had a batch. "
+               "Not with --accum-steps above 1, --save-every, --resume, --dp or --sync-bn");
   app.add_flag("--sync-bn", cfg.sync_bn,
                "BatchNorm statistics over the whole batch of all ranks (dist::SyncBatchNorm), "
                "so N ranks of --batch-size B normalize as one process of N x B; needs a model "
@@ -313,9 +313,8 @@ inline int parse_flags(int argc, char** argv, Config& cfg) {
                         : !cfg.resume.empty() ? "--resume (a position mid-epoch assumes equal "
                                                 "shares)"
                         : cfg.dp > 1          ? "--dp (one process: no rank runs out)"
-                        : cfg.sync_bn   ? "--sync-bn (its all-gather needs every rank's batch)"
-                        : cfg.zero >= 2 ? "--zero 2 or 3 (FSDP's gathers need every rank)"
-                                        : nullptr;
+                        : cfg.sync_bn ? "--sync-bn (its all-gather needs every rank's batch)"
+                                      : nullptr;
     if (other != nullptr)
       return usage_error(std::string("--uneven cannot be combined with ") + other);
   }

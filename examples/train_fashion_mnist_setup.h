@@ -82,7 +82,8 @@ inline Window accumulation_window(int64_t first, int64_t accum_steps, int64_t ba
 // gives every rank the parameters, optimizer and scaler state of a rank of the last step; the
 // step count and the schedule then continue from the longest rank's count. With --zero 1 a rank
 // out of batches also takes each optimizer step with the others (Note [Join and ZeRO]), and
-// keeps its own shard of the optimizer state. Whatever else communicates mid-epoch cannot be
+// keeps its own shard of the optimizer state; with --zero 2 or 3 it also runs the model on its
+// last batch to take part in the units' gathers and reductions (Note [Join and FSDP]). Whatever else communicates mid-epoch cannot be
 // shadowed, so --uneven excludes it (flags.h): a periodic
 // checkpoint, SyncBatchNorm's all-gather, accumulation windows that would end at different
 // micro-batches on different ranks, a resumed position (which assumes equal shares).

@@ -661,6 +661,14 @@ PY
     zlast=$(grep "^\[rank0\]: final " "$work/zout" | tail -n 1)
     [ "${zlast% samples_per_s=*}" = "${last% samples_per_s=*}" ] \
       || { cat "$work/zout" "$work/zerr"; fail "--zero 1 ended with '$zlast', plain DDP with '$last'"; }
+    # --zero 3 (FSDP): ranks 3-6 run the model on their last batch for the others' step, so that
+    # their gathers and reduce-scatters match (Note [Join and FSDP]): the same final line again.
+    OMP_NUM_THREADS=1 "$tool" run --standalone --nproc-per-node 7 "$exe" --uneven --zero 3 \
+      --batch-size 2857 --threads 1 --log-every 1 > "$work/fout" 2> "$work/ferr" \
+      || { cat "$work/fout" "$work/ferr"; fail "--uneven --zero 3 run failed"; }
+    flast=$(grep "^\[rank0\]: final " "$work/fout" | tail -n 1)
+    [ "${flast% samples_per_s=*}" = "${last% samples_per_s=*}" ] \
+      || { cat "$work/fout" "$work/ferr"; fail "--zero 3 ended with '$flast', plain DDP with '$last'"; }
     ;;
   sync_bn)
     # --sync-bn: 2 ranks of --batch-size 32 normalize as one process of 64. Rank r reads positions
