@@ -571,4 +571,69 @@ TEST(Fsdp, JoinWithoutTheWrappedOptimizerIsRefused) {
   EXPECT_THAT(errors[0], ::testing::HasSubstr("must be the optimizer wrap_optimizer() built"));
 }
 
+// The units go through the comm-hook interface (comm_hook.h), as DDP's buckets do: a hook that
+// records what it is given and hands on to reduce_scatter_hook() trains to the default's very
+// parameters, and saw each unit once per synchronized backward, padded to the world size, with
+// its parameters' names.
+TEST(Fsdp, UnitsAreReducedThroughTheCommHook) {
+  constexpr int kWorld = 3;
+  std::vector<Result> plain(kWorld), hooked(kWorld);
+  std::vector<std::vector<std::string>> seen(kWorld);
+  for (const bool hook : {false, true}) {
+    const auto errors =
+        lockstep::testing::run_ranks_on("shm", kWorld, [&](int r, ProcessGroupPtr pg) {
+          auto model = mlp(7);
+          FSDPOptions opts = fsdp_options(true);
+          if (hook) {
+            const CommHook inner = reduce_scatter_hook();
+            opts.comm_hook = {"recording",
+                              [&, inner, r](ProcessGroup& g, GradBucket& b) {
+                                seen[r].push_back(std::to_string(b.index) + ":" +
+                                                  std::to_string(b.numel) + ":" +
+                                                  b.parameter_names.front());
+                                EXPECT_EQ(b.numel % kWorld, 0);
+                                return inner.start(g, b);
+                              },
+                              inner.finish, nullptr, nullptr};
+          }
+          FullyShardedDataParallel fsdp(model, pg, opts);
+          auto opt = fsdp.wrap_optimizer(groups_of(*model), adamw);
+          for (int s = 0; s < 2; ++s) {
+            opt->zero_grad();
+            const Data b = batch_for(s, 0, r, kWorld);
+            cross_entropy(fsdp.forward(b.x), b.y).backward();
+            opt->step();
+          }
+          (hook ? hooked : plain)[r].model = fsdp.full_state_dict();
+        });
+    for (int r = 0; r < kWorld; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
+  }
+  for (int r = 0; r < kWorld; ++r) {
+    expect_same(hooked[r].model, plain[r].model);
+    // Three units (the Linears, last first in the backward), twice; sizes padded to 3.
+    EXPECT_EQ(seen[r],
+              (std::vector<std::string>{"3:99:4.weight", "2:1056:2.weight", "1:225:0.weight",
+                                        "3:99:4.weight", "2:1056:2.weight", "1:225:0.weight"}))
+        << "rank " << r;
+  }
+}
+
+// A hook that does not shard (DDP's all-reduce) leaves no shard: FSDP says which hook, which
+// unit, and what it needs.
+TEST(Fsdp, AHookThatDoesNotShardIsNamed) {
+  const auto errors = lockstep::testing::run_ranks_on("shm", 2, [&](int r, ProcessGroupPtr pg) {
+    auto model = mlp(7);
+    FSDPOptions opts = fsdp_options(true);
+    opts.comm_hook = allreduce_hook();
+    FullyShardedDataParallel fsdp(model, pg, opts);
+    const Data b = batch_for(0, 0, r, 2);
+    cross_entropy(fsdp.forward(b.x), b.y).backward();
+  });
+  for (const auto& e : errors) {
+    EXPECT_THAT(e, ::testing::HasSubstr("the comm hook 'allreduce' left no tensor in "
+                                        "GradBucket::shard for unit 3"));
+    EXPECT_THAT(e, ::testing::HasSubstr("FSDP needs a sharding hook, as reduce_scatter_hook()"));
+  }
+}
+
 }  // namespace

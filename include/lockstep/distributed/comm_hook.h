@@ -1,7 +1,9 @@
-// DDP's communication hooks: the named interface for how one bucket of gradients is reduced
-// across ranks (GradBucket, CommHook) and the built-in hooks. DistributedDataParallel (ddp.h)
-// calls whichever hook it holds and knows nothing else of it; ZeroRedundancyOptimizer::comm_hook()
-// (zero.h) is a hook from outside. What a hook may and must do: comm_hook.cpp.
+// Communication hooks: the named interface for how one bucket of gradients is reduced across ranks
+// (GradBucket, CommHook) and the built-in hooks: all-reduce, bf16/fp16 compression, and the
+// reduce-scatter into this rank's shard. DistributedDataParallel (ddp.h) reduces its buckets and
+// FullyShardedDataParallel (fsdp.h) its units through whichever hook it holds and knows nothing
+// else of it; ZeroRedundancyOptimizer::comm_hook() (zero.h) is a sharding hook from outside. What
+// a hook may and must do: comm_hook.cpp.
 #pragma once
 
 #include <cstdint>
@@ -21,7 +23,10 @@ namespace lockstep::dist {
 // parameters whose gradients it holds, in buffer order, with their names; `contributors` is how
 // many ranks' gradients this reduction carries (the world size, or fewer inside a dist::Join,
 // whose reducer rescales the average after finish(): Note [Join]); `scratch` is the hook's to
-// keep between start and finish.
+// keep between start and finish. For a sharding hook (reduce_scatter_hook(), ZeRO-1's), `shard`
+// is this rank's q = numel / world of the first world * q gradient elements, where finish()
+// leaves their average (the hook makes it when it is undefined or of another size or dtype).
+// An FSDP unit is a bucket too: its flat, padded gradient, numel a multiple of the world size.
 struct GradBucket {
   int index = 0;
   Tensor buffer;
@@ -30,6 +35,7 @@ struct GradBucket {
   std::vector<Tensor> parameters;
   int contributors = 0;
   Tensor scratch;
+  Tensor shard;
 };
 
 // How a bucket is reduced. start() launches the reduction and returns its Work (it runs while
@@ -53,5 +59,20 @@ CommHook allreduce_hook();
 // Sends bf16 / f16 copies (half the bytes), and writes the averaged result back in full width.
 CommHook bf16_compress_hook();
 CommHook fp16_compress_hook();
+// Reduce-scatter into this rank's shard (FSDP's default; llm.c's ZeRO): the bucket's first
+// world * q gradient elements (q = numel / world), averaged, land in bucket.shard, the rest of
+// the buffer (fewer than world gradients and a reducer's own elements) is all-reduced in place,
+// and the first world * q elements of the buffer are left as they were. Half the bytes of an
+// all-reduce on the wire, for an optimizer that steps shards.
+CommHook reduce_scatter_hook();
+
+// The reduce-scatter of a sharding hook (reduce_scatter_hook(), ZeroRedundancyOptimizer's):
+// bucket.buffer's first world * q elements, averaged, into bucket.shard (made when needed), and
+// the all-reduce of the elements after them. Either Work is null when it has no elements.
+struct ShardReduction {
+  WorkPtr scatter;
+  WorkPtr rest;
+};
+ShardReduction reduce_scatter_bucket(ProcessGroup& pg, GradBucket& bucket);
 
 }  // namespace lockstep::dist

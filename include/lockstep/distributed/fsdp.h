@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "lockstep/distributed/comm_hook.h"
 #include "lockstep/distributed/process_group.h"
 #include "lockstep/io/sharded_checkpoint.h"
 #include "lockstep/nn/module.h"
@@ -48,6 +49,10 @@ struct FSDPOptions {
   // the bytes); unset: param_dtype's. The forward's floating inputs are cast to param_dtype.
   std::optional<DType> param_dtype;
   std::optional<DType> reduce_dtype;
+  // How each unit's gradient is reduced (comm_hook.h): a sharding hook, which leaves this rank's
+  // average in GradBucket::shard; the unit is the bucket (its flat gradient, padded to a multiple
+  // of the world size, in reduce_dtype).
+  CommHook comm_hook = reduce_scatter_hook();
 };
 
 // What a user tunes FSDP with, and what each rank's memory holds (bytes).

@@ -147,6 +147,9 @@ FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<nn::Module> m
       opts_(std::move(opts)) {
   LS_CHECK(module_ != nullptr, "FullyShardedDataParallel: expected a module, got null");
   LS_CHECK(pg_ != nullptr, "FullyShardedDataParallel: expected a process group, got null");
+  LS_CHECK(opts_.comm_hook.start != nullptr, "FullyShardedDataParallel: FSDPOptions::comm_hook '",
+           opts_.comm_hook.name,
+           "' has no start(); give a sharding hook, as reduce_scatter_hook()");
   check_same_model(*pg_, *module_, "FullyShardedDataParallel");
   {
     autograd::NoGradGuard no_grad;
@@ -481,8 +484,22 @@ void FullyShardedDataParallel::reduce_unit(Unit& u) {
   u.shard.set_grad(Tensor());
   for (size_t i : u.params) pieces_[i].set_grad(Tensor());
   AllocationScope scope("FSDP: a unit's gradient shard");
-  u.grad_shard = empty({u.shard_numel}, TensorOptions(u.reduce).with_device(u.shard.device()));
-  u.scatter = pg_->reduce_scatter(u.grad_shard, u.grad_full, {.op = ReduceOp::avg});
+  // The unit is the comm hook's bucket (comm_hook.h): its full gradient in, this rank's shard of
+  // the average out (made by the hook, under this allocation scope).
+  u.bucket.index = u.index;
+  if (u.bucket.parameters.empty()) {
+    for (size_t i : u.params) {
+      u.bucket.parameter_names.push_back(params_[i].first);
+      u.bucket.parameters.push_back(params_[i].second);
+    }
+  }
+  u.bucket.buffer = u.grad_full;
+  u.bucket.numel = u.padded;
+  u.bucket.contributors = contributors_ > 0 ? contributors_ : pg_->size();
+  u.bucket.shard = Tensor();  // the hook's to make: one that does not shard leaves none
+  u.scatter = opts_.comm_hook.start(*pg_, u.bucket);
+  LS_CHECK(u.scatter != nullptr, "FullyShardedDataParallel: the comm hook '", opts_.comm_hook.name,
+           "' returned no Work for unit ", u.index);
   u.reduced = true;
   ++stats_.reduce_scatters;
   // A backend that reduced on this thread (shm) is done already: the full gradient goes now.
@@ -493,7 +510,18 @@ void FullyShardedDataParallel::complete_scatter(Unit& u) {
   WorkPtr work = std::move(u.scatter);
   u.scatter = nullptr;
   work->wait();
-  u.grad_full = Tensor();  // the local sum has been reduced
+  if (opts_.comm_hook.finish) opts_.comm_hook.finish(u.bucket);
+  u.grad_full = u.bucket.buffer = Tensor();  // the local sum has been reduced
+  u.grad_shard = std::move(u.bucket.shard);
+  u.bucket.shard = Tensor();
+  LS_CHECK(u.grad_shard.defined() && u.grad_shard.numel() == u.shard_numel &&
+               u.grad_shard.dtype() == u.reduce,
+           "FullyShardedDataParallel: the comm hook '", opts_.comm_hook.name, "' left ",
+           u.grad_shard.defined() ? std::to_string(u.grad_shard.numel()) + " elements of " +
+                                        std::string(dtype_name(u.grad_shard.dtype()))
+                                  : std::string("no tensor"),
+           " in GradBucket::shard for unit ", u.index, ", expected this rank's ", u.shard_numel,
+           " of ", dtype_name(u.reduce), ": FSDP needs a sharding hook, as reduce_scatter_hook()");
   // Note [Join and FSDP]: the average was over the world size; fewer ranks contributed.
   if (contributors_ > 0 && contributors_ != pg_->size()) {
     autograd::NoGradGuard no_grad;

@@ -26,6 +26,7 @@ struct FullyShardedDataParallel::Unit {
   Tensor grad_shard;  // (shard_numel): the averaged gradient of the shard
   WorkPtr gather;     // in flight
   bool gathered = false;
+  GradBucket bucket;          // what the comm hook reduces: grad_full into grad_shard
   WorkPtr scatter;            // in flight
   bool reduced = false;       // its reduction was issued in this backward
   int pending = -1;           // gradients not yet arrived in this backward (-1: none arrived yet)

@@ -59,14 +59,14 @@ WorkPtr ZeroRedundancyOptimizer::reduce_bucket(ProcessGroup& pg, GradBucket& b) 
   full_grads_ = !announced_final_;
   r.whole = full_grads_;
   if (r.whole) return pg.all_reduce(b.buffer, {.op = ReduceOp::avg});
-  const int64_t q = b.numel / world;
-  if (!r.own.defined() || r.own.numel() != q)
-    r.own = empty({q}, TensorOptions(b.buffer.dtype()).with_device(b.buffer.device()));
-  if (q > 0) {
-    r.scatter = pg.reduce_scatter(r.own, b.buffer.narrow(0, 0, world * q), {.op = ReduceOp::avg});
-  }
-  Tensor rest = b.buffer.narrow(0, world * q, b.buffer.numel() - world * q);
-  return pg.all_reduce(rest, {.op = ReduceOp::avg});
+  // The reduce-scatter of every sharding hook (comm_hook.h), into r.own.
+  b.shard = r.own;
+  ShardReduction sr = reduce_scatter_bucket(pg, b);
+  r.own = b.shard;
+  r.scatter = std::move(sr.scatter);
+  LS_CHECK(sr.rest != nullptr, "ZeroRedundancyOptimizer::comm_hook(): bucket ", b.index,
+           " has no reducer elements after its gradients");
+  return sr.rest;
 }
 
 void ZeroRedundancyOptimizer::finish_bucket(GradBucket& b) {
