@@ -4,6 +4,7 @@
 #include <unordered_map>
 
 #include "distributed/sharding/fsdp_unit.h"
+#include "distributed/sharding/state_key.h"
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/base/error.h"
 #include "lockstep/distributed/fsdp.h"
@@ -121,16 +122,6 @@ class FullyShardedDataParallel::Optim final : public optim::Optimizer {
 
  private:
   friend class FullyShardedDataParallel;
-  // "<k>.<field>" -> (k, field); false for "step" and "group.<g>.lr".
-  static bool split_key(const std::string& name, size_t& k, std::string& field) {
-    const size_t dot = name.find('.');
-    if (dot == std::string::npos || dot == 0) return false;
-    const std::string idx = name.substr(0, dot);
-    if (idx.find_first_not_of("0123456789") != std::string::npos) return false;
-    k = std::stoul(idx);
-    field = name.substr(dot + 1);
-    return true;
-  }
   static bool is_scalar(const std::string& field, const Tensor& t) {
     return field == "step" || t.dim() == 0;
   }
@@ -149,7 +140,7 @@ optim::NamedTensors FullyShardedDataParallel::Optim::state_dict() const {
   for (const auto& [name, t] : local) {
     size_t k = 0;
     std::string field;
-    if (!split_key(name, k, field) || is_scalar(field, t)) continue;
+    if (!detail::split_key(name, k, field) || is_scalar(field, t)) continue;
     fields.emplace(field, t.dtype());
     entry[{k, field}] = &t;
   }
@@ -197,7 +188,7 @@ optim::NamedTensors FullyShardedDataParallel::Optim::state_dict() const {
   for (const auto& [name, t] : local) {
     size_t k = 0;
     std::string field;
-    if (split_key(name, k, field) && !is_scalar(field, t)) {
+    if (detail::split_key(name, k, field) && !is_scalar(field, t)) {
       out.emplace_back(name, whole.at({k, field}));
     } else if (name == "step") {
       out.emplace_back(name, full({}, static_cast<double>(steps_), kInt64));
@@ -218,7 +209,7 @@ void FullyShardedDataParallel::Optim::load_state_dict(const optim::NamedTensors&
   for (const auto& [name, t] : state) {
     size_t k = 0;
     std::string field;
-    if (!split_key(name, k, field) || is_scalar(field, t)) {
+    if (!detail::split_key(name, k, field) || is_scalar(field, t)) {
       if (name == "step") steps_ = static_cast<int64_t>(t.item());
       mine.emplace_back(name, t);
       continue;
@@ -275,7 +266,7 @@ std::vector<io::TensorSlice> FullyShardedDataParallel::state_slices(
   for (const auto& [key, t] : wrapped->inner_->state_dict()) {
     size_t k = 0;
     std::string field;
-    if (!Optim::split_key(key, k, field)) {
+    if (!detail::split_key(key, k, field)) {
       if (key == "step") {
         if (rank == 0)
           out.push_back(
