@@ -653,22 +653,18 @@ PY
     [[ "$last" =~ ^\[rank0\]:\ final\ test_accuracy=([0-9.]+)\ .*\ steps=4\  ]] || fail "last line: $last"
     awk -v a="${BASH_REMATCH[1]}" 'BEGIN { exit !(a >= 0.20) }' || fail "accuracy ${BASH_REMATCH[1]}"
     # With --zero 1 the ranks out of data also take the last step with the others (Note [Join
-    # and ZeRO]; without it the others would wait in the step's all-gather): the same final line,
-    # since ZeRO-1's parameters are bitwise plain DDP's.
-    OMP_NUM_THREADS=1 "$tool" run --standalone --nproc-per-node 7 "$exe" --uneven --zero 1 \
-      --batch-size 2857 --threads 1 --log-every 1 > "$work/zout" 2> "$work/zerr" \
-      || { cat "$work/zout" "$work/zerr"; fail "--uneven --zero 1 run failed"; }
-    zlast=$(grep "^\[rank0\]: final " "$work/zout" | tail -n 1)
-    [ "${zlast% samples_per_s=*}" = "${last% samples_per_s=*}" ] \
-      || { cat "$work/zout" "$work/zerr"; fail "--zero 1 ended with '$zlast', plain DDP with '$last'"; }
-    # --zero 3 (FSDP): ranks 3-6 run the model on their last batch for the others' step, so that
-    # their gathers and reduce-scatters match (Note [Join and FSDP]): the same final line again.
-    OMP_NUM_THREADS=1 "$tool" run --standalone --nproc-per-node 7 "$exe" --uneven --zero 3 \
-      --batch-size 2857 --threads 1 --log-every 1 > "$work/fout" 2> "$work/ferr" \
-      || { cat "$work/fout" "$work/ferr"; fail "--uneven --zero 3 run failed"; }
-    flast=$(grep "^\[rank0\]: final " "$work/fout" | tail -n 1)
-    [ "${flast% samples_per_s=*}" = "${last% samples_per_s=*}" ] \
-      || { cat "$work/fout" "$work/ferr"; fail "--zero 3 ended with '$flast', plain DDP with '$last'"; }
+    # and ZeRO]; without it the others would wait in the step's all-gather); with --zero 3 (FSDP)
+    # they also run the model on their last batch, so that their gathers and reduce-scatters
+    # match (Note [Join and FSDP]). Each ends on plain DDP's final line, its parameters being
+    # bitwise plain DDP's.
+    for z in 1 3; do
+      OMP_NUM_THREADS=1 "$tool" run --standalone --nproc-per-node 7 "$exe" --uneven --zero $z \
+        --batch-size 2857 --threads 1 --log-every 1 > "$work/z$z.out" 2> "$work/z$z.err" \
+        || { cat "$work/z$z.out" "$work/z$z.err"; fail "--uneven --zero $z run failed"; }
+      zlast=$(grep "^\[rank0\]: final " "$work/z$z.out" | tail -n 1)
+      [ "${zlast% samples_per_s=*}" = "${last% samples_per_s=*}" ] \
+        || { cat "$work/z$z.out" "$work/z$z.err"; fail "--zero $z ended with '$zlast', plain DDP with '$last'"; }
+    done
     ;;
   sync_bn)
     # --sync-bn: 2 ranks of --batch-size 32 normalize as one process of 64. Rank r reads positions
