@@ -107,7 +107,8 @@ TEST_P(GlooProcesses, EveryCollectiveEveryDtypeMatchesReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(WorldSizes, GlooProcesses, ::testing::Values(1, 2, 3, 4));
+INSTANTIATE_TEST_SUITE_P(WorldSizes, GlooProcesses,
+                         ::testing::ValuesIn(lockstep::testing::process_sweep_world_sizes(true)));
 
 TEST(GlooProcesses, DyingPeerFailsTheOthersPromptly) {
   // Rank 3 exits in the middle of the job; ranks 0-2 are inside an all_reduce whose timeout is an

@@ -1,5 +1,5 @@
 # Sourced by the tests that play two machines (tests/launch/two_machines*.sh,
-# tests/distributed/hier_two_namespaces.sh): two network namespaces joined by a veth pair.
+# tests/distributed/hier/hier_two_namespaces.sh): two network namespaces joined by a veth pair.
 # netns_pair PREFIX: creates "${PREFIX}n0_<pid>" and "${PREFIX}n1_<pid>" with addresses $addr0 and
 # $addr1 on one /24, sets ns0 ns1 veth0 veth1 addr0 addr1 and work (a temporary directory), and
 # removes all of it on exit. Needs root; fails the test (fail(), defined by the caller) without.

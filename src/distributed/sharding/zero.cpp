@@ -45,9 +45,9 @@ namespace lockstep::dist {
 // shard's average (with the parameters' all-gather, the bytes of one all-reduce). Bitwise
 // equality with DDP then needs the reduce-scatter to add the ranks' terms of every element in
 // the order the all-reduce adds them. shm and Gloo do: both reduce each element in rank order
-// in both collectives (tests/distributed/shm_test.cpp checks that shm's reduce_scatter chunk is
+// in both collectives (tests/distributed/shm/shm_test.cpp checks that shm's reduce_scatter chunk is
 // bit-identical to its all_reduce's; Note [Gloo rank-order reduction] and
-// tests/distributed/gloo_rank_order_test.cpp, that Gloo's all_reduce is reduce_scatter +
+// tests/distributed/gloo/gloo_rank_order_test.cpp, that Gloo's all_reduce is reduce_scatter +
 // all_gather bit for bit, and shm's bits), and so does any backend at 2 ranks (a + b == b + a).
 // Before Gloo reduced in rank order (2026-12-03: gloo::allreduce, whose order of addition for an
 // element depended on the segment it fell in, against a ring reduce-scatter) rank r's

@@ -15,7 +15,7 @@
 #include "lockstep/distributed/checkpoint.h"
 #include "lockstep/lockstep.h"
 #include "testing.h"
-#include "thread_ranks.h"
+#include "distributed/thread_ranks.h"
 
 using namespace lockstep;
 using namespace lockstep::dist;

@@ -487,7 +487,8 @@ TEST_P(ShmProcesses, EveryCollectiveEveryDtypeMatchesReferenceAndLeavesNothingIn
   EXPECT_FALSE(in_dev_shm(own_segments()));
 }
 
-INSTANTIATE_TEST_SUITE_P(WorldSizes, ShmProcesses, ::testing::Values(2, 3, 4));
+INSTANTIATE_TEST_SUITE_P(WorldSizes, ShmProcesses,
+                         ::testing::ValuesIn(lockstep::testing::process_sweep_world_sizes(false)));
 
 TEST(ShmProcesses, AnExceptionLeavesNothingInDevShm) {
   const auto results = run_job(2, "throw");

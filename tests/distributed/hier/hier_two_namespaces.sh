@@ -12,7 +12,7 @@ bin=$1
 fail() { echo "FAIL: $*"; exit 1; }
 
 command -v unshare > /dev/null || fail "'unshare' not found (install util-linux)"
-source "$(dirname "$0")/../launch/netns_pair.sh"
+source "$(dirname "$0")/../../launch/netns_pair.sh"
 netns_pair lh
 ns=("$ns0" "$ns1")
 port=29566

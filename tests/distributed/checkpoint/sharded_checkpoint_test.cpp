@@ -12,7 +12,7 @@
 #include "lockstep/lockstep.h"
 #include "lockstep/tensor/cuda.h"
 #include "testing.h"
-#include "thread_ranks.h"
+#include "distributed/thread_ranks.h"
 
 using namespace lockstep;
 using namespace lockstep::dist;
