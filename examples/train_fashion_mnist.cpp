@@ -72,7 +72,6 @@ using examples::run_metadata;
 using examples::scaled_lr;
 using examples::schedule_of;
 using examples::stdout_is_terminal;
-using examples::TestSlowForward;
 using examples::timeout_of;
 using examples::total_steps_of;
 using examples::train_device;
@@ -87,7 +86,7 @@ using examples::Window;
 // once at setup and called at one moment, after each optimizer step; nothing else in the
 // training loop knows of it. --test-sample-log PATH logs the samples of every step (Note
 // [Sample log]). --test-slow-rank R (the slow_rank test) makes rank R's forward
-// sleep 100 ms in every training step, through a wrapper DDP is built around (TestSlowForward):
+// sleep 100 ms in every training step, through a forward pre-hook (test_slow_forward):
 // the run must name rank R the slowest in its metrics and warn about it.
 class TestCrash {
  public:
@@ -200,7 +199,7 @@ class Trainer {
         model_(build_model(cfg, pg_, gen_, scaler_)),
         effective_batch_(effective_batch_of(cfg, world_)),
         lr_(scaled_lr(cfg, effective_batch_)),
-        opt_(build_optimizer(cfg, lr_, *model_.params, pg_, model_.fsdp.get())),
+        opt_(build_optimizer(cfg, lr_, *model_.params, pg_, model_.fsdp)),
         // --uneven: no padding, so the ranks' shares differ (Note [Uneven inputs]).
         sampler_(std::make_shared<data::DistributedSampler>(
             train_data_->size(), data::DistributedSamplerOptions{.num_replicas = world_,
@@ -471,13 +470,11 @@ EpochResult Trainer::train_epoch() {
       cfg_.uneven ? 0 : (full_epoch_batches_ - micro_batches) / cfg_.accum_steps;
   // --uneven: Note [Uneven inputs].
   std::optional<dist::Join> join;
-  if (cfg_.uneven && (model_.ddp || model_.fsdp)) {
-    dist::JoinOptions opts{
-        .optimizer = opt_.get(), .scaler = &scaler_, .step = [this] { optimizer_step(nullptr); }};
-    if (model_.ddp)
-      join.emplace(*model_.ddp, std::move(opts));
-    else
-      join.emplace(*model_.fsdp, std::move(opts));
+  if (cfg_.uneven && model_.parallel) {
+    join.emplace(*model_.parallel,
+                 dist::JoinOptions{.optimizer = opt_.get(),
+                                   .scaler = &scaler_,
+                                   .step = [this] { optimizer_step(nullptr); }});
   }
   EpochResult e;
   e.finished = micro_batches == 0;

@@ -83,8 +83,8 @@ inline Window accumulation_window(int64_t first, int64_t accum_steps, int64_t ba
 // step count and the schedule then continue from the longest rank's count. With --zero 1 a rank
 // out of batches also takes each optimizer step with the others (Note [Join and ZeRO]), and
 // keeps its own shard of the optimizer state; with --zero 2 or 3 it also runs the model on its
-// last batch to take part in the units' gathers and reductions (Note [Join and FSDP]). Whatever else communicates mid-epoch cannot be
-// shadowed, so --uneven excludes it (flags.h): a periodic
+// last batch to take part in the units' gathers and reductions (Note [Join and FSDP]). Whatever
+// else communicates mid-epoch cannot be shadowed, so --uneven excludes it (flags.h): a periodic
 // checkpoint, SyncBatchNorm's all-gather, accumulation windows that would end at different
 // micro-batches on different ranks, a resumed position (which assumes equal shares).
 
@@ -129,31 +129,32 @@ inline io::Metadata run_metadata(const Config& cfg) {
 inline bool stdout_is_terminal() { return env_flag(env::kStdoutIsTty).value_or(::isatty(1) == 1); }
 
 // The model as this process trains it: under --dp K, DataParallel's K replicas on threads; in a
-// world of several processes, DDP around this process's copy; else the model alone. The choice
-// is made here, once: the training step calls forward_backward and never asks which.
+// world of several processes, DDP around this process's copy, or with --zero 2/3 FSDP (at any
+// number of processes); else the model alone. The choice is made here, once: the training step
+// calls forward_backward and the methods below and never asks which.
 struct Model {
   std::shared_ptr<nn::Module> params;  // what the optimizer steps and a checkpoint holds
   std::unique_ptr<dist::DataParallel> dp;
-  std::shared_ptr<dist::DistributedDataParallel> ddp;
-  // --zero 2/3: FullyShardedDataParallel in place of DDP; `params` then holds no memory outside
-  // the forward and backward, so evaluation runs through `fsdp` and checkpoints read its full
-  // state.
-  std::shared_ptr<dist::FullyShardedDataParallel> fsdp;
-  // What runs the test set: the FSDP wrapper (it gathers unit by unit) or the model.
-  nn::Module& eval_module() const { return fsdp ? *fsdp : *params; }
+  // DDP or FSDP, through the interface they share (dist::ParallelModule); null in one process.
+  // Under FSDP `params` holds no memory outside the forward and backward, so evaluation runs
+  // through `parallel` and checkpoints read its full state.
+  std::shared_ptr<dist::ParallelModule> parallel;
+  dist::DistributedDataParallel* ddp = nullptr;    // `parallel`, when DDP: for its stats
+  dist::FullyShardedDataParallel* fsdp = nullptr;  // `parallel`, when FSDP: its shards' layout
+  nn::Module& eval_module() const { return parallel ? *parallel : *params; }
   nn::NamedTensors state_dict() const {
-    return fsdp ? fsdp->full_state_dict() : params->state_dict();
+    return parallel ? parallel->full_state_dict() : params->state_dict();
   }
   void load_state_dict(const nn::NamedTensors& state) const {
-    if (fsdp) {
-      fsdp->load_full_state_dict(state);
+    if (parallel) {
+      parallel->load_full_state_dict(state);
     } else {
       params->load_state_dict(state);
     }
   }
   double clip_grad_norm(double max_norm) const {
-    return fsdp ? fsdp->clip_grad_norm(max_norm)
-                : optim::clip_grad_norm(params->parameters(), max_norm);
+    return parallel ? parallel->clip_grad_norm(max_norm)
+                    : optim::clip_grad_norm(params->parameters(), max_norm);
   }
   // One micro-batch's forward and backward: the loss times `weight` is added into the gradients;
   // returns it. `sync` false: more micro-batches of this step follow, so DDP accumulates locally
@@ -174,25 +175,15 @@ inline Device train_device(const Config& cfg) {
   return cfg.device == "cuda" ? cuda_device(cuda::current_device()) : kCPU;
 }
 
-// --test-slow-rank R (Note [Testing hooks]): DDP wraps the model in this on every rank (the
-// parameter names must agree), and rank R's forward sleeps kTestSlowRankDelay first, inside the
-// time DDP measures (Note [Slow rank] in src/distributed/diagnosis/slow_rank.h).
+// --test-slow-rank R (Note [Testing hooks]): on rank R a forward pre-hook of the model sleeps
+// kTestSlowRankDelay in training, inside the time DDP measures (Note [Slow rank] in
+// src/distributed/diagnosis/slow_rank.h).
 inline constexpr auto kTestSlowRankDelay = std::chrono::milliseconds(100);
-class TestSlowForward : public nn::Module {
- public:
-  TestSlowForward(std::shared_ptr<nn::Module> net, bool slow)
-      : nn::Module("TestSlowForward"), slow_(slow) {
-    net_ = register_module("net", std::move(net));
-  }
-  Tensor forward(const Tensor& x) override {
-    if (slow_ && is_training()) std::this_thread::sleep_for(kTestSlowRankDelay);
-    return net_->forward(x);
-  }
-
- private:
-  bool slow_;
-  std::shared_ptr<nn::Module> net_;
-};
+inline void test_slow_forward(nn::Module& model) {
+  model.register_forward_pre_hook([](nn::Module& m) {
+    if (m.is_training()) std::this_thread::sleep_for(kTestSlowRankDelay);
+  });
+}
 
 // SGD over the model's parameters; with --zero 1 wrapped so that each rank keeps the state of
 // its shard only (Note [ZeRO-1]), with --zero 2/3 over FSDP's shards: the same parameters, bit
@@ -283,35 +274,32 @@ inline Model build_model(const Config& cfg, const std::shared_ptr<dist::ProcessG
   if (cfg.zero >= 2) {
     // FSDP at any number of ranks (one shards nothing, but runs the same way); the default wrap
     // policy makes each large Linear a unit.
-    m.fsdp = std::make_shared<dist::FullyShardedDataParallel>(
+    auto fsdp = std::make_shared<dist::FullyShardedDataParallel>(
         m.params, pg, dist::FSDPOptions{.reshard_after_forward = cfg.zero == 3});
-    m.forward_backward = [local, fsdp = m.fsdp](const data::Batch& batch, double weight,
-                                                bool sync) {
-      if (sync) return local(*fsdp, batch, weight);  // the step's last: reduce-scatter
-      dist::FullyShardedDataParallel::NoSync no_sync(*fsdp);
-      return local(*fsdp, batch, weight);
-    };
-    return m;
-  }
-  if (pg->size() == 1) {
+    m.fsdp = fsdp.get();
+    m.parallel = std::move(fsdp);
+  } else if (pg->size() == 1) {
     m.forward_backward = [local, net = m.params](const data::Batch& batch, double weight, bool) {
       return local(*net, batch, weight);
     };
     return m;
+  } else {
+    dist::DDPOptions dopts;
+    dopts.bucket_bytes = std::max<int64_t>(1, static_cast<int64_t>(cfg.bucket_mb * (1 << 20)));
+    dopts.comm_hook = comm_hook_named(cfg.comm_hook);
+    dopts.check_sync_every = cfg.check_sync_every;
+    if (pg->rank() == cfg.test_slow_rank) test_slow_forward(*m.params);
+    auto ddp = std::make_shared<dist::DistributedDataParallel>(m.params, pg, dopts);
+    m.ddp = ddp.get();
+    m.parallel = std::move(ddp);
   }
-  dist::DDPOptions dopts;
-  dopts.bucket_bytes = std::max<int64_t>(1, static_cast<int64_t>(cfg.bucket_mb * (1 << 20)));
-  dopts.comm_hook = comm_hook_named(cfg.comm_hook);
-  dopts.check_sync_every = cfg.check_sync_every;
-  m.ddp = std::make_shared<dist::DistributedDataParallel>(
-      cfg.test_slow_rank < 0
-          ? m.params
-          : std::make_shared<TestSlowForward>(m.params, pg->rank() == cfg.test_slow_rank),
-      pg, dopts);
-  m.forward_backward = [local, ddp = m.ddp](const data::Batch& batch, double weight, bool sync) {
-    if (sync) return local(*ddp, batch, weight);  // the step's last: all-reduce during backward
-    dist::DistributedDataParallel::NoSync no_sync(*ddp);
-    return local(*ddp, batch, weight);
+  // The step's last micro-batch (sync) reduces during its backward (DDP's all-reduce, FSDP's
+  // reduce-scatter); the others accumulate locally.
+  m.forward_backward = [local, parallel = m.parallel](const data::Batch& batch, double weight,
+                                                      bool sync) {
+    if (sync) return local(*parallel, batch, weight);
+    dist::ParallelModule::NoSync no_sync(*parallel);
+    return local(*parallel, batch, weight);
   };
   return m;
 }

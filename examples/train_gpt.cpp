@@ -39,7 +39,9 @@
 #include "lockstep/base/worker_env.h"
 #include "lockstep/data/data.h"
 #include "lockstep/distributed/checkpoint.h"
+#include "lockstep/distributed/ddp.h"
 #include "lockstep/distributed/fsdp.h"
+#include "lockstep/distributed/parallel_module.h"
 #include "lockstep/distributed/sharded_checkpoint.h"
 #include "lockstep/distributed/sync_check.h"
 #include "lockstep/distributed/zero.h"
@@ -129,8 +131,9 @@ class Trainer {
         // each step (its constructor broadcasts rank 0's parameters).
         // --zero 2/3: FSDP instead, at any number of ranks.
         fsdp_(build_fsdp(cfg, gpt_, pg_)),
-        ddp_(world_ > 1 && !fsdp_ ? std::make_shared<dist::DistributedDataParallel>(gpt_, pg_)
-                                  : nullptr),
+        parallel_(fsdp_        ? std::shared_ptr<dist::ParallelModule>(fsdp_)
+                  : world_ > 1 ? std::make_shared<dist::DistributedDataParallel>(gpt_, pg_)
+                               : nullptr),
         opt_(build_optimizer(cfg, *gpt_, pg_, fsdp_.get())),
         scheduler_(*opt_, schedule_of(cfg)),
         sampler_(std::make_shared<data::DistributedSampler>(
@@ -151,9 +154,10 @@ class Trainer {
              " windows per rank in ", cfg.data, "/train.tokens, got ", sampler_->num_samples(),
              " windows of ", cfg.block_size, " tokens for this rank");
     param_names_ = optimizer_param_names(*gpt_, cfg.weight_decay);
-    if (cfg.zero_reduce_scatter && ddp_) {
+    if (cfg.zero_reduce_scatter && world_ > 1) {
       zero_scatter_ = static_cast<dist::ZeroRedundancyOptimizer*>(opt_.get());
-      ddp_->register_comm_hook(zero_scatter_->comm_hook());
+      static_cast<dist::DistributedDataParallel&>(*parallel_)
+          .register_comm_hook(zero_scatter_->comm_hook());
     }
   }
 
@@ -187,27 +191,16 @@ class Trainer {
   const Device device_;        // where the model, its batches and its gradients live
   Generator gen_;
   std::shared_ptr<examples::Gpt> gpt_;
-  std::shared_ptr<dist::FullyShardedDataParallel> fsdp_;
-  std::shared_ptr<dist::DistributedDataParallel> ddp_;
+  std::shared_ptr<dist::FullyShardedDataParallel> fsdp_;  // --zero 2/3: its shards' layout
+  // What trains and evaluates, whichever wrapper it is (FSDP, or DDP with or without ZeRO-1's
+  // hook): the loop asks it for no_sync, clipping and the whole state, never which it is. Null
+  // in one process, where the model alone trains.
+  std::shared_ptr<dist::ParallelModule> parallel_;
   std::unique_ptr<optim::Optimizer> opt_;
-  // What trains and evaluates: the FSDP or DDP wrapper, or the model alone.
-  nn::Module& net() const {
-    if (fsdp_) return *fsdp_;
-    if (ddp_) return *ddp_;
-    return *gpt_;
-  }
-  // What runs without gradients (evaluation, sampling): FSDP's wrapper gathers unit by unit;
-  // DDP's model is the model.
-  nn::Module& eval_net() const {
-    if (fsdp_) return *fsdp_;
-    return *gpt_;
-  }
-  // --zero-reduce-scatter: opt_, whose all-gathers the next forward of ddp_ waits for; what reads
-  // gpt_'s parameters otherwise (evaluation, sampling, checkpoints) calls settle() first.
+  nn::Module& net() const { return parallel_ ? static_cast<nn::Module&>(*parallel_) : *gpt_; }
+  // --zero-reduce-scatter: opt_, whose all-gathers DDP's next forward (or summon_full_params,
+  // full_state_dict) waits for.
   dist::ZeroRedundancyOptimizer* zero_scatter_ = nullptr;
-  void settle() const {
-    if (zero_scatter_) zero_scatter_->wait_parameters();
-  }
   optim::LRScheduler scheduler_;
   std::shared_ptr<data::DistributedSampler> sampler_;
   data::DataLoader loader_;
@@ -261,8 +254,8 @@ void Trainer::resume() {
   try {
     if (own_pieces) {
       fsdp_->load_state_slices(pieces.slices, opt_.get());
-    } else if (fsdp_) {
-      fsdp_->load_full_state_dict(ckpt.model);
+    } else if (parallel_) {
+      parallel_->load_full_state_dict(ckpt.model);
     } else {
       gpt_->load_state_dict(ckpt.model);
     }
@@ -341,10 +334,8 @@ void Trainer::train() {
       for (int64_t m = 0; m < cfg_.accum_steps; ++m, ++it, ++taken) {
         const bool last = m + 1 == cfg_.accum_steps;
         // Accumulate locally, reduce at the last.
-        std::optional<dist::DistributedDataParallel::NoSync> no_sync;
-        std::optional<dist::FullyShardedDataParallel::NoSync> fsdp_no_sync;
-        if (ddp_ && !last) no_sync.emplace(*ddp_);
-        if (fsdp_ && !last) fsdp_no_sync.emplace(*fsdp_);
+        std::optional<dist::ParallelModule::NoSync> no_sync;
+        if (parallel_ && !last) no_sync.emplace(*parallel_);
         Tensor l;
         {
           amp::autocast ac(amp_dtype_, cfg_.amp == "bf16");
@@ -360,9 +351,9 @@ void Trainer::train() {
         loss += value / static_cast<double>(cfg_.accum_steps);
       }
       const double grad_norm = cfg_.grad_clip <= 0 ? 0.0
-                               : zero_scatter_     ? zero_scatter_->clip_grad_norm(cfg_.grad_clip)
-                               : fsdp_             ? fsdp_->clip_grad_norm(cfg_.grad_clip)
-                                       : optim::clip_grad_norm(gpt_->parameters(), cfg_.grad_clip);
+                               : parallel_
+                                   ? parallel_->clip_grad_norm(cfg_.grad_clip)
+                                   : optim::clip_grad_norm(gpt_->parameters(), cfg_.grad_clip);
       const double lr = scheduler_.last_lr();
       opt_->step();
       scheduler_.step();
@@ -424,7 +415,6 @@ void Trainer::log_step(double loss, double grad_norm, double tokens_per_s) {
 // windows (in order, no padding), averaged over all of them across ranks.
 double Trainer::evaluate() {
   NoGradGuard no_grad;
-  settle();
   gpt_->eval();
   data::DistributedSampler shard(
       val_data_->size(),
@@ -441,8 +431,7 @@ double Trainer::evaluate() {
     data::Batch b = data::collate(rows);
     amp::autocast ac(amp_dtype_, cfg_.amp == "bf16");
     loss_sum +=
-        examples::gpt_loss(eval_net().forward(b.input.to(device_)), b.target.to(device_)).item() *
-        n;
+        examples::gpt_loss(net().forward(b.input.to(device_)), b.target.to(device_)).item() * n;
   }
   sums.set_at({0}, loss_sum);
   sums.set_at({1}, static_cast<double>(limit));
@@ -461,12 +450,11 @@ double Trainer::evaluate() {
 // likely, one drawn from their softmax.
 void Trainer::sample() {
   if (cfg_.sample <= 0) return;
-  // Under FSDP every rank gathers the whole model (collective) and rank 0 samples from it.
-  std::optional<dist::FullyShardedDataParallel::FullParams> full;
-  if (fsdp_) full.emplace(*fsdp_);
+  // Every rank makes the model whole (collective: FSDP gathers it) and rank 0 samples from it.
+  std::optional<dist::ParallelModule::FullParams> full;
+  if (parallel_) full.emplace(*parallel_);
   if (!main_rank_) return;
   NoGradGuard no_grad;
-  settle();
   gpt_->eval();
   Generator gen(cfg_.seed + 1);
   std::vector<int64_t> context = {'\n'};
@@ -515,9 +503,8 @@ io::TrainingCheckpoint Trainer::checkpoint_meta() const {
 
 // The whole state (a collective under FSDP and ZeRO-1, which gather it for rank 0).
 io::TrainingCheckpoint Trainer::checkpoint() const {
-  settle();
   io::TrainingCheckpoint ckpt = checkpoint_meta();
-  ckpt.model = fsdp_ ? fsdp_->full_state_dict() : gpt_->state_dict();
+  ckpt.model = parallel_ ? parallel_->full_state_dict() : gpt_->state_dict();
   ckpt.optimizer = opt_->state_dict();
   ckpt.optimizer_param_names = param_names_;
   return ckpt;

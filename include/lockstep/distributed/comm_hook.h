@@ -47,12 +47,16 @@ struct GradBucket {
 // on_buckets (may be empty) is told the buckets (index, numel, parameters; no buffers) whenever
 // DDP lays them out: when the hook is set, and after the first synchronized backward, which
 // rebuilds them in the order gradients became ready (`final` is true from then on).
+// clip_grad_norm (may be empty) is for a hook that hands the average elsewhere: the gradient's
+// home clips it there (collective) and returns the norm before clipping, when the DDP model's
+// clip_grad_norm is called; empty, DDP clips the parameters' .grad().
 struct CommHook {
   std::string name;
   std::function<WorkPtr(ProcessGroup&, GradBucket&)> start;
   std::function<void(GradBucket&)> finish;
   std::function<void()> before_forward;
   std::function<void(const std::vector<GradBucket>&, bool final)> on_buckets;
+  std::function<double(double max_norm)> clip_grad_norm;
 };
 // all_reduce with avg (the default).
 CommHook allreduce_hook();

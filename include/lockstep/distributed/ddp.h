@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "lockstep/distributed/comm_hook.h"
+#include "lockstep/distributed/parallel_module.h"
 #include "lockstep/distributed/process_group.h"
 #include "lockstep/nn/module.h"
 
@@ -75,39 +76,36 @@ class Join;
 // model (parameter names, shapes, dtypes, order; an Error on every rank naming the first
 // difference), broadcasts rank 0's parameters and buffers, and lays the gradients out in buckets
 // (reverse registration order). Each parameter's .grad() is then a view into its bucket's flat
-// buffer. backward() returns with every rank holding the same averaged gradients.
-class DistributedDataParallel : public nn::Module {
+// buffer. backward() returns with every rank holding the same averaged gradients. The training
+// loop's interface (no_sync, clip_grad_norm, full_state_dict...) is ParallelModule's.
+class DistributedDataParallel : public ParallelModule {
  public:
   DistributedDataParallel(std::shared_ptr<nn::Module> module, ProcessGroupPtr pg,
                           DDPOptions opts = {});
   ~DistributedDataParallel() override;
 
   Tensor forward(const Tensor& x) override;
-  const std::shared_ptr<nn::Module>& module() const { return module_; }
-  const ProcessGroupPtr& process_group() const { return pg_; }
+  const std::shared_ptr<nn::Module>& module() const override { return module_; }
+  const ProcessGroupPtr& process_group() const override { return pg_; }
 
-  // Backward passes inside the returned scope accumulate gradients locally without
-  // communicating; the first backward after it reduces what was accumulated (gradient
-  // accumulation: K-1 micro-batches inside no_sync(), the last outside). Inside a dist::Join
-  // (uneven inputs, join.h) the scope must hold the forward too: the forward announces it.
-  class NoSync {
-   public:
-    explicit NoSync(DistributedDataParallel& ddp);
-    ~NoSync();
-    NoSync(const NoSync&) = delete;
-    NoSync& operator=(const NoSync&) = delete;
-
-   private:
-    DistributedDataParallel& ddp_;
-    bool previous_;
-  };
-  [[nodiscard]] NoSync no_sync() { return NoSync(*this); }
+  // The parameters' .grad() (optim::clip_grad_norm; every rank holds the same), or where the comm
+  // hook keeps the average (CommHook::clip_grad_norm, ZeRO-1's shards).
+  double clip_grad_norm(double max_norm) override;
+  // The wrapped module's state_dict(), after what the comm hook left in flight (ZeRO-1's
+  // all-gathers) has landed; and into it.
+  nn::NamedTensors full_state_dict() override;
+  void load_full_state_dict(const nn::NamedTensors& state) override;
 
   DDPStats stats() const;
 
   // Replaces DDPOptions::comm_hook (as PyTorch's register_comm_hook): before the first
   // synchronized backward only, every rank the same hook.
   void register_comm_hook(CommHook hook);
+
+ protected:
+  bool set_no_sync(bool no_sync) override;
+  void gather_full_params() override;
+  void release_full_params() noexcept override {}
 
  private:
   friend class Join;  // Note [Join]: the header in forward, the shadowed collectives

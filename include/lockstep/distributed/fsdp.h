@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "lockstep/distributed/comm_hook.h"
+#include "lockstep/distributed/parallel_module.h"
 #include "lockstep/distributed/process_group.h"
 #include "lockstep/io/sharded_checkpoint.h"
 #include "lockstep/nn/module.h"
@@ -85,64 +86,43 @@ struct FSDPStats {
 // wrap_optimizer() so that a GradScaler's inf check and state_dict() are collective. backward()
 // returns with each rank's shards holding the average over ranks of their gradients (each
 // synchronized backward replaces them: zero_grad() between steps as usual). Gradient
-// accumulation: no_sync().
-class FullyShardedDataParallel : public nn::Module {
+// accumulation: no_sync(). The training loop's interface is ParallelModule's, as DDP's.
+class FullyShardedDataParallel : public ParallelModule {
  public:
   FullyShardedDataParallel(std::shared_ptr<nn::Module> module, ProcessGroupPtr pg,
                            FSDPOptions opts = {});
   ~FullyShardedDataParallel() override;
 
   Tensor forward(const Tensor& x) override;
-  const std::shared_ptr<nn::Module>& module() const { return module_; }
-  const ProcessGroupPtr& process_group() const { return pg_; }
+  const std::shared_ptr<nn::Module>& module() const override { return module_; }
+  const ProcessGroupPtr& process_group() const override { return pg_; }
 
   // The same groups (lr, weight decay) over this rank's pieces of their parameters: one piece
   // per parameter, a 1-D view of the shard it lies in (0 elements where it lies in no part of
   // this rank's shard), in the groups' order. Every rank gets the same number of pieces.
   std::vector<optim::ParamGroup> shard_groups(const std::vector<optim::ParamGroup>& groups) const;
 
-  // Note [FSDP gradient accumulation]: backward passes inside the scope keep the full, unsharded
-  // gradients of this rank (summed over micro-batches) without communicating; the first backward
-  // after it adds its own and reduce-scatters them. Bitwise DDP's no_sync.
-  class NoSync {
-   public:
-    explicit NoSync(FullyShardedDataParallel& fsdp);
-    ~NoSync();
-    NoSync(const NoSync&) = delete;
-    NoSync& operator=(const NoSync&) = delete;
-
-   private:
-    FullyShardedDataParallel& fsdp_;
-    bool previous_;
-  };
-  [[nodiscard]] NoSync no_sync() { return NoSync(*this); }
+  // no_sync() (ParallelModule's), Note [FSDP gradient accumulation]: backward passes inside the
+  // scope keep the full, unsharded gradients of this rank (summed over micro-batches) without
+  // communicating; the first backward after it adds its own and reduce-scatters them. Bitwise
+  // DDP's no_sync.
 
   // Collective, between backward and step: clips the averaged gradient (all shards, each element
   // counted once) to total 2-norm max_norm, and returns the norm before clipping: the value
   // optim::clip_grad_norm gives over the whole gradient, bitwise (both sum exactly: Note [Exact
   // norm] in src/optim/optimizer.cpp).
-  double clip_grad_norm(double max_norm);
+  double clip_grad_norm(double max_norm) override;
 
   // Collective: the wrapped module's state_dict() (names, shapes, values), every parameter
   // gathered, on every rank. What a checkpoint saves.
-  nn::NamedTensors full_state_dict();
+  nn::NamedTensors full_state_dict() override;
   // Local (every rank, with the same `state`): the wrapped module's state_dict() from any run
   // (DDP, FSDP at any world size): this rank's slices into its shards, buffers whole.
-  void load_full_state_dict(const nn::NamedTensors& state);
+  void load_full_state_dict(const nn::NamedTensors& state) override;
 
-  // Collective: inside the scope every unit's parameters are gathered whole (read-only: writes
-  // are lost), as PyTorch's summon_full_params; for evaluation or inspection through module().
-  class FullParams {
-   public:
-    explicit FullParams(FullyShardedDataParallel& fsdp);
-    ~FullParams();
-    FullParams(const FullParams&) = delete;
-    FullParams& operator=(const FullParams&) = delete;
-
-   private:
-    FullyShardedDataParallel& fsdp_;
-  };
-  [[nodiscard]] FullParams summon_full_params() { return FullParams(*this); }
+  // summon_full_params() (ParallelModule's): every unit's parameters gathered whole inside the
+  // scope (read-only: writes are lost), as PyTorch's; for evaluation or inspection through
+  // module().
 
   // An optimizer built by `make` over shard_groups(groups), wrapped so that a GradScaler's inf
   // decision is every rank's (one all-reduce) and state_dict()/load_state_dict() speak the plain
@@ -174,6 +154,11 @@ class FullyShardedDataParallel : public nn::Module {
   FSDPStats stats() const;
   // Unit names ("" for the root), in forward order.
   std::vector<std::string> unit_names() const;
+
+ protected:
+  bool set_no_sync(bool no_sync) override;
+  void gather_full_params() override;
+  void release_full_params() noexcept override;
 
  private:
   struct Unit;

@@ -95,10 +95,10 @@ struct JoinOptions {
 // others' loss reaches every unit the model's output does (any common loss does).
 class Join {
  public:
-  // On every rank of ddp's process group, at the same point (before the loop).
-  explicit Join(DistributedDataParallel& ddp, JoinOptions opts = {});
-  // Under FSDP (Note [Join and FSDP]): opts.optimizer is required.
-  Join(FullyShardedDataParallel& fsdp, JoinOptions opts);
+  // On every rank of the model's process group, at the same point (before the loop). `model`
+  // is a DistributedDataParallel or (Note [Join and FSDP]: opts.optimizer is then required) a
+  // FullyShardedDataParallel.
+  explicit Join(ParallelModule& model, JoinOptions opts = {});
   // Detaches from the model without communicating (an exception left the loop: the other ranks'
   // collectives fail on their timeout, as any rank failure does).
   ~Join();
@@ -126,6 +126,8 @@ class Join {
   // The header all-reduce (Note [Join]); DDP's forward calls it with active = true.
   Header exchange(bool active, bool synced);
   void sync_state(int source);
+  void attach(DistributedDataParallel& ddp);
+  void attach(FullyShardedDataParallel& fsdp);
   // Note [Join and ZeRO], Note [Join and FSDP]: the step a joined rank takes with the others.
   void shadow_step();
   ProcessGroup& pg() const;

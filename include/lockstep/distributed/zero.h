@@ -38,7 +38,9 @@ struct ZeroOptions {
   // clip_grad_norm(), step_gradients() (a GradScaler), load_state_dict() and wait_parameters()
   // wait for them and write the parameters. Anything else that reads or writes the parameters in
   // between (an evaluation through the inner module, saving or loading the model) must call
-  // wait_parameters() first: a write would be overwritten. Needs reduce_scatter_gradients.
+  // wait_parameters() first, or go through the DDP model (its forward, summon_full_params(),
+  // full_state_dict(), load_full_state_dict() wait): a write would be overwritten. Needs
+  // reduce_scatter_gradients.
   bool overlap_all_gather = false;
 };
 

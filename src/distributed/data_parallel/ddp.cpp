@@ -11,6 +11,7 @@
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/base/error.h"
 #include "lockstep/distributed/join.h"
+#include "lockstep/optim/optimizer.h"
 
 namespace lockstep::dist {
 
@@ -116,7 +117,7 @@ void broadcast_tensors(ProcessGroup& pg, const std::vector<Tensor>& tensors, int
 
 DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> module,
                                                  ProcessGroupPtr pg, DDPOptions opts)
-    : nn::Module("DistributedDataParallel"),
+    : ParallelModule("DistributedDataParallel"),
       module_(std::move(module)),
       pg_(std::move(pg)),
       opts_(std::move(opts)) {
@@ -168,15 +169,34 @@ Tensor DistributedDataParallel::forward(const Tensor& x) {
   }
   // Note [Slow rank]: after the collectives above, in which this rank may wait for a slow one.
   if (autograd::grad_enabled() && module_->is_training()) reducer_->start_step_clock();
-  return module_->forward(x);
+  return (*module_)(x);  // with the model's forward hooks, as PyTorch's DDP calls it
 }
 
-DistributedDataParallel::NoSync::NoSync(DistributedDataParallel& ddp)
-    : ddp_(ddp), previous_(ddp.reducer_->no_sync()) {
-  ddp_.reducer_->set_no_sync(true);
+bool DistributedDataParallel::set_no_sync(bool no_sync) {
+  const bool previous = reducer_->no_sync();
+  reducer_->set_no_sync(no_sync);
+  return previous;
 }
 
-DistributedDataParallel::NoSync::~NoSync() { ddp_.reducer_->set_no_sync(previous_); }
+double DistributedDataParallel::clip_grad_norm(double max_norm) {
+  if (opts_.comm_hook.clip_grad_norm) return opts_.comm_hook.clip_grad_norm(max_norm);
+  return optim::clip_grad_norm(module_->parameters(), max_norm);
+}
+
+void DistributedDataParallel::gather_full_params() {
+  if (opts_.comm_hook.before_forward) opts_.comm_hook.before_forward();
+}
+
+nn::NamedTensors DistributedDataParallel::full_state_dict() {
+  gather_full_params();
+  return module_->state_dict();
+}
+
+// After the hook's gathers landed, which would otherwise overwrite what is loaded.
+void DistributedDataParallel::load_full_state_dict(const nn::NamedTensors& state) {
+  gather_full_params();
+  module_->load_state_dict(state);
+}
 
 DDPStats DistributedDataParallel::stats() const { return reducer_->stats(); }
 

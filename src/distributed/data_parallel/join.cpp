@@ -130,7 +130,19 @@ void refuse_sync_batchnorm(const nn::Module& model) {
 
 }  // namespace
 
-Join::Join(DistributedDataParallel& ddp, JoinOptions opts) : ddp_(&ddp), opts_(std::move(opts)) {
+Join::Join(ParallelModule& model, JoinOptions opts) : opts_(std::move(opts)) {
+  if (auto* ddp = dynamic_cast<DistributedDataParallel*>(&model)) {
+    attach(*ddp);
+  } else if (auto* fsdp = dynamic_cast<FullyShardedDataParallel*>(&model)) {
+    attach(*fsdp);
+  } else {
+    LS_THROW("Join: expected a DistributedDataParallel or FullyShardedDataParallel model, got ",
+             "another ParallelModule, whose collectives a joined rank cannot shadow");
+  }
+}
+
+void Join::attach(DistributedDataParallel& ddp) {
+  ddp_ = &ddp;
   LS_CHECK(ddp_->join_ == nullptr,
            "Join: this DistributedDataParallel is already inside a Join; finish() that one (or "
            "let it go out of scope) before starting another");
@@ -140,8 +152,8 @@ Join::Join(DistributedDataParallel& ddp, JoinOptions opts) : ddp_(&ddp), opts_(s
   ddp_->join_ = this;
 }
 
-Join::Join(FullyShardedDataParallel& fsdp, JoinOptions opts)
-    : fsdp_(&fsdp), opts_(std::move(opts)) {
+void Join::attach(FullyShardedDataParallel& fsdp) {
+  fsdp_ = &fsdp;
   LS_CHECK(fsdp_->join_ == nullptr,
            "Join: this FullyShardedDataParallel is already inside a Join; finish() that one (or "
            "let it go out of scope) before starting another");

@@ -141,7 +141,7 @@ WrapPolicy wrap_by_size(int64_t min_params) {
 
 FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<nn::Module> module,
                                                    ProcessGroupPtr pg, FSDPOptions opts)
-    : nn::Module("FullyShardedDataParallel"),
+    : ParallelModule("FullyShardedDataParallel"),
       module_(std::move(module)),
       pg_(std::move(pg)),
       opts_(std::move(opts)) {
@@ -574,12 +574,11 @@ void FullyShardedDataParallel::shadow(const Tensor& input, bool synced, int acti
   shadowing_ = false;
 }
 
-FullyShardedDataParallel::NoSync::NoSync(FullyShardedDataParallel& fsdp)
-    : fsdp_(fsdp), previous_(fsdp.no_sync_) {
-  fsdp_.no_sync_ = true;
+bool FullyShardedDataParallel::set_no_sync(bool no_sync) {
+  const bool previous = no_sync_;
+  no_sync_ = no_sync;
+  return previous;
 }
-
-FullyShardedDataParallel::NoSync::~NoSync() { fsdp_.no_sync_ = previous_; }
 
 // ---- the optimizer's view ----
 
@@ -617,19 +616,19 @@ double FullyShardedDataParallel::clip_grad_norm(double max_norm) {
 
 // ---- full parameters ----
 
-FullyShardedDataParallel::FullParams::FullParams(FullyShardedDataParallel& fsdp) : fsdp_(fsdp) {
-  LS_CHECK(!fsdp_.summoned_, "summon_full_params: already inside a summon_full_params scope");
-  for (auto& u : fsdp_.units_) fsdp_.start_gather(*u);
-  for (auto& u : fsdp_.units_) fsdp_.wait_gather(*u);
-  fsdp_.summoned_ = true;
+void FullyShardedDataParallel::gather_full_params() {
+  LS_CHECK(!summoned_, "summon_full_params: already inside a summon_full_params scope");
+  for (auto& u : units_) start_gather(*u);
+  for (auto& u : units_) wait_gather(*u);
+  summoned_ = true;
 }
 
-FullyShardedDataParallel::FullParams::~FullParams() {
-  fsdp_.summoned_ = false;
+void FullyShardedDataParallel::release_full_params() noexcept {
+  summoned_ = false;
   try {
-    for (auto& u : fsdp_.units_) fsdp_.reshard(*u);
+    for (auto& u : units_) reshard(*u);
   } catch (const std::exception&) {
-    // reshard waits only for gathers that FullParams' constructor already waited for.
+    // reshard waits only for gathers that gather_full_params() already waited for.
   }
 }
 

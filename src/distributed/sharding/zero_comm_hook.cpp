@@ -101,7 +101,8 @@ CommHook ZeroRedundancyOptimizer::comm_hook() {
       },
       [zero](const std::vector<GradBucket>& buckets, bool final) {
         zero("DDP laid its buckets out")->take_buckets(buckets, final);
-      }};
+      },
+      [zero](double max_norm) { return zero("clip_grad_norm")->clip_grad_norm(max_norm); }};
 }
 
 }  // namespace lockstep::dist

@@ -16,6 +16,7 @@
 #include "lockstep/distributed/ddp.h"
 #include "lockstep/distributed/fsdp.h"
 #include "lockstep/distributed/join.h"
+#include "lockstep/distributed/zero.h"
 #include "lockstep/io/sharded_checkpoint.h"
 #include "testing.h"
 
@@ -54,8 +55,12 @@ struct Result {
   FSDPStats stats;
 };
 
+// The three layouts one training loop runs through dist::ParallelModule: DDP, DDP with ZeRO-1's
+// reduce-scatter hook (its all-gathers overlapped with the next forward), FSDP.
+enum class Layout { ddp, zero1, fsdp };
+
 struct RunSpec {
-  bool fsdp = false;
+  Layout layout = Layout::ddp;
   bool reshard = true;
   int steps = 8;
   int micro = 1;  // micro-batches per step (no_sync for all but the last)
@@ -72,49 +77,48 @@ Result train(int r, const ProcessGroupPtr& pg, const RunSpec& run) {
   auto model = mlp(7);
   if (run.from) model->load_state_dict(run.from->model);
   const int world = pg->size();
-  Result res;
-  if (run.fsdp) {
-    FullyShardedDataParallel fsdp(model, pg, fsdp_options(run.reshard));
-    auto opt = fsdp.wrap_optimizer(groups_of(*model), adamw);
-    if (run.from) opt->load_state_dict(run.from->optimizer);
-    for (int s = run.start; s < run.start + run.steps; ++s) {
-      opt->zero_grad();
-      for (int m = 0; m < run.micro; ++m) {
-        const Data b = batch_for(s, m, r, world);
-        if (m + 1 < run.micro) {
-          auto scope = fsdp.no_sync();
-          cross_entropy(fsdp.forward(b.x), b.y).backward();
-        } else {
-          cross_entropy(fsdp.forward(b.x), b.y).backward();
-        }
-      }
-      res.norms.push_back(fsdp.clip_grad_norm(kClip));
-      opt->step();
+  // Only the wrapper and its optimizer depend on the layout.
+  std::shared_ptr<ParallelModule> net;
+  std::unique_ptr<optim::Optimizer> opt;
+  FullyShardedDataParallel* fsdp = nullptr;
+  if (run.layout == Layout::fsdp) {
+    auto f = std::make_shared<FullyShardedDataParallel>(model, pg, fsdp_options(run.reshard));
+    opt = f->wrap_optimizer(groups_of(*model), adamw);
+    fsdp = f.get();
+    net = std::move(f);
+  } else {
+    auto ddp = std::make_shared<DistributedDataParallel>(model, pg);
+    if (run.layout == Layout::zero1) {
+      auto zero = std::make_unique<ZeroRedundancyOptimizer>(
+          groups_of(*model), pg, adamw,
+          ZeroOptions{.reduce_scatter_gradients = true, .overlap_all_gather = true});
+      ddp->register_comm_hook(zero->comm_hook());
+      opt = std::move(zero);
+    } else {
+      opt = adamw(groups_of(*model));
     }
-    res.model = fsdp.full_state_dict();
-    res.optimizer = opt->state_dict();
-    res.stats = fsdp.stats();
-    return res;
+    net = std::move(ddp);
   }
-  DistributedDataParallel ddp(model, pg);
-  auto opt = adamw(groups_of(*model));
   if (run.from) opt->load_state_dict(run.from->optimizer);
+  // The training loop, the same for every layout.
+  Result res;
   for (int s = run.start; s < run.start + run.steps; ++s) {
     opt->zero_grad();
     for (int m = 0; m < run.micro; ++m) {
       const Data b = batch_for(s, m, r, world);
       if (m + 1 < run.micro) {
-        auto scope = ddp.no_sync();
-        cross_entropy(ddp.forward(b.x), b.y).backward();
+        auto scope = net->no_sync();
+        cross_entropy(net->forward(b.x), b.y).backward();
       } else {
-        cross_entropy(ddp.forward(b.x), b.y).backward();
+        cross_entropy(net->forward(b.x), b.y).backward();
       }
     }
-    res.norms.push_back(optim::clip_grad_norm(model->parameters(), kClip));
+    res.norms.push_back(net->clip_grad_norm(kClip));
     opt->step();
   }
-  res.model = model->state_dict();
+  res.model = net->full_state_dict();
   res.optimizer = opt->state_dict();
+  if (fsdp) res.stats = fsdp->stats();
   return res;
 }
 
@@ -155,13 +159,19 @@ class FsdpEqualsDDP : public ::testing::TestWithParam<Case> {};
 
 TEST_P(FsdpEqualsDDP, ParametersOptimizerStateAndNormsBitwiseWithClippingAndAccumulation) {
   const auto [backend, world, reshard] = GetParam();
-  const RunSpec fsdp_run{.fsdp = true, .reshard = reshard, .steps = 6, .micro = 2};
-  const RunSpec ddp_run{.fsdp = false, .steps = 6, .micro = 2};
+  const RunSpec fsdp_run{.layout = Layout::fsdp, .reshard = reshard, .steps = 6, .micro = 2};
+  const RunSpec ddp_run{.layout = Layout::ddp, .steps = 6, .micro = 2};
+  const RunSpec zero_run{.layout = Layout::zero1, .steps = 6, .micro = 2};
   const auto fsdp = run_all(backend, world, fsdp_run);
   const auto ddp = run_all(backend, world, ddp_run);
   expect_same(fsdp[0].model, ddp[0].model);
   expect_same(fsdp[0].optimizer, ddp[0].optimizer);
   EXPECT_EQ(fsdp[0].norms, ddp[0].norms);
+  // ZeRO-1 through the same loop (its clip_grad_norm is the hook's, over its shards).
+  const auto zero = run_all(backend, world, zero_run);
+  expect_same(zero[0].model, ddp[0].model);
+  expect_same(zero[0].optimizer, ddp[0].optimizer);
+  EXPECT_EQ(zero[0].norms, ddp[0].norms);
   for (double n : ddp[0].norms) EXPECT_GT(n, kClip);  // clipping changed every step
   for (int r = 1; r < world; ++r) expect_same(fsdp[r].model, fsdp[0].model);
   // Training moved the parameters.
@@ -231,17 +241,21 @@ TEST(Fsdp, ParametersHoldNoMemoryOutsideTheirUnitsUse) {
 // A checkpoint in the full format moves between layouts: FSDP at 4 ranks -> FSDP at 3 and DDP at
 // 2 ranks -> back into FSDP at 2; each continuation equals DDP's continuation at that size.
 TEST(Fsdp, FullStateMovesBetweenFsdpAndDdpAtOtherWorldSizes) {
-  const Result saved = run_all("shm", 4, {.fsdp = true, .steps = 3})[0];
-  const Result ddp_saved = run_all("shm", 4, {.fsdp = false, .steps = 3})[0];
+  const Result saved = run_all("shm", 4, {.layout = Layout::fsdp, .steps = 3})[0];
+  const Result ddp_saved = run_all("shm", 4, {.layout = Layout::ddp, .steps = 3})[0];
   expect_same(saved.model, ddp_saved.model);
   expect_same(saved.optimizer, ddp_saved.optimizer);
-  const Result fsdp3 = run_all("shm", 3, {.fsdp = true, .steps = 2, .start = 3, .from = &saved})[0];
-  const Result ddp3 = run_all("shm", 3, {.fsdp = false, .steps = 2, .start = 3, .from = &saved})[0];
+  const Result fsdp3 =
+      run_all("shm", 3, {.layout = Layout::fsdp, .steps = 2, .start = 3, .from = &saved})[0];
+  const Result ddp3 =
+      run_all("shm", 3, {.layout = Layout::ddp, .steps = 2, .start = 3, .from = &saved})[0];
   expect_same(fsdp3.model, ddp3.model);
   expect_same(fsdp3.optimizer, ddp3.optimizer);
-  const Result fsdp2 = run_all(
-      "gloo", 2, {.fsdp = true, .reshard = false, .steps = 2, .start = 5, .from = &ddp3})[0];
-  const Result ddp2 = run_all("gloo", 2, {.fsdp = false, .steps = 2, .start = 5, .from = &ddp3})[0];
+  const Result fsdp2 =
+      run_all("gloo", 2,
+              {.layout = Layout::fsdp, .reshard = false, .steps = 2, .start = 5, .from = &ddp3})[0];
+  const Result ddp2 =
+      run_all("gloo", 2, {.layout = Layout::ddp, .steps = 2, .start = 5, .from = &ddp3})[0];
   expect_same(fsdp2.model, ddp2.model);
   expect_same(fsdp2.optimizer, ddp2.optimizer);
 }
@@ -277,7 +291,7 @@ TEST(Fsdp, ShardedCheckpointOfFourRanksResumesInThreeAndConsolidates) {
   io::save_sharded_checkpoint(dir, shards, meta);
 
   // The same 3 steps under DDP give the full state to compare with.
-  const Result ddp_saved = run_all("shm", 4, {.fsdp = false, .steps = 3})[0];
+  const Result ddp_saved = run_all("shm", 4, {.layout = Layout::ddp, .steps = 3})[0];
   const std::string file = dir + ".consolidated.safetensors";
   io::consolidate(dir, file);
   const io::TrainingCheckpoint whole = io::load_checkpoint(file);
@@ -318,7 +332,7 @@ TEST(Fsdp, ShardedCheckpointOfFourRanksResumesInThreeAndConsolidates) {
   });
   for (const auto& e : errors3) EXPECT_EQ(e, "");
   const Result ddp3 =
-      run_all("shm", 3, {.fsdp = false, .steps = 2, .start = 3, .from = &ddp_saved})[0];
+      run_all("shm", 3, {.layout = Layout::ddp, .steps = 2, .start = 3, .from = &ddp_saved})[0];
   expect_same(resumed[0].model, ddp3.model);
   expect_same(resumed[0].optimizer, ddp3.optimizer);
   std::filesystem::remove_all(dir);
