@@ -169,6 +169,9 @@ bool is_reducible(DType t) {
 // parameters that require grad; the copy is not part of any graph.
 void copy_elements(const Tensor& dst, const Tensor& src) {
   if (dst.numel() == 0) return;
+  if (dst.is_contiguous() && src.is_contiguous() && dst.data_ptr() == src.data_ptr() &&
+      dst.device() == src.device())
+    return;  // the same elements (a world of one's reduce_scatter in place)
   if (dst.device().is_cpu() && src.device().is_cpu() && dst.is_contiguous() &&
       src.is_contiguous()) {
     std::memcpy(dst.data_ptr(), src.data_ptr(), static_cast<size_t>(dst.nbytes()));
@@ -406,6 +409,16 @@ WorkPtr ProcessGroup::reduce_scatter(const Tensor& output, const Tensor& input,
   LS_CHECK(opts.op != ReduceOp::avg || is_floating(input.dtype()), who(),
            ": reduce_scatter with avg needs floating-point tensors, got ",
            dtype_name(input.dtype()));
+  if (output.numel() > 0 && output.is_contiguous() && input.is_contiguous() &&
+      output.device() == input.device()) {
+    const auto* o = static_cast<const uint8_t*>(output.data_ptr());
+    const auto* i = static_cast<const uint8_t*>(input.data_ptr());
+    const bool overlap = o < i + input.nbytes() && i < o + output.nbytes();
+    LS_CHECK(!overlap || o == i + rank_ * output.nbytes(), who(),
+             ": reduce_scatter: the output overlaps the input other than as its chunk ", rank_,
+             " (in place); it starts ", (o - i) / output.element_size(),
+             " elements into the input, expected ", rank_ * output.numel(), " or no overlap");
+  }
   const auto timeout = effective(opts.timeout);
   Tensor out = writable_contiguous(output);
   Tensor wire_out = stage_in(out, false);

@@ -160,6 +160,14 @@ inline void run_collective_sweep(dist::ProcessGroup& pg) {
         check.expect_equal(tag + " reduce_scatter " + std::string(dist::reduce_op_name(op)), rout,
                            want_r);
         check.expect_equal(tag + " reduce_scatter leaves its input alone", rin, rin_before);
+        // In place, as NCCL's and MPI's: the output is the input's chunk `me`, which gets the
+        // same values; the other chunks are left as they were.
+        pg.reduce_scatter(rin.narrow(0, me * n, n), rin, {.op = op})->wait();
+        std::vector<double> want_in = rin_before;
+        for (int64_t i = 0; i < n; ++i) want_in[static_cast<size_t>(me * n + i)] = want_r[i];
+        check.expect_equal(tag + " reduce_scatter in place " +
+                               std::string(dist::reduce_op_name(op)),
+                           rin, want_in);
       }
     }
 

@@ -254,15 +254,22 @@ TEST(ProcessGroup, ArgumentErrorsSayWhatWasExpected) {
                {"output needs 1 x 2 = 2 elements", "got 3"});
   expect_error([&] { pg.reduce_scatter(zeros({2}), zeros({3})); },
                {"input needs 1 x 2 = 2 elements", "got 3"});
+  // In place is the output at the input's chunk rank(); any other overlap is refused.
+  Tensor buf = full({5}, 1.0, kFloat32);
+  expect_error([&] { pg.reduce_scatter(buf.narrow(0, 1, 4), buf.narrow(0, 0, 4)); },
+               {"output overlaps the input other than as its chunk 0",
+                "starts 1 elements into the input, expected 0"});
+  pg.reduce_scatter(buf.narrow(0, 0, 4), buf.narrow(0, 0, 4))->wait();  // in place
+  EXPECT_EQ(buf.to_vector<double>(), std::vector<double>(5, 1.0));
   expect_error(
       [&] {
         pg.all_gather(std::vector<Tensor>{zeros({2}), zeros({2})}, zeros({2}));
       },
       {"expected 1 output tensors", "got 2"});
   expect_error([&] { pg.barrier({.timeout = -1ms}); }, {"timeout >= 0 ms"});
-  // None of the rejected calls took a sequence number.
-  EXPECT_EQ(pg.sequence_number(), 0);
-  EXPECT_EQ(pg.barrier()->seq(), 1);
+  // None of the rejected calls took a sequence number (the in-place one took 1).
+  EXPECT_EQ(pg.sequence_number(), 1);
+  EXPECT_EQ(pg.barrier()->seq(), 2);
 }
 
 TEST(ProcessGroup, AllGatherListFormAndStridedOutputs) {

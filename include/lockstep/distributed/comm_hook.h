@@ -25,7 +25,8 @@ namespace lockstep::dist {
 // whose reducer rescales the average after finish(): Note [Join]); `scratch` is the hook's to
 // keep between start and finish. For a sharding hook (reduce_scatter_hook(), ZeRO-1's), `shard`
 // is this rank's q = numel / world of the first world * q gradient elements, where finish()
-// leaves their average (the hook makes it when it is undefined or of another size or dtype).
+// leaves their average (the hook makes it when it is undefined or of another size or dtype; it
+// may be the buffer's own chunk rank, buffer.narrow(0, rank * q, q): then in place, as ZeRO-1's).
 // An FSDP unit is a bucket too: its flat, padded gradient, numel a multiple of the world size.
 struct GradBucket {
   int index = 0;
@@ -66,8 +67,9 @@ CommHook fp16_compress_hook();
 // Reduce-scatter into this rank's shard (FSDP's default; llm.c's ZeRO): the bucket's first
 // world * q gradient elements (q = numel / world), averaged, land in bucket.shard, the rest of
 // the buffer (fewer than world gradients and a reducer's own elements) is all-reduced in place,
-// and the first world * q elements of the buffer are left as they were. Half the bytes of an
-// all-reduce on the wire, for an optimizer that steps shards.
+// and the first world * q elements of the buffer are left as they were (but for the shard, when
+// it is the buffer's own chunk). Half the bytes of an all-reduce on the wire, for an optimizer
+// that steps shards.
 CommHook reduce_scatter_hook();
 
 // The reduce-scatter of a sharding hook (reduce_scatter_hook(), ZeroRedundancyOptimizer's):

@@ -155,7 +155,9 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   WorkPtr all_gather(std::vector<Tensor> outputs, const Tensor& input,
                      const AllGatherOptions& opts = {});
   // `input` has size() * output.numel() elements; rank r receives the reduction over ranks of
-  // the r-th chunk of input (input is not modified).
+  // the r-th chunk of input (input is not modified). In place, as NCCL's and MPI's: `output` may
+  // be input's chunk rank() (input.narrow(0, rank() * n, n) of a contiguous input), which then
+  // holds the result and the other chunks are left alone; any other overlap is an error.
   WorkPtr reduce_scatter(const Tensor& output, const Tensor& input,
                          const ReduceScatterOptions& opts = {});
   WorkPtr barrier(const BarrierOptions& opts = {});

@@ -27,8 +27,9 @@ struct ZeroOptions {
   // Note [ZeRO-1], Reduce-scatter: DDP's buckets are reduce-scattered during the backward pass
   // instead of all-reduced, each rank receiving the average of its shard of every bucket only.
   // Register comm_hook() with the DDP model (DistributedDataParallel::register_comm_hook, before
-  // the first backward). .grad() then holds this rank's own gradient after backward (anything
-  // that reads gradients before step() sees local values: clip with clip_grad_norm() below; a
+  // the first backward). Each bucket is reduce-scattered in place: after backward .grad() holds
+  // the average in this rank's shard and local values elsewhere (anything that reads gradients
+  // before step() sees them: clip with clip_grad_norm() below, or the DDP model's; a
   // GradScaler goes through step_gradients() and agree_found_inf(), so it works as usual).
   // Bitwise equal to plain DDP where the backend's reduce_scatter adds like its all_reduce: shm
   // and Gloo (both in rank order, any number of ranks) and any backend with 2 ranks.
@@ -149,7 +150,7 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
   struct Reduced {
     std::vector<size_t> params;
     int64_t numel = 0;
-    Tensor own;  // (numel / world): this rank's shard of the average
+    Tensor own;  // (numel / world): this rank's shard of the average, a view of the bucket
     WorkPtr scatter;
     bool whole = false;  // all-reduced whole (before DDP's layout was final)
   };

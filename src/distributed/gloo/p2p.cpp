@@ -227,7 +227,8 @@ void rank_order_reduce_scatter(const std::shared_ptr<gloo::Context>& ctx, void* 
   const auto es = static_cast<size_t>(dtype_size(dtype));
   if (count == 0) return;
   if (size == 1) {
-    std::memcpy(output, input, count * es);  // avg over one rank: the value itself
+    // avg over one rank: the value itself (already there in place).
+    if (output != input) std::memcpy(output, input, count * es);
     return;
   }
   const Exchange x{.ctx = *ctx,

@@ -58,13 +58,16 @@ namespace lockstep::dist {
 // hook, any backend, bitwise always) and saves the optimizer-state memory, ZeRO-1's point, for
 // one extra all-gather of the parameters per step. With ZeroOptions::reduce_scatter_gradients,
 // DDP runs comm_hook(): as each bucket's gradients are ready during backward, its first W q
-// elements are reduce-scattered straight into this rank's shard of that bucket (reduced_[b].own),
-// and the rest of the bucket's buffer (the tail, the unused-parameter status and the slow-rank
-// slots of Note [Slow rank]) is all-reduced in place; both overlap the rest of the backward as
-// DDP's all-reduces do. .grad() keeps local gradients but for the tails, so gradient clipping
-// goes through clip_grad_norm() here, and a GradScaler through step_gradients() (the averaged
-// shards) and agree_found_inf() (an inf one rank found is every rank's: a one-element
-// all-reduce, so the scaler's step is then collective).
+// elements are reduce-scattered in place into this rank's chunk of that bucket's buffer
+// (reduced_[b].own is a view of it; NCCL and MPI call this in place, llm.c does the same), and
+// the rest of the bucket's buffer (the tail, the unused-parameter status and the slow-rank slots
+// of Note [Slow rank]) is all-reduced in place; both overlap the rest of the backward as DDP's
+// all-reduces do. The gradient thus lives in one place, the bucket (the parameters' .grad()):
+// after backward it holds the average in this rank's chunk and the tail, and local values in the
+// other ranks' chunks, which nothing reads. So gradient clipping goes through clip_grad_norm()
+// here, and a GradScaler through step_gradients() (the averaged shards) and agree_found_inf()
+// (an inf one rank found is every rank's: a one-element all-reduce, so the scaler's step is then
+// collective).
 //
 // Buckets. DDP lays its buckets out at construction and again after the first backward (in the
 // order gradients became ready, Note [Bucket order]); CommHook::on_buckets tells the hook each
@@ -217,8 +220,9 @@ bool ZeroRedundancyOptimizer::agree_found_inf(bool found) {
   return flag.to(Device()).item() != 0.0;
 }
 
-// Where a piece's averaged gradient is: this rank's reduce-scattered shard of the bucket, or
-// (the tail, and everything without reduce_scatter_gradients) the parameter's .grad().
+// A piece's averaged gradient, in the bucket's buffer: through this rank's chunk of it, or (the
+// tail, whole buckets, and everything without reduce_scatter_gradients) the parameter's .grad(),
+// a view of the same buffer.
 Tensor ZeroRedundancyOptimizer::piece_grad(const Piece& piece) const {
   const Tensor& p = params_[piece.param];
   if (opts_.reduce_scatter_gradients && !full_grads_ && !piece.tail) {

@@ -37,8 +37,9 @@ void ZeroRedundancyOptimizer::take_buckets(const std::vector<GradBucket>& bucket
 }
 
 // Note [ZeRO-1], Reduce-scatter: the bucket's first world * q gradient elements (q = numel /
-// world) are reduce-scattered into this rank's shard of the bucket; the rest of the buffer, the
-// tail of fewer than world gradients and the reducer's own elements, is all-reduced in place.
+// world) are reduce-scattered in place, into this rank's chunk of the bucket's own buffer; the
+// rest of the buffer, the tail of fewer than world gradients and the reducer's own elements, is
+// all-reduced in place.
 WorkPtr ZeroRedundancyOptimizer::reduce_bucket(ProcessGroup& pg, GradBucket& b) {
   autograd::NoGradGuard no_grad;
   const int64_t world = pg_->size();
@@ -59,8 +60,11 @@ WorkPtr ZeroRedundancyOptimizer::reduce_bucket(ProcessGroup& pg, GradBucket& b) 
   full_grads_ = !announced_final_;
   r.whole = full_grads_;
   if (r.whole) return pg.all_reduce(b.buffer, {.op = ReduceOp::avg});
-  // The reduce-scatter of every sharding hook (comm_hook.h), into r.own.
-  b.shard = r.own;
+  // The reduce-scatter of every sharding hook (comm_hook.h), in place as llm.c's: the shard is
+  // this rank's chunk of the buffer, so the average lands in the parameters' .grad() and the
+  // gradient has one home (r.own is a view of it, not a copy).
+  const int64_t q = b.numel / world;
+  b.shard = b.buffer.narrow(0, pg_->rank() * q, q);
   ShardReduction sr = reduce_scatter_bucket(pg, b);
   r.own = b.shard;
   r.scatter = std::move(sr.scatter);
@@ -72,14 +76,9 @@ WorkPtr ZeroRedundancyOptimizer::reduce_bucket(ProcessGroup& pg, GradBucket& b) 
 void ZeroRedundancyOptimizer::finish_bucket(GradBucket& b) {
   Reduced& r = reduced_.at(static_cast<size_t>(b.index));
   ++finished_;
-  if (r.whole) return;  // the reducer rescales the buffer itself
   if (r.scatter) r.scatter->wait();
-  // Note [Join]: the reducer rescales the buffer (the tail) after finish(); the shard here.
-  const int world = pg_->size();
-  if (b.contributors > 0 && b.contributors != world) {
-    autograd::NoGradGuard no_grad;
-    r.own.mul_(static_cast<double>(world) / b.contributors);
-  }
+  // Note [Join]: the reducer rescales the buffer's gradients after finish(), the shard among
+  // them (it lies in the buffer).
 }
 
 CommHook ZeroRedundancyOptimizer::comm_hook() {
