@@ -7,6 +7,8 @@
 // Options keep torchrun's names and defaults; each can also come from LOCKSTEP_<NAME> in the
 // environment (LOCKSTEP_NPROC_PER_NODE, LOCKSTEP_MASTER_PORT, ...). Exit codes: 0 success, 1 the
 // job failed, 2 bad input (nothing was started), 128 + signal when stopped by SIGINT/SIGTERM.
+#include <signal.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <string>
@@ -192,6 +194,15 @@ int main(int argc, char** argv) {
     args.erase(dashes, args.end());
   }
   const bool is_run = !args.empty() && args.front() == "run";
+  if (is_run) {
+    // SIGUSR1 asks a running job for its report. Its default action kills the process, and the
+    // agent reads it only once its signalfd exists: held pending until then, an early request
+    // is answered late instead of killing the launcher.
+    sigset_t usr1;
+    sigemptyset(&usr1);
+    sigaddset(&usr1, SIGUSR1);
+    ::sigprocmask(SIG_BLOCK, &usr1, nullptr);
+  }
   std::reverse(args.begin(), args.end());  // CLI11 takes them in reverse order
   try {
     if (is_run) {
