@@ -10,6 +10,7 @@ packages=(
   libgloo-dev libdnnl-dev
   libcairo2-dev
   iproute2 procps
+  slurmctld slurmd slurm-client munge openmpi-bin
   python3
   dataset-fashion-mnist
   fortunes
