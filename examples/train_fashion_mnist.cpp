@@ -38,6 +38,7 @@
 #include "lockstep/data/data.h"
 #include "lockstep/distributed/checkpoint.h"
 #include "lockstep/distributed/fsdp.h"
+#include "lockstep/distributed/preemption.h"
 #include "lockstep/distributed/sync_check.h"
 #include "lockstep/distributed/zero.h"
 #include "lockstep/io/checkpoint.h"
@@ -224,6 +225,8 @@ class Trainer {
         test_crash_(cfg, *pg_),
         sample_log_(cfg.test_sample_log, pg_->rank(), pg_->size()) {
     for (const auto& [name, p] : model_.params->named_parameters()) param_names_.push_back(name);
+    if (const auto signals = dist::parse_signals(cfg.stop_signals); !signals.empty())
+      stop_.emplace(signals);
   }
 
   // --save: rank 0 can write there, checked before the run whose result it is to hold.
@@ -233,7 +236,10 @@ class Trainer {
   void resume();
   // The two header lines; then the per-step record (--metrics) opens.
   void start();
-  bool done() const { return pos_.epoch >= cfg_.epochs || reached_max_steps(); }
+  bool done() const { return pos_.epoch >= cfg_.epochs || reached_max_steps() || stopped_by_ != 0; }
+  // The signal that stopped the run after the current step (Note [Preemption] in
+  // lockstep/distributed/preemption.h), or 0.
+  int stopped_by() const { return stopped_by_; }
 
   // The training loop's pieces, in the order run() calls them.
   EpochResult train_epoch();
@@ -251,6 +257,8 @@ class Trainer {
   void finish_uneven_epoch(dist::Join& join);
   void record_step(const StepResult& s, double samples_per_s);
   void save_if_due(bool epoch_end);
+  bool save_step(bool epoch_end);
+  bool stop_agreed(bool epoch_end);
   void print_step(const StepResult& s) const;
   io::TrainingCheckpoint checkpoint(const Position& at);
   bool spared(const std::string& path) const;
@@ -278,6 +286,8 @@ class Trainer {
   optim::LRScheduler scheduler_;
   io::Progress progress_;
   const TestCrash test_crash_;
+  std::optional<dist::StopOnSignal> stop_;  // --stop-signals
+  int stopped_by_ = 0;
   examples::TestSampleLog sample_log_;
   std::vector<std::string> param_names_;
   std::optional<io::MetricsWriter> metrics_;
@@ -507,7 +517,7 @@ EpochResult Trainer::train_epoch() {
     save_if_due(epoch_end);
     test_crash_.after_step(pos_.step);  // testing only: Note [Testing hooks]
     print_step(*step);
-    if (reached_max_steps()) break;
+    if (reached_max_steps() || stop_agreed(epoch_end)) break;
   }
   if (join) finish_uneven_epoch(*join);
   progress_.finish();
@@ -602,17 +612,43 @@ void Trainer::record_step(const StepResult& s, double samples_per_s) {
 // written (the next one is), and a warning says so.
 void Trainer::save_if_due(bool epoch_end) {
   if (cfg_.save_every <= 0 || pos_.step % cfg_.save_every != 0) return;
+  save_step(epoch_end);
+}
+
+// The checkpoint of the step just taken, as <--save>.step<N>.<ext>, where --resume auto looks.
+bool Trainer::save_step(bool epoch_end) {
   const std::string path = io::checkpoint_path_for_step(cfg_.save, pos_.step);
   if (spared(path)) {
     log_rank0(LogLevel::kWarning, "not saving step ", pos_.step, " to ", path,
               ": it holds the corrupt checkpoint --resume auto skipped, left for you to inspect; "
               "remove or move it to let this run write there");
-    return;
+    return false;
   }
   // At the end of an epoch, the position is the next epoch's start.
   const Position at = epoch_end ? Position{.step = pos_.step, .epoch = pos_.epoch + 1} : pos_;
   dist::save_checkpoint(*pg_, path, checkpoint(at), cfg_.keep, spare_);
   log_rank0(LogLevel::kInfo, "saved ", path);
+  return true;
+}
+
+// --stop-signals (Note [Preemption] in lockstep/distributed/preemption.h): after each optimizer
+// step the ranks agree whether any of them caught one of the signals. If so, the step's
+// checkpoint is saved (unless --save-every just did), and the run ends after this step.
+bool Trainer::stop_agreed(bool epoch_end) {
+  if (!stop_) return false;
+  stopped_by_ = stop_->agreed(*pg_);
+  if (stopped_by_ == 0) return false;
+  const bool due = cfg_.save_every > 0 && pos_.step % cfg_.save_every == 0;
+  const bool saved = !cfg_.save.empty() && (due || save_step(epoch_end));
+  if (!saved) {
+    log_rank0(LogLevel::kWarning, "stopped by ", dist::signal_name(stopped_by_), " after step ",
+              pos_.step, "; nothing saved", cfg_.save.empty() ? " (no --save)" : "");
+  } else {
+    log_rank0(LogLevel::kInfo, "stopped by ", dist::signal_name(stopped_by_), " after step ",
+              pos_.step, ", saved as ", io::checkpoint_path_for_step(cfg_.save, pos_.step),
+              "; --resume auto goes on from there");
+  }
+  return true;
 }
 
 bool Trainer::spared(const std::string& path) const {
@@ -755,6 +791,10 @@ int run(const Config& cfg) {
   Totals totals;
   while (!trainer.done()) {
     const EpochResult epoch = trainer.train_epoch();
+    if (trainer.stopped_by() != 0) {  // --stop-signals: saved; no evaluation, no final save
+      dist::destroy_process_group();
+      return dist::StopOnSignal::exit_code(trainer.stopped_by());
+    }
     totals.samples += epoch.samples;
     totals.seconds += epoch.seconds;
     totals.loss = trainer.mean_loss();

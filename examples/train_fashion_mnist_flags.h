@@ -17,6 +17,7 @@
 
 #include "lockstep/data/data.h"
 #include "lockstep/distributed/init.h"
+#include "lockstep/distributed/preemption.h"
 #include "lockstep/distributed/process_group.h"
 #include "lockstep/tensor/cuda.h"
 
@@ -43,6 +44,7 @@ struct Config {
   int64_t save_every = 0;  // optimizer steps between periodic checkpoints (0: only at the end)
   int64_t keep = 0;        // periodic checkpoints kept (0: all)
   std::string resume;      // a checkpoint file, or "auto": the latest beside --save
+  std::string stop_signals = "TERM";  // Note [Preemption]: stop after the step, save, exit 128+N
   std::string metrics;     // JSON Lines of per-step metrics (rank 0)
   double bucket_mb = 25.0;
   std::string comm_hook = "none";
@@ -213,6 +215,12 @@ inline int parse_flags(int argc, char** argv, Config& cfg) {
   app.add_option("--resume", cfg.resume,
                  "Continue from a checkpoint file, or 'auto': the newest beside --save that "
                  "verifies, if any");
+  app.add_option("--stop-signals", cfg.stop_signals,
+                 "On these signals (comma-separated names or numbers; 'none' for none) every "
+                 "rank finishes its step, the job saves a checkpoint beside --save that "
+                 "--resume auto finds, and exits with 128 + the signal (143 for TERM): a "
+                 "cluster's preemption or requeue loses no work. Not with --uneven")
+      ->capture_default_str();
   app.add_option("--metrics", cfg.metrics,
                  "Append per-step metrics as JSON Lines here (rank 0; `lockstep plot` draws them)");
   add_number(app, "--test-crash-at-step", cfg.test_crash_at_step, I{0},
@@ -318,6 +326,17 @@ inline int parse_flags(int argc, char** argv, Config& cfg) {
     if (other != nullptr)
       return usage_error(std::string("--uneven cannot be combined with ") + other);
   }
+  try {
+    dist::parse_signals(cfg.stop_signals);
+  } catch (const std::exception& e) {
+    return usage_error(std::string("--stop-signals: ") + e.what());
+  }
+  if (cfg.uneven && app.count("--stop-signals") > 0 && cfg.stop_signals != "none") {
+    return usage_error(
+        "--stop-signals cannot be combined with --uneven: the ranks agree to stop after the "
+        "same step, and under --uneven they take different numbers of steps");
+  }
+  if (cfg.uneven) cfg.stop_signals = "none";
   if (cfg.sync_bn && cfg.model != "cnn-bn") {
     return usage_error("--sync-bn synchronizes BatchNorm layers, and --model " + cfg.model +
                        " has none: use --model cnn-bn");

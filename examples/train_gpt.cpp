@@ -42,6 +42,7 @@
 #include "lockstep/distributed/ddp.h"
 #include "lockstep/distributed/fsdp.h"
 #include "lockstep/distributed/parallel_module.h"
+#include "lockstep/distributed/preemption.h"
 #include "lockstep/distributed/sharded_checkpoint.h"
 #include "lockstep/distributed/sync_check.h"
 #include "lockstep/distributed/zero.h"
@@ -154,6 +155,8 @@ class Trainer {
              " windows per rank in ", cfg.data, "/train.tokens, got ", sampler_->num_samples(),
              " windows of ", cfg.block_size, " tokens for this rank");
     param_names_ = optimizer_param_names(*gpt_, cfg.weight_decay);
+    if (const auto signals = dist::parse_signals(cfg.stop_signals); !signals.empty())
+      stop_.emplace(signals);
     if (cfg.zero_reduce_scatter && world_ > 1) {
       zero_scatter_ = static_cast<dist::ZeroRedundancyOptimizer*>(opt_.get());
       static_cast<dist::DistributedDataParallel&>(*parallel_)
@@ -167,6 +170,8 @@ class Trainer {
   double evaluate();
   void sample();
   void save_final();
+  // The signal that stopped training after a step (--stop-signals), or 0.
+  int stopped_by() const { return stopped_by_; }
   void report_memory();
   void finish();
 
@@ -180,7 +185,7 @@ class Trainer {
   std::vector<io::TensorSlice> state_slices() const;
   dist::ShardedLoad read_sharded(const std::string& dir) const;
   io::TrainingCheckpoint whole_checkpoint(dist::ShardedLoad loaded, const std::string& dir) const;
-  bool done() const { return pos_.step >= cfg_.max_steps; }
+  bool done() const { return pos_.step >= cfg_.max_steps || stopped_by_ != 0; }
 
   const GptConfig& cfg_;
   std::shared_ptr<data::TokenWindowDataset> train_data_, val_data_;
@@ -197,6 +202,8 @@ class Trainer {
   // in one process, where the model alone trains.
   std::shared_ptr<dist::ParallelModule> parallel_;
   std::unique_ptr<optim::Optimizer> opt_;
+  std::optional<dist::StopOnSignal> stop_;  // --stop-signals
+  int stopped_by_ = 0;
   nn::Module& net() const { return parallel_ ? static_cast<nn::Module&>(*parallel_) : *gpt_; }
   // --zero-reduce-scatter: opt_, whose all-gathers DDP's next forward (or summon_full_params,
   // full_state_dict) waits for.
@@ -376,8 +383,21 @@ void Trainer::train() {
             .peak_rss_mib = io::peak_rss_mib()});
       progress_.update(pos_.step, loss, windows);
       sample_log_.after_step(pos_.step, pos_.epoch);  // before the step's checkpoint
-      if (cfg_.save_every > 0 && pos_.step % cfg_.save_every == 0 && !cfg_.save.empty())
+      const bool due = cfg_.save_every > 0 && pos_.step % cfg_.save_every == 0;
+      if (due && !cfg_.save.empty())
         save(io::checkpoint_path_for_step(cfg_.save, pos_.step), /*periodic=*/true);
+      if (stop_ && (stopped_by_ = stop_->agreed(*pg_)) != 0) {
+        // Note [Preemption] in lockstep/distributed/preemption.h: this step's checkpoint, where
+        // --resume auto looks, written before the process ends.
+        const std::string path = io::checkpoint_path_for_step(cfg_.save, pos_.step);
+        if (!cfg_.save.empty() && !due) save(path, /*periodic=*/false);
+        wait_for_saver();
+        log_rank0(cfg_.save.empty() ? LogLevel::kWarning : LogLevel::kInfo, "stopped by ",
+                  dist::signal_name(stopped_by_), " after step ", pos_.step,
+                  cfg_.save.empty() ? "; nothing saved (no --save)"
+                                    : ", saved as " + path + "; --resume auto goes on from there");
+        break;
+      }
       if (pos_.step % cfg_.eval_every == 0 || done())
         log_step(loss, grad_norm, windows * cfg_.block_size / dt);
     }
@@ -750,6 +770,10 @@ int run(const GptConfig& cfg) {
   trainer.resume();
   trainer.start();
   trainer.train();
+  if (trainer.stopped_by() != 0) {  // --stop-signals: saved; no final save, sample or report
+    dist::destroy_process_group();
+    return dist::StopOnSignal::exit_code(trainer.stopped_by());
+  }
   trainer.save_final();
   trainer.sample();
   trainer.finish();

@@ -12,6 +12,7 @@
 #include "lockstep/base/env_var.h"
 #include "lockstep/base/worker_env.h"
 #include "lockstep/data/text_corpus.h"
+#include "lockstep/distributed/preemption.h"
 #include "train_fashion_mnist_flags.h"
 
 namespace lockstep::examples {
@@ -71,6 +72,7 @@ struct GptConfig {
   // sharded directory (is_sharded_checkpoint_path).
   std::string save;
   int64_t save_every = 0;
+  std::string stop_signals = "TERM";  // Note [Preemption]: stop after the step, save, exit 128+N
   int64_t keep = 0;
   std::string resume;       // a checkpoint file or directory, or "auto": the latest beside --save
   bool async_save = false;  // periodic sharded checkpoints written in the background
@@ -204,6 +206,11 @@ inline int parse_gpt_flags(int argc, char** argv, GptConfig& cfg) {
   app.add_option("--resume", cfg.resume,
                  "Continue from a checkpoint file, a sharded checkpoint directory, or 'auto': the "
                  "newest beside --save");
+  app.add_option("--stop-signals", cfg.stop_signals,
+                 "On these signals (comma-separated names or numbers; 'none' for none) every "
+                 "rank finishes its step, the job saves a checkpoint beside --save that "
+                 "--resume auto finds, and exits with 128 + the signal (143 for TERM)")
+      ->capture_default_str();
   app.add_flag("--async-save", cfg.async_save,
                "With a sharded --save: write the --save-every checkpoints in the background "
                "while training goes on (the step only copies its part to host memory)");
@@ -265,6 +272,11 @@ inline int parse_gpt_flags(int argc, char** argv, GptConfig& cfg) {
     return usage_error(std::string(cfg.param_dtype != "f32" ? "--param-dtype" : "--reduce-dtype") +
                        " is FSDP's mixed precision: it needs --zero 2 or 3, got --zero " +
                        std::to_string(cfg.zero) + " (for DDP, --amp bf16)");
+  try {
+    dist::parse_signals(cfg.stop_signals);
+  } catch (const std::exception& e) {
+    return usage_error(std::string("--stop-signals: ") + e.what());
+  }
   if (cfg.async_save && !is_sharded_checkpoint_path(cfg.save))
     return usage_error("--async-save needs a sharded --save (a path not ending in .safetensors)");
   if (cfg.n_embd % cfg.n_head != 0)

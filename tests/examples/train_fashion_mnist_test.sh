@@ -60,6 +60,8 @@ case "$case_name" in
     expect_exit 0 "Testing only (the crash-recovery tests)" --help
     expect_exit 2 "dp" --dp 0
     expect_exit 2 "comm-hook" --comm-hook gzip
+    expect_exit 2 "--stop-signals: 'KILL' is not a signal that can be caught" --stop-signals TERM,KILL
+    expect_exit 2 "--stop-signals cannot be combined with --uneven" --uneven --stop-signals USR1
     expect_exit 2 "amp" --amp fp8
     expect_exit 2 "cannot be combined with --dp" --amp bf16 --dp 2
     expect_exit 2 "accum-steps" --accum-steps 0
@@ -778,6 +780,64 @@ PY
     grep -q "written by 3 ranks, now 2" "$work/r3.out" || { cat "$work/r3.out"; fail "no world-size change"; }
     cmp "$work/r0/ck.safetensors" "$work/r3/ck.safetensors" \
       || fail "the 2-rank continuations with --zero 3 and --zero 0 differ"
+    ;;
+  preempt)
+    # Preemption (Note [Preemption] in include/lockstep/distributed/preemption.h): SIGTERM at a
+    # random step, to `lockstep run` (which passes it on to its 2 workers) and to a single
+    # process. Each finishes its step, saves the step's checkpoint beside --save and exits 143;
+    # started again with --resume auto it ends on the very bits of an uninterrupted run. The
+    # stopped run's last step is one of the --log-every lines, and the resumed one starts there.
+    [ -x "$tool" ] || fail "no lockstep binary given"
+    args=(--log-every 1 --no-eval --threads 1 --schedule cosine --max-steps 60)
+    export OMP_NUM_THREADS=1
+    # stopped NAME K COMMAND...: runs COMMAND in the background and sends it SIGTERM once its
+    # output shows step K; then the run must have exited 143 after a later step that it saved.
+    # That step in $stopped_step.
+    signalled() {
+      local name=$1 k=$2 pid
+      shift 2
+      "$@" > "$work/$name.out" 2>&1 &
+      pid=$!
+      for _ in $(seq 600); do
+        grep -q "epoch 0 step $k loss" "$work/$name.out" && break
+        kill -0 "$pid" 2> /dev/null || break
+        sleep 0.05
+      done
+      kill -TERM "$pid"
+      wait "$pid" && rc=0 || rc=$?
+    }
+    stopped() {
+      local name=$1 k=$2 s
+      signalled "$@"
+      [ "$rc" -eq 143 ] || { cat "$work/$name.out"; fail "$name: exit $rc after SIGTERM, expected 143"; }
+      s=$(sed -n 's/.*stopped by SIGTERM after step \([0-9]*\), saved as .*/\1/p' "$work/$name.out")
+      [ -n "$s" ] && [ "$s" -ge "$k" ] && [ "$s" -lt 60 ] \
+        || { cat "$work/$name.out"; fail "$name: no 'stopped by SIGTERM after step N' (N from $k to 59)"; }
+      echo "$name: SIGTERM after step $k's line, stopped after step $s"
+      stopped_step=$s
+    }
+    for n in 2 1; do
+      if [ "$n" = 2 ]; then run=("$tool" run --standalone --nproc-per-node 2 "$exe"); else run=("$exe"); fi
+      "${run[@]}" "${args[@]}" --save "$work/a$n/ck.safetensors" > "$work/a$n.out" 2>&1 \
+        || { cat "$work/a$n.out"; fail "the uninterrupted run of $n failed"; }
+      stopped "b$n" $((RANDOM % 21 + 5)) "${run[@]}" "${args[@]}" --save "$work/b$n/ck.safetensors" \
+        --resume auto
+      [ -f "$work/b$n/ck.step$(printf %08d "$stopped_step").safetensors" ] || fail "no step-$stopped_step checkpoint"
+      "${run[@]}" "${args[@]}" --save "$work/b$n/ck.safetensors" --resume auto > "$work/c$n.out" 2>&1 \
+        || { cat "$work/c$n.out"; fail "the resumed run of $n failed"; }
+      grep -q "resumed .*ck.step$(printf %08d "$stopped_step").safetensors: step $stopped_step," "$work/c$n.out" \
+        || { cat "$work/c$n.out"; fail "the run after the stop did not resume from step $stopped_step"; }
+      cmp "$work/a$n/ck.safetensors" "$work/b$n/ck.safetensors" \
+        || fail "$n rank(s): stopped at step $stopped_step and resumed, the run ends elsewhere than the uninterrupted one"
+    done
+    # Without --save the stop says that nothing was saved; with --stop-signals none, SIGTERM ends
+    # the process at once, as before, with no stop line.
+    signalled nosave 5 "$exe" "${args[@]}"
+    [ "$rc" -eq 143 ] && grep -q "stopped by SIGTERM after step [0-9]*; nothing saved (no --save)" \
+      "$work/nosave.out" || { cat "$work/nosave.out"; fail "no 'nothing saved' after SIGTERM without --save"; }
+    signalled none 5 "$exe" "${args[@]}" --stop-signals none --save "$work/none/ck.safetensors"
+    ! grep -q "stopped by" "$work/none.out" && [ ! -e "$work/none" ] || [ -z "$(ls "$work/none")" ] \
+      || { cat "$work/none.out"; ls "$work/none"; fail "--stop-signals none still stopped cleanly"; }
     ;;
   *) fail "unknown case $case_name" ;;
 esac

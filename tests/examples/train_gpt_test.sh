@@ -583,6 +583,46 @@ PY
       --vocab-size 300 --init "$work/a.safetensors"
     expect_exit 1 "--init $work/none.safetensors" "${args[@]}" --init "$work/none.safetensors"
     ;;
+  preempt)
+    # SIGTERM to `lockstep run` at a random step of 2 FSDP ranks writing sharded checkpoints in
+    # the background (Note [Preemption] in include/lockstep/distributed/preemption.h): the ranks
+    # finish the step, wait for the background save, write the step's checkpoint and exit 143;
+    # --resume auto then ends on the tensors of an uninterrupted run.
+    [ -x "$tool" ] || fail "no lockstep binary given"
+    prepare_tiny
+    args=("${small[@]}" --batch-size 4 --max-steps 80 --warmup-steps 2 --eval-every 80 --zero 3
+      --save-every 7 --async-save)
+    export OMP_NUM_THREADS=1
+    "$tool" run --standalone --nproc-per-node 2 "$exe" "${args[@]}" --save "$work/a/ck" \
+      > "$work/a.out" 2>&1 || { cat "$work/a.out"; fail "the uninterrupted run failed"; }
+    k=$((RANDOM % 13 + 3))  # the stop comes some steps later, well before step 80
+    "$tool" run --standalone --nproc-per-node 2 "$exe" "${args[@]}" --save "$work/b/ck" --resume auto \
+      --metrics "$work/b.jsonl" > "$work/b.out" 2>&1 &
+    pid=$!
+    for _ in $(seq 600); do
+      [ "$(cat "$work/b.jsonl" 2> /dev/null | grep -c '"kind":"train"')" -ge "$k" ] && break
+      kill -0 "$pid" 2> /dev/null || break
+      sleep 0.05
+    done
+    kill -TERM "$pid"
+    wait "$pid" && rc=0 || rc=$?
+    [ "$rc" -eq 143 ] || { cat "$work/b.out"; fail "exit $rc after SIGTERM, expected 143"; }
+    s=$(sed -n 's/.*stopped by SIGTERM after step \([0-9]*\), saved as .*/\1/p' "$work/b.out")
+    [ -n "$s" ] && [ "$s" -ge "$k" ] && [ "$s" -lt 80 ] \
+      || { cat "$work/b.out"; fail "no 'stopped by SIGTERM after step N' (N from $k to 79)"; }
+    echo "SIGTERM after step $k, stopped after step $s"
+    [ -f "$work/b/ck.step$(printf %08d "$s")/index.json" ] || { ls "$work/b"; fail "no step-$s checkpoint"; }
+    "$tool" run --standalone --nproc-per-node 2 "$exe" "${args[@]}" --save "$work/b/ck" --resume auto \
+      > "$work/c.out" 2>&1 || { cat "$work/c.out"; fail "the resumed run failed"; }
+    grep -q "resumed .*ck.step$(printf %08d "$s"): step $s," "$work/c.out" \
+      || { cat "$work/c.out"; fail "the run after the stop did not resume from step $s"; }
+    for d in a b; do
+      "$tool" checkpoint consolidate "$work/$d/ck" -o "$work/$d.safetensors" > "$work/consolidate" 2>&1 \
+        || { cat "$work/consolidate"; fail "consolidate $d failed"; }
+    done
+    same_tensors "$work/a.safetensors" "$work/b.safetensors" \
+      || fail "stopped at step $s and resumed, the run ends on other tensors than the uninterrupted one"
+    ;;
   *) fail "unknown case $case_name" ;;
 esac
 echo "PASS: $case_name"
