@@ -24,7 +24,8 @@ struct StoreBind {
 
 struct RunOptions {
   int nproc_per_node = 1;
-  // --nnodes N, or MIN:MAX (elastic: Note [Elastic membership] in agent.cpp). nnodes is N or MAX.
+  // --nnodes N, or MIN:MAX (elastic: Note [Elastic membership] in agent_elastic.cpp). nnodes is N
+  // or MAX.
   int nnodes = 1;
   int min_nodes = 1;
   bool elastic = false;
@@ -50,7 +51,7 @@ struct RunOptions {
   // --timeout: the workers' collective timeout in seconds, passed as LOCKSTEP_TIMEOUT (checked,
   // as given); empty: not set, LOCKSTEP_TIMEOUT is removed from the workers' environment.
   std::string timeout;
-  // Note [Stall watch] in agent.cpp: warn (once per collective) when ranks have waited this
+  // Note [Stall watch] in agent_watch.cpp: warn (once per collective) when ranks have waited this
   // long in a collective another rank holds up; 0: never.
   double stall_timeout_s = 60;
   // A node whose agent has not been heard from for this long is lost: the job fails.

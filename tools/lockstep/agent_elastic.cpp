@@ -1,12 +1,11 @@
-// The node agent with elastic membership (`lockstep run --nnodes MIN:MAX`): who is in each
-// generation, join requests, nodes that leave or are lost, and when a restart counts.
+// The elastic rendezvous (`lockstep run --nnodes MIN:MAX`): who is in each generation, join
+// requests, node 0 forming a generation, a node joining, adopting the members, or leaving. Its
+// loop is run_elastic in agent.cpp; the next generation after a failure is in agent_restart.cpp.
 #include <signal.h>
 
 #include <algorithm>
 #include <chrono>
 #include <functional>
-#include <set>
-#include <sstream>
 #include <thread>
 
 #include "agent_impl.h"
@@ -72,17 +71,6 @@ std::string nodes_text(const std::vector<Member>& ms) {
     s += (s.empty() ? "" : ", ") + std::to_string(m.id) + " (host " + m.host + ")";
   }
   return s;
-}
-
-// adopt_members: node 0 left this node out of the generation (refused, or found lost).
-struct LeftOut : AgentError {
-  using AgentError::AgentError;
-};
-
-std::string seconds_text(double s) {
-  std::ostringstream o;
-  o << s;
-  return o.str();
 }
 
 }  // namespace
@@ -286,59 +274,6 @@ bool Agent::form_generation(int g, std::vector<Member> members, std::string* why
   return true;
 }
 
-void Agent::wait_for_node_zero(const std::string& k, const std::string& withdrawn,
-                               const std::string& what, const std::string& delay_key,
-                               const std::function<void()>& recheck) {
-  // Node 0 may first have to stop a running generation (a stop grace, a kill wait and the
-  // verdict's wait) and hear from the nodes: that on top of the rendezvous.
-  double wait_s = o_.rdzv_timeout_s + o_.node_timeout_s + kAnswerMargin.count();
-  std::string bound =
-      "--rdzv-timeout + --node-timeout + " + std::to_string(kAnswerMargin.count()) + " s";
-  auto deadline = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(wait_s * 1000));
-  bool delay_read = delay_key.empty();
-  auto withdraw = [&] {
-    if (withdrawn.empty()) return;
-    try {
-      store_->set(withdrawn, "1");
-    } catch (const Error&) {
-    }
-  };
-  while (!store_->check({k})) {
-    if (const int sig = take_signal()) {
-      withdraw();
-      throw Interrupted(sig);
-    }
-    if (recheck) {
-      try {
-        recheck();
-      } catch (const AgentError&) {
-        withdraw();
-        throw;
-      }
-    }
-    // Note [Restart backoff]: node 0 says how long it waits before the generation, and this
-    // node waits that much longer.
-    if (!delay_read) {
-      if (const auto text = try_get(delay_key)) {
-        delay_read = true;
-        double delay_s = 0;
-        try {
-          delay_s = std::max(0.0, json::parse(*text).get<double>());
-        } catch (const json::exception&) {
-        }
-        wait_s += delay_s;
-        bound += " + node 0's restart backoff of " + seconds_text(delay_s) + " s";
-        deadline += std::chrono::milliseconds(static_cast<int64_t>(delay_s * 1000));
-      }
-    }
-    if (Clock::now() >= deadline) {
-      withdraw();
-      throw AgentError(what + " within " + seconds_text(wait_s) + " s (" + bound + ")");
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-}
-
 void Agent::adopt_members(int g) {
   const std::string k = gen_key(g, "members");
   // A node that stops waiting says so, so that node 0 does not start a generation with it.
@@ -427,146 +362,6 @@ void Agent::publish_leaving(int g, int sig) {
   }
 }
 
-bool Agent::next_generation(int g, const json& failure, std::string* why) {
-  // Who is gone already: a node found lost, or one that left.
-  std::set<int> gone;
-  const int failed_node = failure.value("node", -1);
-  // Node 0 is never gone: it is this agent (another node found its heartbeat late).
-  if ((failure.value("lost", false) || failure.value("left", false)) && failed_node > 0 &&
-      failed_node < nnodes_) {
-    gone.insert(members_[failed_node].id);
-  }
-  // A node just admitted whose workers failed before the generation ran with it: it goes, told
-  // why, and the others go on as before (a membership change; Note [Elastic membership]).
-  if (const auto m = newcomer_failed_at_start(g, failure)) {
-    const std::string what = event_text(failure);
-    say("node --node-rank " + std::to_string(m->id) + " (host " + m->host + ") joined generation " +
-        std::to_string(g) +
-        ", but its workers failed before the generation ran with it; it is refused and the job "
-        "goes on without it");
-    store_->set(gen_key(g + 1, "refused/" + std::to_string(m->id)),
-                "its workers failed at the start of generation " + std::to_string(g) +
-                    ", before the job ran with them (" + what +
-                    "); the job goes on without this node: fix what failed on this machine and "
-                    "start it again");
-    gone.insert(m->id);
-  }
-  // The others say they stopped their workers; one that does not within --node-timeout is lost.
-  const auto deadline =
-      Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o_.node_timeout_s * 1000));
-  std::vector<Member> here;
-  for (;;) {
-    here.clear();
-    bool waiting = false;
-    for (const auto& m : members_) {
-      if (gone.count(m.id)) continue;
-      if (store_->check({gen_key(g, "stopped/" + std::to_string(m.id))})) {
-        here.push_back(m);
-      } else {
-        waiting = true;
-      }
-    }
-    if (!waiting) break;
-    if (const int sig = take_signal()) {
-      store_->set(gen_key(g + 1, "members"),
-                  dump({{"abort", "the launcher on node 0 received " + signal_name(sig)}}));
-      throw Interrupted(sig);
-    }
-    if (Clock::now() >= deadline) {
-      for (const auto& m : members_) {
-        if (gone.count(m.id) ||
-            std::any_of(here.begin(), here.end(), [&](const Member& h) { return h.id == m.id; })) {
-          continue;
-        }
-        say("node --node-rank " + std::to_string(m.id) + " (host " + m.host +
-            ") did not say it stopped its workers within --node-timeout " +
-            seconds_text(o_.node_timeout_s) + " s; it is left out");
-      }
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  const bool membership = failure.value("membership", false) || here.size() < members_.size();
-  if (!membership) {
-    if (restarts_used_ >= o_.max_restarts) {
-      *why = "no restarts left (--max-restarts " + std::to_string(o_.max_restarts) + ")";
-      store_->set(gen_key(g + 1, "members"), dump({{"abort", event_text(failure) + "; " + *why}}));
-      return false;
-    }
-    ++restarts_used_;
-    // Note [Restart backoff]: node 0 waits; the other nodes, told how long, wait that much
-    // longer for its next generation.
-    const double delay = restart_delay();
-    say("restarting the workers of every node" + restart_delay_text(delay) + " (restart " +
-        std::to_string(restarts_used_) + " of " + std::to_string(o_.max_restarts) + ")");
-    if (delay > 0) store_->set(gen_key(g + 1, "restart_delay"), dump(json(delay)));
-    if (const int sig = wait_before_restart(delay)) {
-      store_->set(gen_key(g + 1, "members"),
-                  dump({{"abort", "the launcher on node 0 received " + signal_name(sig)}}));
-      throw Interrupted(sig);
-    }
-  } else if (here.size() < members_.size()) {
-    say(std::to_string(members_.size() - here.size()) + " node(s) gone; " +
-        std::to_string(here.size()) + " remain (a membership change, not counted as a restart)");
-  }
-  // From here a replacement for a gone node may take its --node-rank, and the job's end waits
-  // only for the nodes still here (exit_sync).
-  members_ = here;
-  nnodes_ = static_cast<int>(here.size());
-  std::vector<Member> next = here;
-  next.insert(next.end(), pending_.begin(), pending_.end());
-  return form_generation(g + 1, next, why);
-}
-
-std::optional<Member> Agent::newcomer_failed_at_start(int g, const json& failure) {
-  // Generation 0 has no members from before to go on with; a node lost, leaving, or stopped for
-  // a joiner is no failure of its workers.
-  if (g == 0 || failure.value("membership", false) || failure.value("left", false) ||
-      failure.value("lost", false) || failure.value("interrupted", false)) {
-    return std::nullopt;
-  }
-  const int n = failure.value("node", -1);
-  if (n <= 0 || n >= nnodes_ || !newcomers_.count(members_[n].id)) return std::nullopt;
-  // "Ran with it": one of its ranks finished a collective of this generation (the final views,
-  // published before the workers were stopped: Note [Collective trace]).
-  std::vector<RankView> views;
-  try {
-    views = all_views(g, "final", final_views_);
-  } catch (const Error&) {
-    return std::nullopt;  // unknown: a failure like any other
-  }
-  for (const auto& v : views) {
-    if (v.node != n || !v.trace) continue;
-    const auto& t = *v.trace;
-    const bool finished_one =
-        t.finished > static_cast<int64_t>(t.records.size()) ||
-        std::any_of(t.records.begin(), t.records.end(), [](const dist::TraceRecord& r) {
-          return r.state == dist::TraceState::finished;
-        });
-    if (finished_one) return std::nullopt;
-  }
-  return members_[n];
-}
-
-// One line for every node: why generation g ended.
-std::string Agent::event_text(const json& f) const {
-  const std::string node = "node " + std::to_string(f.value("node", -1)) + " (host " +
-                           f.value("host", std::string("?")) + ")";
-  if (f.value("membership", false)) {
-    return f.value("status", std::string("a node asks to join")) +
-           "; the workers stop for a generation with it (a membership change, not counted as a "
-           "restart)";
-  }
-  if (f.value("left", false) || f.value("lost", false)) {
-    return node + " " + f.value("status", std::string("is gone"));
-  }
-  if (f.value("rank", -1) < 0) {
-    return node + " could not start its workers: " + f.value("status", std::string("?"));
-  }
-  return "rank " + std::to_string(f.value("rank", -1)) + " on " + node + " ended with " +
-         f.value("status", std::string("?"));
-}
-
 int Agent::elastic_rendezvous() {
   int g = 0;
   if (o_.node_rank == 0) {
@@ -577,81 +372,6 @@ int Agent::elastic_rendezvous() {
   }
   adopt_members(g);
   return g;
-}
-
-int Agent::run_elastic(int g) {
-  const bool host = o_.node_rank == 0;
-  for (;;) {
-    GenResult r = run_generation(g);
-    switch (r.outcome) {
-      case Outcome::kSucceeded:
-        if (host) refuse_waiting_joins("the job has finished");
-        exit_sync(normal_exit_wait());
-        return kExitOk;
-      case Outcome::kInterrupted:
-        if (host) refuse_waiting_joins("the job was stopped");
-        if (host) exit_sync(kExitSyncAfterSignal);  // a node that leaves just goes
-        return 128 + r.signal;
-      case Outcome::kStoreLost:
-        say("lost node 0's store at " + o_.master_addr + ":" + std::to_string(store_port_) +
-            " (its launcher exited or the network failed; node 0 must stay for the whole job): " +
-            r.why + "; workers stopped");
-        return kExitJobFailed;
-      case Outcome::kFailed:
-        break;
-    }
-    if (const int sig = take_signal()) {  // a Ctrl-C while the failed group was being stopped
-      if (host) {
-        publish_interrupted(g + 1, sig);
-        store_->set(gen_key(g + 1, "members"),
-                    dump({{"abort", "the launcher on node 0 received " + signal_name(sig)}}));
-        refuse_waiting_joins("the job was stopped");
-      }
-      say("received " + signal_name(sig) + "; not restarting");
-      if (host) exit_sync(kExitSyncAfterSignal);
-      return 128 + sig;
-    }
-    if (r.failure.value("interrupted", false)) {  // node 0 was told to stop the job
-      print_summary(r.failure, restarts_used_);
-      if (host) refuse_waiting_joins("the job was stopped");
-      exit_sync(kExitSyncAfterSignal);
-      return kExitJobFailed;
-    }
-    say(event_text(r.failure));
-    try {
-      store_->set(gen_key(g, "stopped/" + std::to_string(o_.node_rank)), "1");
-      if (host) {
-        std::string why;
-        if (!next_generation(g, r.failure, &why)) {
-          print_summary(r.failure, restarts_used_);
-          print_peak_memory();
-          say("not restarting: " + why);
-          refuse_waiting_joins("the job failed");
-          exit_sync(normal_exit_wait());
-          return kExitJobFailed;
-        }
-      }
-      ++g;
-      adopt_members(g);
-    } catch (const Interrupted& e) {
-      say(std::string(e.what()) + " while restarting; not restarting");
-      if (host) {
-        refuse_waiting_joins("the job was stopped");
-        exit_sync(kExitSyncAfterSignal);  // the others read the abort, not a lost store
-      }
-      return 128 + e.signal;
-    } catch (const AgentError& e) {
-      print_summary(r.failure, restarts_used_);
-      say(e.what());
-      // An aborted job: node 0 need not wait for this node at the end. A node left out is no
-      // member: its count would let node 0 end before a member that is still running.
-      if (dynamic_cast<const LeftOut*>(&e) == nullptr) exit_sync(kExitSyncAfterSignal);
-      return kExitJobFailed;
-    } catch (const Error& e) {
-      say("lost node 0's store while restarting: " + e.message());
-      return kExitJobFailed;
-    }
-  }
 }
 
 }  // namespace lockstep::launch::agent_detail

@@ -1,6 +1,7 @@
-// The node agent's insides, shared by agent.cpp (rendezvous, workers, generations) and
-// agent_watch.cpp (Note [Stall watch]: views, heartbeats, the verdict): its constants, the
-// worker record, and the Agent class. Only agent.h is the agent's interface.
+// The node agent's insides, shared by its files (agent.cpp, agent_rendezvous.cpp,
+// agent_elastic.cpp, agent_workers.cpp, agent_restart.cpp, agent_watch.cpp): its constants, the
+// worker record, and the Agent class, its methods grouped by the file that defines them. Only
+// agent.h is the agent's interface.
 #pragma once
 
 #include <signal.h>
@@ -15,6 +16,7 @@
 #include <optional>
 #include <random>
 #include <set>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -75,6 +77,11 @@ struct Interrupted : std::runtime_error {
   int signal;
 };
 
+// adopt_members: node 0 left this node out of the generation (refused, or found lost).
+struct LeftOut : AgentError {
+  using AgentError::AgentError;
+};
+
 inline std::string utc_now() {
   const std::time_t t = std::time(nullptr);
   std::tm tm{};
@@ -106,6 +113,12 @@ inline std::string random_hex(size_t bytes) {
     s += digits[v & 15];
   }
   return s;
+}
+
+inline std::string seconds_text(double s) {
+  std::ostringstream o;
+  o << s;
+  return o.str();
 }
 
 inline int online_cpus() {
@@ -181,54 +194,43 @@ class Agent {
   }
   // Of the current generation: with --nnodes MIN:MAX they change when nodes leave or join.
   int world_size() const { return nnodes_ * o_.nproc_per_node; }
-  // The host of the generation's node n, for messages ("?" when unknown).
-  std::string host_of(int n);
   void say(const std::string& msg) const { terminal_.say(msg); }
 
+  // agent.cpp: signals, the loop of generations, the end of the job
   void setup_signals();
   // A SIGINT/SIGTERM/SIGHUP received so far (the first one), or 0. Reads everything queued on
   // the signalfd; a signal is remembered until the agent acts on it.
   int take_signal();
-  // Reads a failed worker's remaining output (its last lines belong in the summary).
-  void drain_worker(Worker& w);
+  GenResult run_generation(int g);
+  void publish_interrupted(int g, int sig);
+  void exit_sync(std::chrono::milliseconds timeout);
+  // How long node 0 keeps the store up at the end for the others to read the outcome.
+  std::chrono::milliseconds normal_exit_wait() const;
+  int run_static();
+  int run_elastic(int g);
+
+  // agent_rendezvous.cpp: node 0's store, the fixed-size rendezvous, waits on the store
   void connect_store();
   void rendezvous();
   // rendezvous()'s checks of the joined nodes (--nproc-per-node, Note [Job signature]): an
   // AgentError naming the first disagreement.
   void check_joined_nodes();
-  void start_workers(int g);
-  GenResult run_generation(int g);
-  // Drains every readable stream for up to `timeout` (0: what is there now).
-  void pump_output(std::chrono::milliseconds timeout);
-  bool all_exited();
-  void reap();
-  // SIGTERM (or `sig`) to every live worker's process group, SIGKILL after the grace period;
-  // returns when all have exited and their output has been read.
-  void stop_workers(int sig);
-  void drain_after_exit();
-  // Note [A rank that leaves before joining]
-  void tell_ranks_waiting_to_join(int g);
-  json describe_failure(const Worker& w) const;
-  void publish_interrupted(int g, int sig);
-  void print_summary(const json& f, int generation) const;
-  // One line: every local worker's peak resident memory (after they all exited).
-  void print_peak_memory() const;
   bool wait_for_count(const std::string& k, int64_t want, std::chrono::milliseconds timeout,
                       int* interrupted);
-  void exit_sync(std::chrono::milliseconds timeout);
-  int run_static();
-  // Note [Restart backoff]: the wait before restarting after the generation that just ended,
-  // said as " in 0.4 s" (empty for none); then waited for, watching for a signal (returned, or 0).
-  double restart_delay();
-  static std::string restart_delay_text(double delay_s);
-  int wait_before_restart(double delay_s);
-  // How long node 0 keeps the store up at the end for the others to read the outcome.
-  std::chrono::milliseconds normal_exit_wait() const;
+  // Waits for node 0 to write key k; on a signal (Interrupted) or past the deadline (AgentError
+  // starting with `what`) it first sets `withdrawn` (unless empty) for node 0 to see. Once
+  // `delay_key` (unless empty) holds node 0's restart backoff, the deadline moves by it (Note
+  // [Restart backoff]); `recheck` (unless empty) runs at every look and may throw an AgentError
+  // (withdrawn first too).
+  void wait_for_node_zero(const std::string& k, const std::string& withdrawn,
+                          const std::string& what, const std::string& delay_key = "",
+                          const std::function<void()>& recheck = {});
+  // The host of the generation's node n, for messages ("?" when unknown).
+  std::string host_of(int n);
 
-  // Note [Elastic membership] (agent_elastic.cpp)
+  // agent_elastic.cpp: Note [Elastic membership]
   // Node 0 forms generation 0, another node asks to join; returns the generation it starts in.
   int elastic_rendezvous();
-  int run_elastic(int g);
   // A node other than node 0: asks node 0 to join; returns the generation it joins.
   int join_job();
   // Node 0: join requests not yet answered, those that may join (others refused at once).
@@ -245,26 +247,44 @@ class Agent {
   // Node 0: waits for MIN nodes and the last call (joins answered meanwhile), then publishes
   // gen<g>/members; false when it published an abort instead (why in *why).
   bool form_generation(int g, std::vector<Member> members, std::string* why);
-  // Node 0, after generation g failed: the nodes still here and whether the restart counts.
-  bool next_generation(int g, const json& failure, std::string* why);
   // Every node: reads gen<g>/members (waiting for it), sets members_, nnodes_, node_rank_; an
   // AgentError when the job was aborted or this node was left out.
   void adopt_members(int g);
-  // Waits for node 0 to write key k; on a signal (Interrupted) or past the deadline (AgentError
-  // starting with `what`) it first sets `withdrawn` (unless empty) for node 0 to see. Once
-  // `delay_key` (unless empty) holds node 0's restart backoff, the deadline moves by it (Note
-  // [Restart backoff]); `recheck` (unless empty) runs at every look and may throw an AgentError
-  // (withdrawn first too).
-  void wait_for_node_zero(const std::string& k, const std::string& withdrawn,
-                          const std::string& what, const std::string& delay_key = "",
-                          const std::function<void()>& recheck = {});
   void publish_leaving(int g, int sig);
-  std::string event_text(const json& failure) const;
+
+  // agent_workers.cpp: the worker set, the failure record and its summary
+  void start_workers(int g);
+  // Drains every readable stream for up to `timeout` (0: what is there now).
+  void pump_output(std::chrono::milliseconds timeout);
+  bool all_exited();
+  void reap();
+  // SIGTERM (or `sig`) to every live worker's process group, SIGKILL after the grace period;
+  // returns when all have exited and their output has been read.
+  void stop_workers(int sig);
+  void drain_after_exit();
+  // Reads a failed worker's remaining output (its last lines belong in the summary).
+  void drain_worker(Worker& w);
+  // Note [A rank that leaves before joining]
+  void tell_ranks_waiting_to_join(int g);
+  json describe_failure(const Worker& w) const;
+  void print_summary(const json& f, int generation) const;
+  // One line: every local worker's peak resident memory (after they all exited).
+  void print_peak_memory() const;
+
+  // agent_restart.cpp: between generations
+  // Note [Restart backoff]: the wait before restarting after the generation that just ended,
+  // said as " in 0.4 s" (empty for none); then waited for, watching for a signal (returned, or 0).
+  double restart_delay();
+  static std::string restart_delay_text(double delay_s);
+  int wait_before_restart(double delay_s);
+  // Node 0, after generation g failed: the nodes still here and whether the restart counts.
+  bool next_generation(int g, const json& failure, std::string* why);
   // Node 0, after generation g failed: the node new in g whose workers failed before the
   // generation ran with it (none of its ranks finished a collective), if that is the failure.
   std::optional<Member> newcomer_failed_at_start(int g, const json& failure);
+  std::string event_text(const json& failure) const;
 
-  // Note [Stall watch]
+  // agent_watch.cpp: Note [Stall watch]
   std::optional<std::string> try_get(const std::string& k);
   void observe_processes();
   RankView view_of(const Worker& w) const;

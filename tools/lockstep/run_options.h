@@ -22,7 +22,7 @@ inline constexpr int kMaxMaxRestarts = 1'000'000;
 // The agent checks the store this often: below the floor it would spin on the store.
 inline constexpr double kMinMonitorInterval = 0.01;
 inline constexpr double kMaxMonitorInterval = 3600;
-// --stall-timeout (Note [Stall watch] in agent.cpp): 0 turns the warning off.
+// --stall-timeout (Note [Stall watch] in agent_watch.cpp): 0 turns the warning off.
 inline constexpr double kMaxStallTimeout = 7 * 24 * 3600;
 // --node-timeout: how long an agent may go unheard before the others call its node lost.
 inline constexpr double kMinNodeTimeout = 1;
