@@ -8,6 +8,11 @@
 #   srun        the docs' srun block: 2 nodes x 2 ranks
 #   sbatch      the docs' batch script, `lockstep run` per node, under `sbatch --wait`
 #   mpirun      the docs' mpirun block (Open MPI; no SLURM)
+#   preempt     the batch script again, stopped at a random step by `scancel --signal=TERM` (the
+#               ranks save and exit 143, which this cluster's RequeueExit requeues), then again
+#               by `scontrol requeue`; the job resumes each time and ends on the uninterrupted bits
+#   preempt_srun  ranks started by srun directly, stopped by `scancel --signal=TERM` at a random
+#               step; srun again with --resume auto ends on the uninterrupted bits
 #
 # The docs' `train_fashion_mnist` and `lockstep` are this build's, through a folder on PATH; the
 # example's name there runs it shortened (no evaluation, few steps), which the blocks leave
@@ -20,10 +25,11 @@ source "$here/slurm_cluster.sh"
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
 case "$case_name" in
-  srun_n2 | srun | sbatch | mpirun) ;;
+  srun_n2 | srun | sbatch | mpirun | preempt | preempt_srun) ;;
   *) fail "unknown case '$case_name'" ;;
 esac
 steps=30
+case "$case_name" in preempt*) steps=120 ;; esac  # room for the stops
 [ "$case_name" = mpirun ] || slurm_isolate "$0" "$@"
 work=$(mktemp -d /tmp/lockstep-cluster-XXXXXX)
 chmod 755 "$work"
@@ -101,6 +107,71 @@ case "$case_name" in
     cat job.out
     grep -q "world_size=4" job.out || fail "the batch job did not make a world of 4"
     same_as_reference "sbatch of lockstep run per node"
+    ;;
+  preempt)
+    # Note [Preemption] in include/lockstep/distributed/preemption.h. A requeued job starts again
+    # once its old credential expired (cred_expire: 5 s on this cluster, 120 s by default).
+    reference 4
+    (umask 077; head -c 32 /dev/urandom | base64 > .lockstep-token)
+    id=$(sbatch --parsable --open-mode=append --output=job.out "$(docs_block sbatch)") \
+      || fail "sbatch failed: $id"
+    # wait_for PATTERN: until job.out has a line matching it (60 s at most).
+    wait_for() {
+      for _ in $(seq 600); do grep -q "$1" job.out 2> /dev/null && return 0; sleep 0.1; done
+      cat job.out; scontrol show job "$id"; fail "no '$1' in the job's output within 60 s"
+    }
+    # restarted N: the job went back to the queue (its N-th restart).
+    restarted() {
+      for _ in $(seq 600); do scontrol show job "$id" | grep -q "Restarts=$1 " && return 0; sleep 0.1; done
+      cat job.out; scontrol show job "$id"; fail "the job was not requeued"
+    }
+    stops=()
+    # stopped N: the job's N-th stop, at the step named in its output; the run after it resumes there.
+    stopped() {
+      local s
+      wait_for "stopped by SIGTERM after step"
+      s=$(sed -n 's/.*stopped by SIGTERM after step \([0-9]*\), saved as .*/\1/p' job.out | sed -n "$1p")
+      [ -n "$s" ] || { cat job.out; fail "stop $1 named no step"; }
+      stops+=("$s")
+    }
+    k=$((RANDOM % 20 + 5))
+    wait_for "epoch 0 step $k loss"
+    scancel --signal=TERM "$id"
+    stopped 1
+    restarted 1
+    wait_for "resumed ckpt/model.step$(printf %08d "${stops[0]}").safetensors: step ${stops[0]},"
+    k=$((stops[0] + RANDOM % 20 + 5))
+    wait_for "epoch 0 step $k loss"
+    scontrol requeue "$id"
+    for _ in $(seq 600); do [ "$(grep -c "stopped by SIGTERM after step" job.out)" -ge 2 ] && break; sleep 0.1; done
+    stopped 2
+    restarted 2
+    wait_for "resumed ckpt/model.step$(printf %08d "${stops[1]}").safetensors: step ${stops[1]},"
+    for _ in $(seq 600); do [ "$(job_state "$id")" = COMPLETED ] && break; sleep 0.1; done
+    [ "$(job_state "$id")" = COMPLETED ] || { cat job.out; scontrol show job "$id"; fail "the job did not complete"; }
+    cat job.out
+    echo "stopped by scancel --signal=TERM after step ${stops[0]}, by scontrol requeue after ${stops[1]}"
+    same_as_reference "the job stopped twice and requeued"
+    ;;
+  preempt_srun)
+    reference 4
+    k=$((RANDOM % 30 + 5))
+    run=(srun --nodes 2 --ntasks-per-node 2 train_fashion_mnist --save ckpt/model.safetensors --resume auto)
+    "${run[@]}" > run1.out 2>&1 &
+    pid=$!
+    for _ in $(seq 600); do grep -q "epoch 0 step $k loss" run1.out && break; sleep 0.1; done
+    id=$(squeue -h -o %i | head -n 1)
+    [ -n "$id" ] || { cat run1.out; fail "no job in the queue"; }
+    scancel --signal=TERM "$id"
+    wait "$pid" && rc=0 || rc=$?
+    [ "$rc" -eq 143 ] || { cat run1.out; fail "srun exited $rc after scancel --signal=TERM, expected 143"; }
+    s=$(sed -n 's/.*stopped by SIGTERM after step \([0-9]*\), saved as .*/\1/p' run1.out)
+    [ -n "$s" ] || { cat run1.out; fail "the ranks did not say where they stopped"; }
+    "${run[@]}" > run2.out 2>&1 || { cat run2.out; fail "srun --resume auto after the stop failed"; }
+    grep -q "resumed ckpt/model.step$(printf %08d "$s").safetensors: step $s," run2.out \
+      || { cat run2.out; fail "the second srun did not resume from step $s"; }
+    echo "stopped by scancel --signal=TERM after step $s"
+    same_as_reference "srun stopped by scancel --signal=TERM and run again"
     ;;
   mpirun)
     command -v mpirun > /dev/null || slurm_skip "no mpirun: scripts/install-deps.sh installs openmpi-bin"

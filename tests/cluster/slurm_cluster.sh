@@ -74,7 +74,8 @@ SlurmctldPort=${slurm_ports[0]}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket=$slurm_dir/munge/socket
+# A requeued job waits cred_expire seconds (120 by default) before it starts again.
+AuthInfo=socket=$slurm_dir/munge/socket,cred_expire=5
 CredType=cred/munge
 # The cgroup freezer is not mounted in a container: track a step's processes by their parents.
 ProctrackType=proctrack/linuxproc
@@ -86,6 +87,8 @@ ReturnToService=2
 # What a preempted job's requeue needs: jobs may be requeued, and a requeued one starts again.
 JobRequeue=1
 KillWait=30
+# A job that exits 143 (a rank stopped by SIGTERM after saving: Note [Preemption]) is requeued.
+RequeueExit=143
 StateSaveLocation=$slurm_dir/state
 SlurmdSpoolDir=$slurm_dir/spool/%n
 SlurmctldPidFile=$slurm_dir/slurmctld.pid

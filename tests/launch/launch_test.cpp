@@ -365,6 +365,37 @@ TEST_P(LauncherSignal, StopsEveryWorkerAndExitsWith128PlusSignal) {
 INSTANTIATE_TEST_SUITE_P(Signals, LauncherSignal, ::testing::Values(SIGTERM, SIGINT),
                          [](const auto& info) { return std::string(sigabbrev_np(info.param)); });
 
+// Workers that catch SIGTERM to save (Note [Preemption]) get --stop-grace (30 s by default) to
+// finish before SIGKILL: a 4-second save completes; with --stop-grace 1 it is cut short.
+TEST_F(Launcher, WorkersThatSaveOnSigtermGetTheStopGrace) {
+  for (const char* grace : {"", "1"}) {
+    std::vector<std::string> args = {"run", "--standalone", "--nproc-per-node", "2"};
+    if (*grace) args.insert(args.end(), {"--stop-grace", grace});
+    args.insert(args.end(), {kWorker, "slow-stop", "4"});
+    const Launch l = start_launcher(args, dir_, std::string("grace") + grace);
+    std::string out;
+    const auto deadline = std::chrono::steady_clock::now() + 60s;
+    while (running(l.pid) && std::chrono::steady_clock::now() < deadline &&
+           (out.find("rank 0 ready") == std::string::npos ||
+            out.find("rank 1 ready") == std::string::npos)) {
+      std::this_thread::sleep_for(20ms);
+      std::ifstream in(l.out);
+      out.assign(std::istreambuf_iterator<char>(in), {});
+    }
+    ::kill(l.pid, SIGTERM);
+    const Outcome o = wait_launcher(l);
+    EXPECT_TRUE(o.exited_with(128 + SIGTERM)) << o.describe();
+    if (*grace) {
+      EXPECT_THAT(o.err, HasSubstr("stopping the workers (SIGKILL after 1 s, --stop-grace)"));
+      EXPECT_THAT(o.out, Not(HasSubstr("saved after"))) << o.describe();
+    } else {
+      EXPECT_THAT(o.err, HasSubstr("stopping the workers (SIGKILL after 30 s, --stop-grace)"));
+      EXPECT_THAT(o.out, HasSubstr("[rank0]: rank 0 saved after SIGTERM")) << o.describe();
+      EXPECT_THAT(o.out, HasSubstr("[rank1]: rank 1 saved after SIGTERM")) << o.describe();
+    }
+  }
+}
+
 // The first entry of /dev/shm that begins with `prefix`, or "".
 std::string in_dev_shm(const std::string& prefix) {
   std::error_code ec;

@@ -59,6 +59,8 @@ TEST_F(Launcher, NumbersOutOfRangeAreRejectedNamingTheFlagAndItsRange) {
       {{"--monitor-interval", "nan"}, {"--monitor-interval", "seconds"}},
       {{"--rdzv-timeout", "1e300"}, {"--rdzv-timeout", "seconds from"}},
       {{"--rdzv-timeout", "0"}, {"--rdzv-timeout", "seconds from"}},
+      {{"--stop-grace", "-1"}, {"--stop-grace", "seconds from 0 to 3600", "-1"}},
+      {{"--stop-grace", "3601"}, {"--stop-grace", "seconds from 0 to 3600"}},
   };
   int i = 0;
   for (const BadNumber& c : cases) {

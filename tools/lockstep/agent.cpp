@@ -148,8 +148,9 @@ GenResult Agent::run_generation(int g) {
         } else {
           publish_interrupted(g, sig);
         }
-        say("received " + signal_name(sig) + "; stopping the workers");
-        stop_workers(sig);
+        say("received " + signal_name(sig) + "; stopping the workers (SIGKILL after " +
+            seconds_text(o_.stop_grace_s) + " s, --stop-grace)");
+        stop_workers(sig, stop_grace());
         result.outcome = Outcome::kInterrupted;
         result.signal = sig;
         return result;
@@ -195,7 +196,9 @@ GenResult Agent::run_generation(int g) {
           return result;
         }
         publish_final_views(g);  // before stopping: a stopped rank must still read as stopped
-        stop_workers(SIGTERM);
+        // Another node's launcher got a stopping signal: these workers may be saving too.
+        stop_workers(SIGTERM,
+                     result.failure.value("interrupted", false) ? stop_grace() : kStopGrace);
         judge_failure(g);
         return result;
       }

@@ -56,6 +56,10 @@ struct RunOptions {
   double stall_timeout_s = 60;
   // A node whose agent has not been heard from for this long is lost: the job fails.
   double node_timeout_s = 30;
+  // When the job is stopped by a signal (the launcher's own, or another node's), how long the
+  // workers have to finish their step and save (Note [Preemption] in
+  // include/lockstep/distributed/preemption.h) before SIGKILL.
+  double stop_grace_s = 30;
   std::string program;  // resolved, absolute
   std::vector<std::string> args;
 };

@@ -37,7 +37,9 @@ namespace lockstep::launch::agent_detail {
 using Clock = std::chrono::steady_clock;
 using json = nlohmann::json;
 
-// SIGTERM first; what is still alive after this gets SIGKILL.
+// SIGTERM first; what is still alive after this gets SIGKILL. After a failure: the others are
+// stuck in collectives with the failed rank, and a worker that catches SIGTERM to save
+// (Note [Preemption]) cannot agree with its peers. After a signal, --stop-grace instead.
 constexpr auto kStopGrace = std::chrono::seconds(3);
 // How long node 0 keeps the store up for the other agents to read the outcome (at least; also
 // three monitor intervals, since that is how long an agent may take to look).
@@ -258,9 +260,13 @@ class Agent {
   void pump_output(std::chrono::milliseconds timeout);
   bool all_exited();
   void reap();
-  // SIGTERM (or `sig`) to every live worker's process group, SIGKILL after the grace period;
-  // returns when all have exited and their output has been read.
-  void stop_workers(int sig);
+  // `sig` to every live worker's process group, SIGKILL to those alive `grace` later; returns
+  // when all have exited and their output has been read.
+  void stop_workers(int sig, std::chrono::milliseconds grace = kStopGrace);
+  // The grace after a stopping signal: --stop-grace.
+  std::chrono::milliseconds stop_grace() const {
+    return std::chrono::milliseconds(static_cast<int64_t>(o_.stop_grace_s * 1000));
+  }
   void drain_after_exit();
   // Reads a failed worker's remaining output (its last lines belong in the summary).
   void drain_worker(Worker& w);

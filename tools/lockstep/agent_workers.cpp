@@ -148,11 +148,11 @@ void Agent::drain_worker(Worker& w) {
   }
 }
 
-void Agent::stop_workers(int sig) {
+void Agent::stop_workers(int sig, std::chrono::milliseconds grace) {
   for (auto& w : workers_) {
     if (!w->proc->exit_status()) w->proc->signal_group(sig);
   }
-  const auto deadline = Clock::now() + kStopGrace;
+  const auto deadline = Clock::now() + grace;
   reap();
   while (!all_exited() && Clock::now() < deadline) {
     pump_output(std::chrono::milliseconds(20));

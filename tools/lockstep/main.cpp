@@ -142,6 +142,11 @@ int main(int argc, char** argv) {
          "seconds without a word from another machine's launcher before its node counts as lost "
          "and the job fails")
       ->capture_default_str();
+  option("--stop-grace", raw.stop_grace,
+         "seconds the workers have, after the signal that stops the job (SIGTERM, SIGINT, "
+         "SIGHUP, to this launcher or another node's), to finish their step and save before "
+         "SIGKILL, 0 to 3600")
+      ->capture_default_str();
   option("--token-file", raw.token_file,
          "the store's secret, shared by the machines of a job: a file only you can read");
   flag("--insecure", raw.insecure,

@@ -444,6 +444,7 @@ RunOptions check_run_options(const RawRunOptions& raw, const std::vector<std::st
           : parse_seconds(raw.stall_timeout, src("--stall-timeout"), 0.1, kMaxStallTimeout);
   o.node_timeout_s =
       parse_seconds(raw.node_timeout, src("--node-timeout"), kMinNodeTimeout, kMaxNodeTimeout);
+  o.stop_grace_s = parse_seconds(raw.stop_grace, src("--stop-grace"), 0, kMaxStopGrace);
   if (raw.tee && raw.log_dir.empty()) throw UsageError("--tee needs --log-dir");
   o.master_addr = raw.standalone ? "127.0.0.1" : raw.master_addr;
   if (o.master_addr.empty()) throw UsageError(src("--master-addr") + " must not be empty");

@@ -27,6 +27,8 @@ inline constexpr double kMaxStallTimeout = 7 * 24 * 3600;
 // --node-timeout: how long an agent may go unheard before the others call its node lost.
 inline constexpr double kMinNodeTimeout = 1;
 inline constexpr double kMaxNodeTimeout = 3600;
+// --stop-grace: the workers' time to save after a stopping signal.
+inline constexpr double kMaxStopGrace = 3600;
 inline constexpr double kMinRdzvTimeout = 0.1;
 inline constexpr double kMaxRdzvTimeout = 7 * 24 * 3600;
 // --run-id: one file-name component (Note [Run id] in run_options.cpp).
@@ -53,6 +55,7 @@ struct RawRunOptions {
   std::string timeout;  // empty: the workers' own (InitOptions::timeout, else 30 minutes)
   std::string stall_timeout = "60";
   std::string node_timeout = "30";
+  std::string stop_grace = "30";
   std::string token_file;
   bool insecure = false;
   // Options that were on the command line ("--nnodes"); the others came from LOCKSTEP_<NAME> or

@@ -1,7 +1,7 @@
 // The program that tests/launch starts under `lockstep run`: argv[1] picks what a worker does
 // (report its environment, fail, die by a signal, sleep, flood its output, redraw a progress
 // line with '\r', throw, train with DDP, skip a collective, allocate memory, be killed on cue and
-// then train after the restart).
+// then train after the restart, take a while to save when stopped).
 //
 // With LAUNCH_TEST_PID_DIR set, every worker first records its pid and the pid of one grandchild
 // (`sleep 300`, in the worker's process group) as <dir>/<pid>.pid, so a test can check that the
@@ -29,6 +29,7 @@ extern char** environ;
 #include "lockstep/distributed/ddp.h"
 #include "lockstep/distributed/error_file.h"
 #include "lockstep/distributed/init.h"
+#include "lockstep/distributed/preemption.h"
 #include "lockstep/distributed/shm/process_group_shm.h"
 #include "lockstep/distributed/store/tcp_store.h"
 #include "lockstep/lockstep.h"
@@ -110,6 +111,23 @@ int sleep_then_fail(std::chrono::seconds s) {
   std::fprintf(stderr, "launch_worker: rank %d was not stopped within %lld s\n",
                env_int("RANK", -1), static_cast<long long>(s.count()));
   return 91;
+}
+
+// A worker that saves when stopped (Note [Preemption]): SIGTERM is caught, and the "save" takes
+// `save_s` seconds before the worker exits 143.
+int slow_stop(double save_s) {
+  lockstep::dist::StopOnSignal stop;
+  std::printf("rank %d ready\n", env_int("RANK", -1));
+  std::fflush(stdout);
+  const auto deadline = std::chrono::steady_clock::now() + 120s;
+  while (stop.caught() == 0 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(10ms);
+  if (stop.caught() == 0) return sleep_then_fail(0s);
+  std::this_thread::sleep_for(std::chrono::duration<double>(save_s));
+  std::printf("rank %d saved after %s\n", env_int("RANK", -1),
+              lockstep::dist::signal_name(stop.caught()).c_str());
+  std::fflush(stdout);
+  return lockstep::dist::StopOnSignal::exit_code(stop.caught());
 }
 
 int report_env(const fs::path& out_dir, int argc, char** argv) {
@@ -418,6 +436,7 @@ int run(int argc, char** argv) {
     return 0;
   }
   if (mode == "sleep") return sleep_then_fail(120s);
+  if (mode == "slow-stop" && argc >= 3) return slow_stop(std::atof(argv[2]));
   if (mode == "leave-before-join") {
     // Rank 1 ends (0) without joining; rank 0 joins with the default rendezvous timeout (300 s).
     lockstep::dist::install_error_handler();
