@@ -288,6 +288,7 @@ class Trainer {
   const TestCrash test_crash_;
   std::optional<dist::StopOnSignal> stop_;  // --stop-signals
   int stopped_by_ = 0;
+  int64_t saved_step_ = -1;  // the step of the last periodic checkpoint written
   examples::TestSampleLog sample_log_;
   std::vector<std::string> param_names_;
   std::optional<io::MetricsWriter> metrics_;
@@ -517,7 +518,7 @@ EpochResult Trainer::train_epoch() {
     save_if_due(epoch_end);
     test_crash_.after_step(pos_.step);  // testing only: Note [Testing hooks]
     print_step(*step);
-    if (reached_max_steps() || stop_agreed(epoch_end)) break;
+    if (stop_agreed(epoch_end) || reached_max_steps()) break;
   }
   if (join) finish_uneven_epoch(*join);
   progress_.finish();
@@ -628,18 +629,19 @@ bool Trainer::save_step(bool epoch_end) {
   const Position at = epoch_end ? Position{.step = pos_.step, .epoch = pos_.epoch + 1} : pos_;
   dist::save_checkpoint(*pg_, path, checkpoint(at), cfg_.keep, spare_);
   log_rank0(LogLevel::kInfo, "saved ", path);
+  saved_step_ = pos_.step;
   return true;
 }
 
 // --stop-signals (Note [Preemption] in lockstep/distributed/preemption.h): after each optimizer
 // step the ranks agree whether any of them caught one of the signals. If so, the step's
-// checkpoint is saved (unless --save-every just did), and the run ends after this step.
+// checkpoint is saved (unless --save-every just wrote it), and the run ends after this step,
+// the last one too (no evaluation, no final save: the cluster's time is short).
 bool Trainer::stop_agreed(bool epoch_end) {
   if (!stop_) return false;
   stopped_by_ = stop_->agreed(*pg_);
   if (stopped_by_ == 0) return false;
-  const bool due = cfg_.save_every > 0 && pos_.step % cfg_.save_every == 0;
-  const bool saved = !cfg_.save.empty() && (due || save_step(epoch_end));
+  const bool saved = !cfg_.save.empty() && (saved_step_ == pos_.step || save_step(epoch_end));
   if (!saved) {
     log_rank0(LogLevel::kWarning, "stopped by ", dist::signal_name(stopped_by_), " after step ",
               pos_.step, "; nothing saved", cfg_.save.empty() ? " (no --save)" : "");

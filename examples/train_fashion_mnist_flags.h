@@ -45,7 +45,7 @@ struct Config {
   int64_t keep = 0;        // periodic checkpoints kept (0: all)
   std::string resume;      // a checkpoint file, or "auto": the latest beside --save
   std::string stop_signals = "TERM";  // Note [Preemption]: stop after the step, save, exit 128+N
-  std::string metrics;     // JSON Lines of per-step metrics (rank 0)
+  std::string metrics;                // JSON Lines of per-step metrics (rank 0)
   double bucket_mb = 25.0;
   std::string comm_hook = "none";
   std::string backend;  // empty: LOCKSTEP_BACKEND, else init_process_group's default (auto)
@@ -147,6 +147,15 @@ inline std::string number_text(double v) {
   char buf[32];
   const auto r = std::to_chars(buf, buf + sizeof(buf), v);
   return std::string(buf, r.ptr);
+}
+
+// --stop-signals as the signals it names ("SIGTERM,SIGUSR1", "none"), so that "15" and "TERM"
+// read the same.
+inline std::string stop_signals_text(const std::string& flag) {
+  std::string text;
+  for (int sig : dist::parse_signals(flag))
+    text += (text.empty() ? "" : ",") + dist::signal_name(sig);
+  return text.empty() ? "none" : text;
 }
 
 inline int usage_error(const std::string& what) {
@@ -331,7 +340,8 @@ inline int parse_flags(int argc, char** argv, Config& cfg) {
   } catch (const std::exception& e) {
     return usage_error(std::string("--stop-signals: ") + e.what());
   }
-  if (cfg.uneven && app.count("--stop-signals") > 0 && cfg.stop_signals != "none") {
+  if (cfg.uneven && app.count("--stop-signals") > 0 &&
+      stop_signals_text(cfg.stop_signals) != "none") {
     return usage_error(
         "--stop-signals cannot be combined with --uneven: the ranks agree to stop after the "
         "same step, and under --uneven they take different numbers of steps");

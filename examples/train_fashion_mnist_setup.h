@@ -350,7 +350,7 @@ inline bool check_job_settings(const Config& cfg, dist::ProcessGroup& pg,
        {"--eval", yes_no(cfg.eval)},
        {"--save (given or not)", yes_no(!cfg.save.empty())},
        {"--save-every", text(cfg.save_every)},
-       {"--stop-signals", cfg.stop_signals},  // each step's stop check is a collective
+       {"--stop-signals", stop_signals_text(cfg.stop_signals)},  // the stop check: a collective
        {"--resume", cfg.resume},
        {"--check-sync-every", text(cfg.check_sync_every)},
        {"--bucket-mb", number_text(cfg.bucket_mb)},

@@ -278,7 +278,7 @@ inline bool check_job_settings(const GptConfig& cfg, dist::ProcessGroup& pg,
        {"--save (a sharded directory or not)", yes_no(is_sharded_checkpoint_path(cfg.save))},
        {"--async-save", yes_no(cfg.async_save)},
        {"--save-every", text(cfg.save_every)},
-       {"--stop-signals", cfg.stop_signals},  // each step's stop check is a collective
+       {"--stop-signals", stop_signals_text(cfg.stop_signals)},  // the stop check: a collective
        {"--resume", cfg.resume},
        {"--no-shuffle", yes_no(cfg.no_shuffle)},
        {"the training tokens (--data)", token_file_text(train.tokens())},

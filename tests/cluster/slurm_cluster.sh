@@ -37,7 +37,8 @@ slurm_isolate() {
   done
   unshare --pid --fork --mount-proc true 2> /dev/null \
     || slurm_skip "cannot create a PID namespace here (unshare --pid --fork --mount-proc)"
-  LOCKSTEP_SLURM_ISOLATED=1 exec unshare --pid --fork --mount-proc bash "$@"
+  # --kill-child: killed from outside (a ctest timeout), unshare takes the namespace with it.
+  LOCKSTEP_SLURM_ISOLATED=1 exec unshare --pid --fork --mount-proc --kill-child bash "$@"
 }
 
 slurm_free_port() {
@@ -47,7 +48,9 @@ slurm_free_port() {
 # slurm_up: starts munged, slurmctld and slurmd n1, n2, and waits until both nodes are idle.
 # Sets SLURM_CONF (every SLURM command reads it) and slurm_dir.
 slurm_up() {
-  [ -n "${LOCKSTEP_SLURM_ISOLATED:-}" ] || { echo "FAIL: slurm_up before slurm_isolate" >&2; exit 1; }
+  # Only as the first process of the namespaces: the /etc/hosts below must stay private.
+  [ -n "${LOCKSTEP_SLURM_ISOLATED:-}" ] && [ $$ -eq 1 ] \
+    || { echo "FAIL: slurm_up outside the namespaces of slurm_isolate" >&2; exit 1; }
   slurm_dir=$(mktemp -d /tmp/lockstep-slurm-XXXXXX)
   # munged refuses a socket folder that others may write to, and checks every parent.
   chmod 755 "$slurm_dir"
@@ -69,6 +72,8 @@ slurm_up() {
   cat > "$slurm_dir/slurm.conf" <<CONF
 # Written by tests/cluster/slurm_cluster.sh: two nodes on one machine.
 ClusterName=lockstep-test
+# Job ids name the ranks' default store port (20000 + id mod 20000): not the same in every run.
+FirstJobId=$((RANDOM % 10000 + 1))
 SlurmctldHost=$(hostname)(127.0.0.1)
 SlurmctldPort=${slurm_ports[0]}
 SlurmUser=root

@@ -608,8 +608,8 @@ PY
     wait "$pid" && rc=0 || rc=$?
     [ "$rc" -eq 143 ] || { cat "$work/b.out"; fail "exit $rc after SIGTERM, expected 143"; }
     s=$(sed -n 's/.*stopped by SIGTERM after step \([0-9]*\), saved as .*/\1/p' "$work/b.out")
-    [ -n "$s" ] && [ "$s" -ge "$k" ] && [ "$s" -lt 80 ] \
-      || { cat "$work/b.out"; fail "no 'stopped by SIGTERM after step N' (N from $k to 79)"; }
+    [ -n "$s" ] && [ "$s" -ge "$k" ] && [ "$s" -le 80 ] \
+      || { cat "$work/b.out"; fail "no 'stopped by SIGTERM after step N' (N from $k to 80)"; }
     echo "SIGTERM after step $k, stopped after step $s"
     [ -f "$work/b/ck.step$(printf %08d "$s")/index.json" ] || { ls "$work/b"; fail "no step-$s checkpoint"; }
     "$tool" run --standalone --nproc-per-node 2 "$exe" "${args[@]}" --save "$work/b/ck" --resume auto \

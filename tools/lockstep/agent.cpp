@@ -65,6 +65,8 @@ int Agent::take_signal() {
   while (::read(sigfd_.get(), &si, sizeof si) == static_cast<ssize_t>(sizeof si)) {
     if (si.ssi_signo == SIGUSR1) {
       report_requested_ = true;
+    } else if (si.ssi_signo == SIGINT && pending_signal_ != 0) {
+      second_interrupt_ = true;  // Ctrl-C again: no more waiting for the workers to save
     } else if (si.ssi_signo != SIGCHLD && pending_signal_ == 0) {
       pending_signal_ = static_cast<int>(si.ssi_signo);
     }
@@ -72,12 +74,13 @@ int Agent::take_signal() {
   return pending_signal_;
 }
 
-void Agent::publish_interrupted(int g, int sig) {
+void Agent::publish_interrupted(int g, int sig, bool by_worker) {
   try {
-    const json f = {{"interrupted", true},
-                    {"node", node_rank_},
-                    {"signal", signal_name(sig)},
-                    {"time", utc_now()}};
+    json f = {{"interrupted", true},
+              {"node", node_rank_},
+              {"signal", signal_name(sig)},
+              {"time", utc_now()}};
+    if (by_worker) f["by_worker"] = true;
     store_->compare_set(gen_key(g, "failure"), "", dump(f));
   } catch (const Error&) {
     // Node 0 is gone: the other nodes lose the store and stop anyway.
@@ -171,6 +174,20 @@ GenResult Agent::run_generation(int g) {
           const auto& st = w->proc->exit_status();
           if (st && !st->ok()) {
             drain_worker(*w);  // its last lines belong in the summary
+            if (const int sig = stop_signal_of(*w)) {
+              // Note [Preemption]: every rank agreed to stop on `sig` and saves; the job stops
+              // as if this launcher had been sent it, and the workers' own time to finish is
+              // left to them (they need no signal from here).
+              publish_interrupted(g, sig, /*by_worker=*/true);
+              say("rank " + std::to_string(w->rank) + " stopped on " + signal_name(sig) +
+                  " to save (it exits " + std::to_string(128 + sig) +
+                  "); waiting for the workers (SIGKILL after " + seconds_text(o_.stop_grace_s) +
+                  " s, --stop-grace)");
+              stop_workers(0, stop_grace());
+              result.outcome = Outcome::kInterrupted;
+              result.signal = sig;
+              return result;
+            }
             store_->compare_set(gen_key(g, "failure"), "", dump(describe_failure(*w)));
             published = true;
             next_check = Clock::now();
@@ -191,14 +208,20 @@ GenResult Agent::run_generation(int g) {
       if (store_->check({gen_key(g, "failure")})) {
         result.outcome = Outcome::kFailed;
         result.failure = json::parse(store_->get_string(gen_key(g, "failure")));
+        // A node joins or leaves, or another node's launcher got a stopping signal: nothing
+        // failed, and the workers may save before they exit (Note [Preemption]), which takes
+        // --stop-grace. When the workers stopped by themselves (by_worker), these are stopping
+        // as well and need no signal. After a failure they get 3 s.
+        const bool planned = result.failure.value("membership", false) ||
+                             result.failure.value("left", false) ||
+                             result.failure.value("interrupted", false);
+        const int sig = result.failure.value("by_worker", false) ? 0 : SIGTERM;
         if (result.failure.value("membership", false)) {  // a node joins: nothing to judge
-          stop_workers(SIGTERM);
+          stop_workers(sig, stop_grace());
           return result;
         }
         publish_final_views(g);  // before stopping: a stopped rank must still read as stopped
-        // Another node's launcher got a stopping signal: these workers may be saving too.
-        stop_workers(SIGTERM,
-                     result.failure.value("interrupted", false) ? stop_grace() : kStopGrace);
+        stop_workers(sig, planned ? stop_grace() : kStopGrace);
         judge_failure(g);
         return result;
       }

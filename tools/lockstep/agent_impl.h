@@ -204,7 +204,8 @@ class Agent {
   // the signalfd; a signal is remembered until the agent acts on it.
   int take_signal();
   GenResult run_generation(int g);
-  void publish_interrupted(int g, int sig);
+  // `by_worker`: the workers stopped on a signal of their own (Note [Preemption]).
+  void publish_interrupted(int g, int sig, bool by_worker = false);
   void exit_sync(std::chrono::milliseconds timeout);
   // How long node 0 keeps the store up at the end for the others to read the outcome.
   std::chrono::milliseconds normal_exit_wait() const;
@@ -273,6 +274,9 @@ class Agent {
   // Note [A rank that leaves before joining]
   void tell_ranks_waiting_to_join(int g);
   json describe_failure(const Worker& w) const;
+  // The signal a worker that exited 128 + it said it stopped on to save (its error file's
+  // stop_signal, Note [Preemption]), or 0.
+  int stop_signal_of(const Worker& w) const;
   void print_summary(const json& f, int generation) const;
   // One line: every local worker's peak resident memory (after they all exited).
   void print_peak_memory() const;
@@ -328,6 +332,7 @@ class Agent {
   Clock::time_point generation_started_{};
   Fd sigfd_;
   int pending_signal_ = 0;
+  bool second_interrupt_ = false;  // a SIGINT after the stopping signal: SIGKILL without grace
   std::string tmp_dir_;
   std::string token_;
   uint16_t store_port_ = 0;

@@ -154,11 +154,12 @@ void Agent::stop_workers(int sig, std::chrono::milliseconds grace) {
   }
   const auto deadline = Clock::now() + grace;
   reap();
-  while (!all_exited() && Clock::now() < deadline) {
+  while (!all_exited() && Clock::now() < deadline && !second_interrupt_) {
     pump_output(std::chrono::milliseconds(20));
     take_signal();  // remembered: a Ctrl-C now still ends the job once this group is stopped
     reap();
   }
+  if (second_interrupt_ && !all_exited()) say("SIGINT again: killing the workers now");
   for (auto& w : workers_) {
     if (!w->proc->exit_status()) w->proc->signal_group(SIGKILL);
   }
@@ -246,6 +247,19 @@ json Agent::describe_failure(const Worker& w) const {
     }
   }
   return f;
+}
+
+int Agent::stop_signal_of(const Worker& w) const {
+  const ExitStatus& s = *w.proc->exit_status();
+  if (s.signaled || s.code <= 128) return 0;
+  std::ifstream in(w.error_file);
+  try {
+    const json e = json::parse(in);
+    const int sig = e.value("stop_signal", 0);
+    return sig != 0 && s.code == 128 + sig ? sig : 0;
+  } catch (const std::exception&) {
+    return 0;
+  }
 }
 
 void Agent::print_summary(const json& f, int generation) const {

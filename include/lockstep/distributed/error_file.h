@@ -16,6 +16,11 @@ inline constexpr const char* kErrorFileEnv = env::kErrorFile;
 // must not fail again here).
 void record_error(const std::string& message);
 
+// Writes {"message": ..., "stop_signal": sig, ...}: this worker stops on `sig` by its own choice
+// and will exit with 128 + sig after saving (Note [Preemption] in preemption.h), which
+// `lockstep run` takes as a stop of the job, not a failure to restart from. Never throws.
+void record_stop(int sig, const std::string& message);
+
 // Installs a std::terminate handler that records the uncaught exception's what() (or "terminate
 // called without an active exception") and then lets the previous handler run, which aborts.
 // Idempotent. init_process_group() calls it, so a worker that uses the runtime reports uncaught

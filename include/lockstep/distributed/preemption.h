@@ -66,12 +66,12 @@ class StopOnSignal {
  private:
   std::vector<int> signals_;
   std::vector<struct sigaction> previous_;  // signals_[i]'s disposition before
-
+  sigset_t previous_mask_;                  // the calling thread's, before
 };
 
 // "TERM", "SIGTERM", "term" or "15" as the signal's number; "none" as none. A list is
-// comma-separated ("TERM,USR1"). Anything else is an error naming the text and the accepted
-// names.
+// comma-separated ("TERM,USR1"). Only signals sent to ask a process to end are taken (TERM, INT,
+// HUP, QUIT, USR1, USR2, ALRM, XCPU): anything else is an error naming the text and those.
 std::vector<int> parse_signals(const std::string& text);
 
 // "SIGTERM" for SIGTERM; "signal N" for a number without a name.

@@ -1,13 +1,13 @@
 // StopOnSignal: Note [Preemption] in include/lockstep/distributed/preemption.h.
 #include "lockstep/distributed/preemption.h"
 
-#include <string.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cctype>
 
 #include "lockstep/base/error.h"
+#include "lockstep/base/syscall.h"
+#include "lockstep/distributed/error_file.h"
 #include "lockstep/distributed/process_group.h"
 #include "lockstep/tensor/tensor.h"
 
@@ -25,6 +25,11 @@ void on_signal(int sig) {
   int none = 0;
   g_caught.compare_exchange_strong(none, sig);
 }
+
+// What a job may stop on: signals sent to ask a process to end. Not the ones a fault raises
+// (SEGV, BUS, FPE, ILL, TRAP, ABRT: a handler that returns re-runs the faulting instruction) nor
+// the ones ordinary events send (CHLD, WINCH, URG, CONT, TSTP, TTIN, TTOU, PIPE).
+constexpr int kStoppable[] = {SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGALRM, SIGXCPU};
 
 std::string upper(std::string s) {
   for (char& c : s) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
@@ -47,17 +52,18 @@ StopOnSignal::StopOnSignal(std::vector<int> signals) : signals_(std::move(signal
       const int err = errno;
       for (size_t j = 0; j < i; ++j) ::sigaction(signals_[j], &previous_[j], nullptr);
       g_installed = false;
-      LS_THROW("StopOnSignal: cannot catch ", signal_name(signals_[i]), ": ", ::strerror(err));
+      LS_THROW("StopOnSignal: cannot catch ", signal_name(signals_[i]), ": ", errno_text(err));
     }
   }
   // A launcher blocks signals it reads itself; a worker it started may inherit the mask.
   sigset_t set;
   sigemptyset(&set);
   for (int s : signals_) sigaddset(&set, s);
-  ::pthread_sigmask(SIG_UNBLOCK, &set, nullptr);
+  ::pthread_sigmask(SIG_UNBLOCK, &set, &previous_mask_);
 }
 
 StopOnSignal::~StopOnSignal() {
+  ::pthread_sigmask(SIG_SETMASK, &previous_mask_, nullptr);
   for (size_t i = 0; i < signals_.size(); ++i) ::sigaction(signals_[i], &previous_[i], nullptr);
   g_installed = false;
 }
@@ -65,10 +71,16 @@ StopOnSignal::~StopOnSignal() {
 int StopOnSignal::caught() const { return g_caught.load(); }
 
 int StopOnSignal::agreed(ProcessGroup& pg) {
-  if (pg.size() == 1) return caught();
-  Tensor sig = full({1}, static_cast<double>(caught()), kFloat64);
-  pg.all_reduce_host(sig, {.op = ReduceOp::max});
-  return static_cast<int>(sig.item());
+  int agreed = caught();
+  if (pg.size() > 1) {
+    Tensor sig = full({1}, static_cast<double>(agreed), kFloat64);
+    pg.all_reduce_host(sig, {.op = ReduceOp::max});
+    agreed = static_cast<int>(sig.item());
+  }
+  // For `lockstep run`: this worker's exit with 128 + agreed stops the job; it is no failure.
+  if (agreed != 0)
+    record_stop(agreed, "stopped by " + signal_name(agreed) + " after a step, to save and exit");
+  return agreed;
 }
 
 std::vector<int> parse_signals(const std::string& text) {
@@ -81,18 +93,13 @@ std::vector<int> parse_signals(const std::string& text) {
     std::string name = upper(item);
     if (name.rfind("SIG", 0) == 0) name = name.substr(3);
     int sig = 0;
-    if (!name.empty() && std::all_of(name.begin(), name.end(), ::isdigit)) {
-      sig = name.size() <= 2 ? std::stoi(name) : 0;
-      if (sig >= NSIG) sig = 0;
-    } else {
-      for (int s = 1; s < NSIG && sig == 0; ++s) {
-        const char* abbrev = ::sigabbrev_np(s);
-        if (abbrev != nullptr && name == abbrev) sig = s;
-      }
+    for (int s : kStoppable) {
+      if (name == ::sigabbrev_np(s) || name == std::to_string(s)) sig = s;
     }
-    LS_CHECK(sig != 0 && sig != SIGKILL && sig != SIGSTOP, "'", item,
-             "' is not a signal that can be caught: expected a name such as TERM, SIGTERM, USR1, "
-             "INT, HUP or a number (a list is comma-separated; 'none' for none), in '",
+    LS_CHECK(sig != 0, "'", item,
+             "' is not a signal to stop on: expected TERM, INT, HUP, QUIT, USR1, USR2, ALRM or "
+             "XCPU, with or without SIG, or its number (a list is comma-separated; 'none' for "
+             "none), in '",
              text, "'");
     if (std::find(out.begin(), out.end(), sig) == out.end()) out.push_back(sig);
     start = comma + 1;

@@ -17,13 +17,14 @@
 
 namespace lockstep::dist {
 
-void record_error(const std::string& message) {
+namespace {
+
+void write_record(nlohmann::json j) {
   try {
     const auto path = env_string(env::kErrorFile);
     if (!path) return;
-    const nlohmann::json j = {{"message", message},
-                              {"time", static_cast<int64_t>(std::time(nullptr))},
-                              {"pid", static_cast<int64_t>(::getpid())}};
+    j["time"] = static_cast<int64_t>(std::time(nullptr));
+    j["pid"] = static_cast<int64_t>(::getpid());
     // Replace, not append: the file holds this worker's last word. dump() with replace for
     // invalid UTF-8, since messages may carry arbitrary bytes.
     const std::string text =
@@ -31,8 +32,16 @@ void record_error(const std::string& message) {
     std::unique_ptr<FILE, decltype(&std::fclose)> f(std::fopen(path->c_str(), "w"), &std::fclose);
     if (f) std::fwrite(text.data(), 1, text.size(), f.get());
   } catch (...) {
-    // Nothing to be done: the process is already failing.
+    // Nothing to be done: the record is the worker's last word, given on a best-effort basis.
   }
+}
+
+}  // namespace
+
+void record_error(const std::string& message) { write_record({{"message", message}}); }
+
+void record_stop(int sig, const std::string& message) {
+  write_record({{"message", message}, {"stop_signal", sig}});
 }
 
 namespace {
