@@ -91,6 +91,8 @@ SlurmdParameters=config_overrides
 ReturnToService=2
 # What a preempted job's requeue needs: jobs may be requeued, and a requeued one starts again.
 JobRequeue=1
+# A requeued job is started by the next pass of the scheduler, every 60 s by default.
+SchedulerParameters=sched_interval=1
 KillWait=30
 # A job that exits 143 (a rank stopped by SIGTERM after saving: Note [Preemption]) is requeued.
 RequeueExit=143
