@@ -122,7 +122,7 @@ case "$case_name" in
     }
     # restarted N: the job went back to the queue (its N-th restart).
     restarted() {
-      for _ in $(seq 600); do scontrol show job "$id" | grep -q "Restarts=$1 " && return 0; sleep 0.1; done
+      for _ in $(seq 600); do grep -q "Restarts=$1 " <(scontrol show job "$id") && return 0; sleep 0.1; done
       cat job.out; scontrol show job "$id"; fail "the job was not requeued"
     }
     stops=()
@@ -160,7 +160,8 @@ case "$case_name" in
     "${run[@]}" > run1.out 2>&1 &
     pid=$!
     for _ in $(seq 600); do grep -q "epoch 0 step $k loss" run1.out && break; sleep 0.1; done
-    id=$(squeue -h -o %i | head -n 1)
+    id=$(squeue -h -o %i)
+    id=${id%%$'\n'*}  # the first job: the only one
     [ -n "$id" ] || { cat run1.out; fail "no job in the queue"; }
     scancel --signal=TERM "$id"
     wait "$pid" && rc=0 || rc=$?
