@@ -1,5 +1,5 @@
-// `lockstep run --nnodes MIN:MAX` end to end (Note [Elastic membership] in
-// tools/lockstep/agent_elastic.cpp): agents on this machine, each its own "node", on
+// `lockstep run --nnodes MIN:MAX` end to end (Note [Membership] in
+// tools/lockstep/agent_membership.cpp): agents on this machine, each its own "node", on
 // launch_worker's `elastic` mode, which reports each generation's environment and ends once the
 // world has the size it wants. A node joining a running job, a node whose agent is killed, a
 // node past MAX or with a taken --node-rank, too few nodes, and restarts that count.
@@ -128,6 +128,56 @@ TEST_F(Elastic, ANodeThatIsToldToStopLeavesAndTheJobGoesOn) {
   ASSERT_TRUE(o0.exited_with(0)) << o0.describe();
   EXPECT_THAT(o0.err, HasSubstr("left the job (its launcher received SIGTERM)")) << o0.describe();
   EXPECT_EQ(generation(1).at(0)["WORLD_SIZE"], "1");
+}
+
+// A job of fixed size runs the same protocol and loop as an elastic one of MIN = MAX, with the
+// policy of Note [Membership]: a node told to stop stops the whole job (no node leaves), and a
+// lost node is a failure that counts against --max-restarts, after which the job waits for an
+// agent with that --node-rank to join again.
+using FixedSize = Elastic;
+
+// Node 0's workers end in generation 0 (world 2); node 1's wait for a world of 3. A SIGTERM to
+// node 1 stops the job: it exits 128+15, node 0 says why and exits 1, and nothing restarts
+// although restarts are left.
+TEST_F(FixedSize, ANodeToldToStopStopsTheWholeJob) {
+  const Launch l0 = start_launcher(args("2", 0, 2, {"--max-restarts", "2"}), dir_, "node0");
+  const Launch l1 =
+      start_launcher(args("2", 1, 2, {"--max-restarts", "2"}), dir_, "node1", {kWant3});
+  ASSERT_TRUE(wait_report(0, 1, l1)) << wait_launcher(l1).describe();
+  ::kill(l1.pid, SIGTERM);
+  const Outcome o1 = wait_launcher(l1), o0 = wait_launcher(l0);
+  EXPECT_TRUE(o1.exited_with(128 + SIGTERM)) << o1.describe();
+  EXPECT_TRUE(o0.exited_with(1)) << o0.describe();
+  EXPECT_THAT(o0.err, HasSubstr("the job was stopped: the launcher on node 1 received SIGTERM"))
+      << o0.describe();
+  EXPECT_THAT(o0.err, Not(HasSubstr("left the job"))) << o0.describe();
+  EXPECT_FALSE(fs::exists(out_ / "gen1")) << "the job restarted after a node was told to stop";
+}
+
+// Node 1's agent is SIGKILLed (its workers die with it): node 0 finds it lost, counts a restart
+// and waits for a node 1; a new agent with --node-rank 1 joins and generation 1 runs with both.
+TEST_F(FixedSize, ALostNodeCostsARestartAndMayJoinAgain) {
+  const std::vector<std::string> one = {"--max-restarts", "1", "--rdzv-timeout", "60"};
+  const Launch l0 = start_launcher(args("2", 0, 2, one), dir_, "node0");
+  const Launch l1 = start_launcher(args("2", 1, 2, one), dir_, "node1", {kWant3});
+  ASSERT_TRUE(wait_report(0, 1, l1)) << wait_launcher(l1).describe();
+  ::kill(l1.pid, SIGKILL);
+  wait_launcher(l1);
+  ASSERT_TRUE(wait_for_stderr(l0, "to join again")) << wait_launcher(l0).describe();
+  const Outcome again = run_launcher(args("2", 1, 2, one), dir_, "again");
+  const Outcome o0 = wait_launcher(l0);
+  ASSERT_TRUE(o0.exited_with(0)) << o0.describe();
+  ASSERT_TRUE(again.exited_with(0)) << again.describe();
+  EXPECT_THAT(o0.err, HasSubstr("lost")) << o0.describe();
+  EXPECT_THAT(o0.err, HasSubstr("; restarting the whole group")) << o0.describe();
+  EXPECT_THAT(o0.err, HasSubstr("(restart 1 of 1)")) << o0.describe();
+  EXPECT_THAT(o0.err, HasSubstr("for an agent with --node-rank 1 to join again (--nnodes 2 needs "
+                                "every node)"))
+      << o0.describe();
+  auto g1 = generation(1);
+  ASSERT_EQ(g1.size(), 2u) << o0.describe();
+  EXPECT_EQ(g1.at(1)["WORLD_SIZE"], "2");
+  EXPECT_EQ(g1.at(1)["LOCKSTEP_RESTART_COUNT"], "1");
 }
 
 // With MAX nodes in, a further node is refused with the reason, and so is one whose --node-rank
@@ -376,50 +426,24 @@ TEST_F(Elastic, ANewNodeWhoseWorkersFailAtTheStartIsRefusedAndTheJobGoesOn) {
   EXPECT_THAT(o0.err, Not(HasSubstr("no restarts left"))) << o0.describe();
 }
 
-// An elastic node whose node 0 runs a job of fixed size is told so at once, rather than waiting
-// for an answer that never comes.
+// An elastic node whose node 0 runs a job of fixed size is told so at once, as any node with
+// another command is; a fixed job does not start without the node (Note [Membership]), so node 0
+// fails the start too, naming the difference.
 TEST_F(Elastic, ANodeWhoseNodeZeroIsNotElasticIsToldAtOnce) {
   std::vector<std::string> fixed = args("1:2", 0, 2, {"--rdzv-timeout", "300"});
   fixed[2] = "2";  // --nnodes 2
   const Launch l0 = start_launcher(fixed, dir_, "node0");
   ASSERT_TRUE(wait_for_stderr(l0, "the store listens on")) << wait_launcher(l0).describe();
-  // Without the answer, node 1 would wait --rdzv-timeout + --node-timeout + 30 s: 330 s.
   const Outcome o1 = run_launcher(args("1:2", 1, 2, {"--rdzv-timeout", "300"}), dir_, "node1");
-  EXPECT_TRUE(o1.exited_with(1)) << o1.describe();
-  EXPECT_THAT(o1.err, HasSubstr("node 0 runs a job of a fixed size (--nnodes N), not an elastic "
-                                "one: give this node node 0's --nnodes"))
-      << o1.describe();
-  ::kill(l0.pid, SIGTERM);
   const Outcome o0 = wait_launcher(l0);
-  EXPECT_TRUE(o0.exited_with(128 + SIGTERM)) << o0.describe();
-}
-
-// The joiner looks again, while it waits for its answer, whether node 0 runs a fixed-size job:
-// it may reach the store before node 0 says so. The test hosts the store and writes node 0's key
-// only once the joiner waits.
-TEST_F(Elastic, AJoinerThatReachedTheStoreFirstIsStillToldNodeZeroIsNotElastic) {
-  lockstep::dist::TCPStoreOptions so;
-  so.port = static_cast<uint16_t>(std::stoi(port_));
-  so.is_server = true;
-  so.wait_for_workers = false;
-  so.token = "shared";
-  lockstep::dist::TCPStore store(so);
-  const Launch l1 = start_launcher(args("1:2", 1, 2, {"--rdzv-timeout", "30"}), dir_, "node1",
-                                   {"LOCKSTEP_STORE_TOKEN=shared"});
-  const std::string agent = "lockstep/elastic/agent/";
-  const auto deadline = std::chrono::steady_clock::now() + 60s;
-  while (!store.check({agent + "join/1"}) && running(l1.pid) &&
-         std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(20ms);
-  }
-  ASSERT_TRUE(store.check({agent + "join/1"})) << wait_launcher(l1).describe();
-  store.set(agent + "node0/host", "fixed");
-  const Outcome o1 = wait_launcher(l1);
+  const std::string why = ") runs another command than node 0: --nnodes 1:2 where node 0 runs "
+                          "--nnodes 2";
   EXPECT_TRUE(o1.exited_with(1)) << o1.describe();
-  EXPECT_THAT(o1.err, HasSubstr("node 0 runs a job of a fixed size (--nnodes N), not an elastic "
-                                "one: give this node node 0's --nnodes"))
-      << o1.describe();
-  EXPECT_TRUE(store.check({agent + "join/1/withdrawn"})) << "node 0 was not told";
+  EXPECT_THAT(o1.err, HasSubstr("node 0 refused this node: node 1 (host ")) << o1.describe();
+  EXPECT_THAT(o1.err, HasSubstr(why)) << o1.describe();
+  EXPECT_TRUE(o0.exited_with(1)) << o0.describe();
+  EXPECT_THAT(o0.err, HasSubstr(why)) << o0.describe();
+  EXPECT_FALSE(fs::exists(out_ / "gen0")) << "a worker ran although the machines disagree";
 }
 
 // Note [Restart backoff]: in an elastic job node 0 waits before the next generation, here 38 s,
@@ -440,7 +464,7 @@ TEST_F(Elastic, TheOtherNodesWaitOutNodeZerosRestartBackoff) {
   const Outcome o0 = wait_launcher(l0), o1 = wait_launcher(l1);
   ASSERT_TRUE(o1.exited_with(0)) << o1.describe();
   ASSERT_TRUE(o0.exited_with(0)) << o0.describe();
-  EXPECT_THAT(o0.err, HasSubstr("restarting the workers of every node in 38 s (restart 1 of 1)"))
+  EXPECT_THAT(o0.err, HasSubstr("restarting the whole group in 38 s (restart 1 of 1)"))
       << o0.describe();
   EXPECT_EQ(generation(2).size(), 2u) << o0.describe();
 }

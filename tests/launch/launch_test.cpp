@@ -521,7 +521,8 @@ TEST_F(Launcher, MissingNodeFailsTheRendezvous) {
 }
 
 // Node 0 is up (its store answers) but in another job: node 1's rendezvous timeout says so
-// instead of calling node rank 0 missing.
+// instead of calling node rank 0 missing. Node 0 of this run id with another --nnodes (elastic)
+// refuses node 1 at once, naming the difference, and goes on waiting.
 TEST_F(Launcher, ANodeWhoseNodeZeroRunsAnotherJobIsToldWhatIsTrue) {
   const std::string port = std::to_string(free_port());
   const std::vector<std::string> token = {"LOCKSTEP_STORE_TOKEN=shared"};
@@ -540,11 +541,16 @@ TEST_F(Launcher, ANodeWhoseNodeZeroRunsAnotherJobIsToldWhatIsTrue) {
     ASSERT_TRUE(wait_for_stderr(l0, "the store listens on")) << wait_launcher(l0).describe();
     const Outcome o1 = run_launcher(args("1", "2", "job", "8"), dir_, "node1", token);
     EXPECT_TRUE(o1.exited_with(1)) << o1.describe();
-    EXPECT_THAT(o1.err, HasSubstr("1 of 2 nodes joined; node 0 is up (its store answered) but "))
-        << o1.describe();
-    EXPECT_THAT(o1.err, HasSubstr(elastic ? "runs an elastic job (--nnodes MIN:MAX)"
-                                          : "another --run-id (this node's is 'job')"))
-        << o1.describe();
+    if (elastic) {
+      EXPECT_THAT(o1.err, HasSubstr("node 0 refused this node: this node's command differs from "
+                                    "the job's: --nnodes 2 where the job runs --nnodes 2:2"))
+          << o1.describe();
+    } else {
+      EXPECT_THAT(o1.err, HasSubstr("rendezvous timed out after 8 s: node 0 is up (its store "
+                                    "answered) but has not joined this job: does it run with "
+                                    "another --run-id (this node's is 'job')?"))
+          << o1.describe();
+    }
     EXPECT_THAT(o1.err, ::testing::Not(HasSubstr("missing node ranks"))) << o1.describe();
     ::kill(l0.pid, SIGTERM);
     const Outcome o0 = wait_launcher(l0);
@@ -553,10 +559,9 @@ TEST_F(Launcher, ANodeWhoseNodeZeroRunsAnotherJobIsToldWhatIsTrue) {
   EXPECT_TRUE(dir_is_empty(out_));
 }
 
-// A node of another lockstep version joins without writing its job signature: node 0 says so at
-// once instead of waiting for the key until its store's timeout (--rdzv-timeout). The test plays
-// that node, writing only the keys an older agent wrote (and, like such an agent, never counting
-// itself in `checked`: node 0 waits --node-timeout for it before it fails, 3 s here).
+// A node of another lockstep version asks to join without its job signature: node 0 of a fixed
+// job fails the start at once, saying so, instead of waiting for a node that cannot join until
+// --rdzv-timeout. The test plays that node, writing a join request without the signature.
 TEST_F(Launcher, ANodeThatWritesNoSignatureIsCalledAnotherVersionAtOnce) {
   const std::string port = std::to_string(free_port());
   const Launch l0 = start_launcher(
@@ -571,15 +576,25 @@ TEST_F(Launcher, ANodeThatWritesNoSignatureIsCalledAnotherVersionAtOnce) {
   so.token = "shared";
   lockstep::dist::TCPStore older(so);
   const std::string agent = "lockstep/old/agent/";
-  older.add(agent + "node1/claims", 1);
-  older.set(agent + "node1/host", "older");
-  older.set(agent + "node1/nproc", "1");
-  older.add(agent + "joined", 1);
+  const int64_t ticket = older.add(agent + "join/next", 1);
+  older.set(agent + "join/" + std::to_string(ticket),
+            R"({"id": 1, "host": "older", "nproc": 1})");
+  // The node is told too (node 0 keeps its store up until the node says it read the answer, or
+  // for --node-timeout).
+  const std::string reply_key = agent + "join/" + std::to_string(ticket) + "/reply";
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!older.check({reply_key}) && running(l0.pid) &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  const std::string reply = older.get_string(reply_key);
+  EXPECT_THAT(reply, HasSubstr("another lockstep version")) << reply;
+  older.add(agent + "told", 1);
   const Outcome o0 = wait_launcher(l0);
   EXPECT_TRUE(o0.exited_with(1)) << o0.describe();
-  EXPECT_THAT(o0.err, HasSubstr("node 1's job signature is malformed (another lockstep "
-                                "version?): it joined without writing it"))
+  EXPECT_THAT(o0.err, HasSubstr("node 1's join request is malformed (another lockstep version?): "))
       << o0.describe();
+  EXPECT_THAT(o0.err, HasSubstr("signature")) << o0.describe();
   EXPECT_TRUE(dir_is_empty(out_)) << "a worker ran";
 }
 

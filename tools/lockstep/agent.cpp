@@ -1,26 +1,28 @@
-// The node agent of `lockstep run`: its signals, the run from the store to the exit, and the loop
-// of generations (fixed size and elastic); the workers' output goes through output.h. The rest of
-// the agent, by concern: agent_rendezvous.cpp (node 0's store, the fixed-size rendezvous),
-// agent_elastic.cpp (Note [Elastic membership]), agent_workers.cpp (the workers, the failure
-// summary), agent_watch.cpp (Note [Stall watch]), agent_restart.cpp (between generations).
+// The node agent of `lockstep run`: its signals, the run from the store to the exit, and the one
+// loop of generations, for a job of fixed size and an elastic one alike; the workers' output goes
+// through output.h. The rest of the agent, by concern: agent_rendezvous.cpp (node 0's store, the
+// first rendezvous, joining), agent_membership.cpp (Note [Membership]: who is in each generation),
+// agent_workers.cpp (the workers, the failure summary), agent_watch.cpp (Note [Stall watch]),
+// agent_restart.cpp (between generations).
 //
 // Note [Agent protocol]
 // Every agent talks to node 0's TCP store under lockstep/<run-id>/agent/:
-//   node<r>/claims, node<r>/host, node<r>/nproc   rendezvous: each node rank joins once
-//   node<r>/signature                             what it runs (Note [Job signature])
-//   joined                                        counter; all nnodes joined = go
-//   gen<g>/failure                                first failure of generation g (JSON), set
-//                                                 with compare_set so the first one wins
-//   gen<g>/succeeded                              nodes whose workers all exited 0
-//   gen<g>/stopped                                nodes that stopped their workers after a
-//                                                 failure; all stopped = start generation g+1
-//   gen<g>/view/node<n>                           node n's ranks (process states and collective
-//                                                 traces, JSON) and a counter: the heartbeat
-//                                                 (Note [Stall watch])
-//   gen<g>/final/node<n>                          the same, captured at the failure, for the
-//                                                 verdict
-//   exit                                          agents done; node 0 keeps the store up until
-//                                                 every agent has read the outcome
+//   node0/host              written by node 0 once its store is up (a store that answers without
+//                           it runs another --run-id)
+//   join/..., gen<g>/members, gen<g>/stopped/<id>, ...
+//                           who is in each generation: Note [Membership]
+//   gen<g>/failure          why generation g ended (JSON), set with compare_set so that the first
+//                           one wins: a failed worker, a lost node, a joining node (`membership`),
+//                           a node that leaves (`left`), or a stop (`interrupted`: a launcher's
+//                           signal, or the workers' own, Note [Preemption])
+//   gen<g>/succeeded        counter: nodes whose workers all exited 0; all = the job succeeded
+//   gen<g>/view/node<n>     node n's ranks (process states and collective traces, JSON) and a
+//                           counter: the heartbeat (Note [Stall watch])
+//   gen<g>/final/node<n>    the same, captured at the failure, for the verdict
+//   exit                    agents done; node 0 keeps the store up until every agent has read
+//                           the outcome
+//   told                    nodes told at a rendezvous that the job cannot start, once they read
+//                           why (node 0 waits for them before its store closes)
 // Workers use the same store (LOCKSTEP_USE_AGENT_STORE=1) under lockstep/<run-id>/gen<g>/, so a
 // restarted generation never sees the previous one's keys.
 #include "agent.h"
@@ -145,9 +147,12 @@ GenResult Agent::run_generation(int g) {
       if (const int sig = take_signal()) {
         // Tell the other nodes first, so that they stop too (and do not restart); in an elastic
         // job a node other than node 0 leaves, and the others go on without it.
-        if (o_.elastic && o_.node_rank != 0) {
+        if (leaves_on_signal()) {
           // Once its workers all succeeded the node is done: leaving would restart the others.
-          if (!success_counted) publish_leaving(g, sig);
+          if (!success_counted) {
+            publish_leaving(g, sig);
+            result.left = true;
+          }
         } else {
           publish_interrupted(g, sig);
         }
@@ -204,7 +209,7 @@ GenResult Agent::run_generation(int g) {
       if (Clock::now() < next_check) continue;
       next_check = Clock::now() +
                    std::chrono::milliseconds(static_cast<int64_t>(o_.monitor_interval_s * 1000));
-      if (o_.elastic && o_.node_rank == 0 && !published) admit_while_running(g, success_counted);
+      if (o_.node_rank == 0 && !published) admit_while_running(g, success_counted);
       if (store_->check({gen_key(g, "failure")})) {
         result.outcome = Outcome::kFailed;
         result.failure = json::parse(store_->get_string(gen_key(g, "failure")));
@@ -274,16 +279,18 @@ int Agent::run() {
   int first_generation = 0;
   try {
     connect_store();
-    if (o_.elastic) {
-      first_generation = elastic_rendezvous();
-    } else {
-      rendezvous();
-    }
+    first_generation = rendezvous();
   } catch (const Interrupted& e) {
     say(std::string(e.what()) + " before the workers started");
     return 128 + e.signal;
   } catch (const AgentError& e) {
     say(e.what());
+    if (o_.node_rank != 0 && store_) {
+      try {
+        store_->add(key("told"), 1);  // node 0 may wait for this node to have read why
+      } catch (const Error&) {
+      }
+    }
     return kExitJobFailed;
   } catch (const UsageError&) {
     throw;
@@ -295,82 +302,10 @@ int Agent::run() {
   // node 0 (or the network) is gone, the bound within which node 0 notices a lost node too
   // (Note [Stall watch]); the workers are stopped rather than left waiting.
   store_->set_timeout(std::chrono::milliseconds(static_cast<int64_t>(o_.node_timeout_s * 1000)));
-  return o_.elastic ? run_elastic(first_generation) : run_static();
+  return run_generations(first_generation);
 }
 
-int Agent::run_static() {
-  for (int g = 0;; ++g) {
-    GenResult r = run_generation(g);
-    switch (r.outcome) {
-      case Outcome::kSucceeded:
-        exit_sync(normal_exit_wait());
-        return kExitOk;
-      case Outcome::kInterrupted:
-        exit_sync(kExitSyncAfterSignal);  // node 0 lets the others read why
-        return 128 + r.signal;
-      case Outcome::kStoreLost:
-        say("lost node 0's store at " + o_.master_addr + ":" + std::to_string(store_port_) +
-            " (its launcher exited or the network failed): " + r.why + "; workers stopped");
-        return kExitJobFailed;
-      case Outcome::kFailed:
-        break;
-    }
-    // A lost node cannot take part in a restart (that needs elastic membership).
-    const bool interrupted =
-        r.failure.value("interrupted", false) || r.failure.value("lost", false);
-    if (const int sig = take_signal()) {  // a Ctrl-C while the failed group was being stopped
-      publish_interrupted(g + 1, sig);
-      print_summary(r.failure, g);
-      print_peak_memory();
-      say("received " + signal_name(sig) + "; not restarting");
-      exit_sync(kExitSyncAfterSignal);
-      return 128 + sig;
-    }
-    if (g < o_.max_restarts && !interrupted) {
-      const double delay = restart_delay();
-      say("rank " + std::to_string(r.failure.value("rank", -1)) + " on node " +
-          std::to_string(r.failure.value("node", -1)) + " ended with " +
-          r.failure.value("status", std::string("?")) + "; restarting the whole group" +
-          restart_delay_text(delay) + " (restart " + std::to_string(g + 1) + " of " +
-          std::to_string(o_.max_restarts) + ")");
-      try {
-        store_->add(gen_key(g, "stopped"), 1);
-        int sig = 0;
-        const auto timeout =
-            std::chrono::milliseconds(static_cast<int64_t>(o_.rdzv_timeout_s * 1000));
-        if (!wait_for_count(gen_key(g, "stopped"), nnodes_, timeout, &sig)) {
-          if (sig != 0) {
-            // The others go on to generation g+1: meet them there with the stop.
-            publish_interrupted(g + 1, sig);
-            say("received " + signal_name(sig) + " while restarting; not restarting");
-            exit_sync(kExitSyncAfterSignal);
-            return 128 + sig;
-          }
-          say("not every node stopped its workers within the rendezvous timeout; giving up");
-          print_summary(r.failure, g);
-          print_peak_memory();
-          return kExitJobFailed;
-        }
-      } catch (const Error& e) {
-        say("lost node 0's store while restarting: " + e.message());
-        return kExitJobFailed;
-      }
-      if (const int sig = wait_before_restart(delay)) {
-        publish_interrupted(g + 1, sig);  // the other nodes meet it in generation g+1
-        say("received " + signal_name(sig) + " while waiting to restart; not restarting");
-        exit_sync(kExitSyncAfterSignal);
-        return 128 + sig;
-      }
-      continue;
-    }
-    print_summary(r.failure, g);
-    print_peak_memory();
-    exit_sync(normal_exit_wait());
-    return kExitJobFailed;
-  }
-}
-
-int Agent::run_elastic(int g) {
+int Agent::run_generations(int g) {
   const bool host = o_.node_rank == 0;
   for (;;) {
     GenResult r = run_generation(g);
@@ -381,7 +316,9 @@ int Agent::run_elastic(int g) {
         return kExitOk;
       case Outcome::kInterrupted:
         if (host) refuse_waiting_joins("the job was stopped");
-        if (host) exit_sync(kExitSyncAfterSignal);  // a node that leaves just goes
+        // A node that left is no longer counted at the end; the others let node 0 know they
+        // read why.
+        if (!r.left) exit_sync(kExitSyncAfterSignal);
         return 128 + r.signal;
       case Outcome::kStoreLost:
         say("lost node 0's store at " + o_.master_addr + ":" + std::to_string(store_port_) +
@@ -391,24 +328,37 @@ int Agent::run_elastic(int g) {
       case Outcome::kFailed:
         break;
     }
-    if (const int sig = take_signal()) {  // a Ctrl-C while the failed group was being stopped
-      if (host) {
-        publish_interrupted(g + 1, sig);
-        store_->set(gen_key(g + 1, "members"),
-                    dump({{"abort", "the launcher on node 0 received " + signal_name(sig)}}));
-        refuse_waiting_joins("the job was stopped");
+    if (const int sig = take_signal()) {  // a signal while the failed group was being stopped
+      try {
+        if (host) {
+          publish_interrupted(g + 1, sig);
+          store_->set(gen_key(g + 1, "members"),
+                      dump({{"abort", "the launcher on node 0 received " + signal_name(sig)}}));
+          refuse_waiting_joins("the job was stopped");
+        } else {
+          // Out of the next generation: an elastic job goes on without this node, a fixed one
+          // stops (Note [Membership]).
+          const std::string id = std::to_string(o_.node_rank);
+          store_->set(gen_key(g, "stopped/" + id), "1");
+          store_->set(gen_key(g + 1, "withdrawn/" + id), "1");
+        }
+      } catch (const Error&) {
       }
+      print_summary(r.failure, restarts_used_);
+      print_peak_memory();
       say("received " + signal_name(sig) + "; not restarting");
-      if (host) exit_sync(kExitSyncAfterSignal);
+      if (!leaves_on_signal()) exit_sync(kExitSyncAfterSignal);
       return 128 + sig;
     }
-    if (r.failure.value("interrupted", false)) {  // node 0 was told to stop the job
+    if (r.failure.value("interrupted", false)) {  // another launcher's signal, or the workers'
       print_summary(r.failure, restarts_used_);
+      print_peak_memory();
       if (host) refuse_waiting_joins("the job was stopped");
       exit_sync(kExitSyncAfterSignal);
       return kExitJobFailed;
     }
-    say(event_text(r.failure));
+    // Node 0 says what happened when it says what comes next (next_generation).
+    if (!host) say(event_text(r.failure));
     try {
       store_->set(gen_key(g, "stopped/" + std::to_string(o_.node_rank)), "1");
       if (host) {
@@ -416,9 +366,11 @@ int Agent::run_elastic(int g) {
         if (!next_generation(g, r.failure, &why)) {
           print_summary(r.failure, restarts_used_);
           print_peak_memory();
-          say("not restarting: " + why);
+          // With --max-restarts 0 the summary's "restarts used: 0 of 0" says it already.
+          if (o_.elastic || o_.max_restarts > 0) say("not restarting: " + why);
           refuse_waiting_joins("the job failed");
           exit_sync(normal_exit_wait());
+          wait_until_told();
           return kExitJobFailed;
         }
       }
@@ -426,13 +378,13 @@ int Agent::run_elastic(int g) {
       adopt_members(g);
     } catch (const Interrupted& e) {
       say(std::string(e.what()) + " while restarting; not restarting");
-      if (host) {
-        refuse_waiting_joins("the job was stopped");
-        exit_sync(kExitSyncAfterSignal);  // the others read the abort, not a lost store
-      }
+      if (host) refuse_waiting_joins("the job was stopped");
+      // A node other than node 0 withdrew (wait_for_node_zero): elastic, it just goes.
+      if (!leaves_on_signal()) exit_sync(kExitSyncAfterSignal);
       return 128 + e.signal;
     } catch (const AgentError& e) {
       print_summary(r.failure, restarts_used_);
+      print_peak_memory();
       say(e.what());
       // An aborted job: node 0 need not wait for this node at the end. A node left out is no
       // member: its count would let node 0 end before a member that is still running.

@@ -24,7 +24,7 @@ struct StoreBind {
 
 struct RunOptions {
   int nproc_per_node = 1;
-  // --nnodes N, or MIN:MAX (elastic: Note [Elastic membership] in agent_elastic.cpp). nnodes is N
+  // --nnodes N, or MIN:MAX (elastic: Note [Membership] in agent_membership.cpp). nnodes is N
   // or MAX.
   int nnodes = 1;
   int min_nodes = 1;

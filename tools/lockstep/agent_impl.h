@@ -1,5 +1,5 @@
 // The node agent's insides, shared by its files (agent.cpp, agent_rendezvous.cpp,
-// agent_elastic.cpp, agent_workers.cpp, agent_restart.cpp, agent_watch.cpp): its constants, the
+// agent_membership.cpp, agent_workers.cpp, agent_restart.cpp, agent_watch.cpp): its constants, the
 // worker record, and the Agent class, its methods grouped by the file that defines them. Only
 // agent.h is the agent's interface.
 #pragma once
@@ -58,7 +58,7 @@ constexpr auto kDrainTimeout = std::chrono::seconds(1);
 // After a failure, how long an agent waits for the other nodes' views of their ranks before it
 // prints the verdict without them.
 constexpr auto kFinalViewWait = std::chrono::seconds(5);
-// Elastic: what a node waiting for node 0's answer or for a generation allows beyond
+// What a node waiting for node 0's answer or for a generation allows beyond
 // --rdzv-timeout + --node-timeout: node 0 may first have to stop a running generation
 // (kStopGrace, kKillWait, kFinalViewWait).
 constexpr auto kAnswerMargin = std::chrono::seconds(30);
@@ -152,7 +152,7 @@ inline char process_state(pid_t pid) {
   return paren != std::string::npos && paren + 2 < line.size() ? line[paren + 2] : 0;
 }
 
-// A node of an elastic job (Note [Elastic membership] in agent_elastic.cpp).
+// A node of a generation (Note [Membership] in agent_membership.cpp).
 struct Member {
   int id = 0;  // its --node-rank
   std::string host;
@@ -164,10 +164,20 @@ struct Member {
   }
 };
 
+// "0 (host a), 2 (host b)": nodes by --node-rank, for messages.
+inline std::string nodes_text(const std::vector<Member>& ms) {
+  std::string s;
+  for (const auto& m : ms) {
+    s += (s.empty() ? "" : ", ") + std::to_string(m.id) + " (host " + m.host + ")";
+  }
+  return s;
+}
+
 struct GenResult {
   Outcome outcome = Outcome::kFailed;
   json failure;     // kFailed: the first failure of the generation
   int signal = 0;   // kInterrupted
+  bool left = false;  // kInterrupted: this node left an elastic job (the others go on)
   std::string why;  // kStoreLost
 };
 
@@ -196,6 +206,15 @@ class Agent {
   }
   // Of the current generation: with --nnodes MIN:MAX they change when nodes leave or join.
   int world_size() const { return nnodes_ * o_.nproc_per_node; }
+  // Note [Membership]: the policy that makes a job of fixed size (--nnodes N) what it is, an
+  // elastic one with MIN = MAX = N that stops rather than changes. A node other than node 0
+  // leaves on a signal only in an elastic job; in a fixed one every node's signal stops the job.
+  bool leaves_on_signal() const { return o_.elastic && o_.node_rank != 0; }
+  // "--nnodes 2" or "--nnodes 1:4", as the user gave it.
+  std::string nnodes_text() const {
+    return "--nnodes " + (o_.elastic ? std::to_string(o_.min_nodes) + ":" : std::string()) +
+           std::to_string(o_.nnodes);
+  }
   void say(const std::string& msg) const { terminal_.say(msg); }
 
   // agent.cpp: signals, the loop of generations, the end of the job
@@ -209,15 +228,18 @@ class Agent {
   void exit_sync(std::chrono::milliseconds timeout);
   // How long node 0 keeps the store up at the end for the others to read the outcome.
   std::chrono::milliseconds normal_exit_wait() const;
-  int run_static();
-  int run_elastic(int g);
+  // The one loop of generations, fixed or elastic, from generation g (Note [Membership]).
+  int run_generations(int g);
 
-  // agent_rendezvous.cpp: node 0's store, the fixed-size rendezvous, waits on the store
+  // agent_rendezvous.cpp: node 0's store, the first rendezvous, joining, adopting a generation
   void connect_store();
-  void rendezvous();
-  // rendezvous()'s checks of the joined nodes (--nproc-per-node, Note [Job signature]): an
-  // AgentError naming the first disagreement.
-  void check_joined_nodes();
+  // Node 0 forms generation 0, another node asks to join; returns the generation it starts in.
+  int rendezvous();
+  // A node other than node 0: asks node 0 to join; returns the generation it joins.
+  int join_job();
+  // Every node: reads gen<g>/members (waiting for it), sets members_, nnodes_, node_rank_; an
+  // AgentError when the job was aborted or this node was left out.
+  void adopt_members(int g);
   bool wait_for_count(const std::string& k, int64_t want, std::chrono::milliseconds timeout,
                       int* interrupted);
   // Waits for node 0 to write key k; on a signal (Interrupted) or past the deadline (AgentError
@@ -231,18 +253,19 @@ class Agent {
   // The host of the generation's node n, for messages ("?" when unknown).
   std::string host_of(int n);
 
-  // agent_elastic.cpp: Note [Elastic membership]
-  // Node 0 forms generation 0, another node asks to join; returns the generation it starts in.
-  int elastic_rendezvous();
-  // A node other than node 0: asks node 0 to join; returns the generation it joins.
-  int join_job();
+  // agent_membership.cpp: Note [Membership]
   // Node 0: join requests not yet answered, those that may join (others refused at once).
-  // (Not those with an id already in `forming`, the members a rendezvous is forming.)
-  std::vector<Member> take_join_requests(const std::vector<Member>& forming = {});
+  // (Not those with an id already in `forming`, the members a rendezvous is forming.) With
+  // `fatal` (a rendezvous of a fixed job), a node that runs another command or another version
+  // ends the reading: it is refused, and *fatal says why the job cannot start.
+  std::vector<Member> take_join_requests(const std::vector<Member>& forming = {},
+                                         std::string* fatal = nullptr);
   // Node 0: takes out of `members` the nodes that withdrew from generation g (a signal or a
-  // timeout while they waited for it).
-  void drop_withdrawn(int g, std::vector<Member>& members);
+  // timeout while they waited for it); returns what it said about them (empty: none).
+  std::string drop_withdrawn(int g, std::vector<Member>& members);
   void answer_join(const Member& m, const json& reply);
+  // A join refused for want of room: the job already has MAX nodes.
+  std::string full_text(const Member& m) const;
   void refuse_waiting_joins(const std::string& why);
   // Node 0, while generation g runs: a node that asks to join (and fits) stops the generation,
   // unless `ending` (node 0's workers all succeeded: the job is about to end; it is refused).
@@ -250,9 +273,12 @@ class Agent {
   // Node 0: waits for MIN nodes and the last call (joins answered meanwhile), then publishes
   // gen<g>/members; false when it published an abort instead (why in *why).
   bool form_generation(int g, std::vector<Member> members, std::string* why);
-  // Every node: reads gen<g>/members (waiting for it), sets members_, nnodes_, node_rank_; an
-  // AgentError when the job was aborted or this node was left out.
-  void adopt_members(int g);
+  // Node 0: publishes an abort of generation g (the nodes in `members` are answered so that they
+  // read it) and counts in told_ the nodes that will say they read it.
+  void abort_generation(int g, const std::vector<Member>& members, const std::string& why);
+  // Node 0, the job ending at a rendezvous: waits (briefly) until the nodes it told have read
+  // why, so that they do not lose the store instead.
+  void wait_until_told();
   void publish_leaving(int g, int sig);
 
   // agent_workers.cpp: the worker set, the failure record and its summary
@@ -287,7 +313,8 @@ class Agent {
   double restart_delay();
   static std::string restart_delay_text(double delay_s);
   int wait_before_restart(double delay_s);
-  // Node 0, after generation g failed: the nodes still here and whether the restart counts.
+  // Node 0, after generation g failed: the nodes still here and whether the restart counts;
+  // false when the job ends (why in *why).
   bool next_generation(int g, const json& failure, std::string* why);
   // Node 0, after generation g failed: the node new in g whose workers failed before the
   // generation ran with it (none of its ranks finished a collective), if that is the failure.
@@ -314,10 +341,10 @@ class Agent {
   RunOptions o_;
   Terminal& terminal_;
   // The current generation's node count and this node's place in it (its ranks are
-  // node_rank_ * nproc_per_node + local rank): the options' unless elastic.
+  // node_rank_ * nproc_per_node + local rank): set by adopt_members.
   int nnodes_;
   int node_rank_;
-  // Note [Elastic membership]
+  // Note [Membership]
   std::vector<Member> members_;  // the current generation's, by id
   std::vector<Member> pending_;  // node 0: admitted to the next generation
   std::set<int> newcomers_;      // node 0: ids in the current generation, not in the one before
@@ -327,7 +354,8 @@ class Agent {
   // --node-timeout: its agent may have died in between)
   int64_t unwritten_ticket_ = 0;
   std::optional<Clock::time_point> unwritten_since_;
-  int restarts_used_ = 0;        // node 0: failures restarted (membership changes do not count)
+  int restarts_used_ = 0;        // failures restarted (elastic membership changes do not count)
+  int64_t told_ = 0;             // node 0: nodes told of an abort that will say they read it
   RestartBackoff backoff_;       // Note [Restart backoff]
   Clock::time_point generation_started_{};
   Fd sigfd_;

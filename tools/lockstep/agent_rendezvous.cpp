@@ -1,6 +1,7 @@
 // The agent's way into a job: node 0's store (hosted there, reached from the other nodes), the
-// fixed-size rendezvous (Note [Agent protocol] in agent.cpp) and its checks of the joined nodes,
-// the waits on the store, and a node's host for messages.
+// first rendezvous (node 0 forms generation 0, the others ask to join: Note [Membership] in
+// agent_membership.cpp), adopting a generation's members, the waits on the store, and a node's
+// host for messages.
 #include <algorithm>
 #include <chrono>
 #include <functional>
@@ -105,112 +106,97 @@ bool Agent::wait_for_count(const std::string& k, int64_t want, std::chrono::mill
   }
 }
 
-void Agent::rendezvous() {
-  const std::string me = "node" + std::to_string(o_.node_rank);
-  if (store_->add(key(me + "/claims"), 1) > 1) {
-    throw AgentError("another agent already joined as --node-rank " + std::to_string(o_.node_rank) +
-                     " (host " + store_->get_string(key(me + "/host")) +
-                     "); every machine needs its own --node-rank in [0, " +
-                     std::to_string(o_.nnodes) + ")");
+int Agent::rendezvous() {
+  if (o_.node_rank != 0) {
+    const int g = join_job();
+    adopt_members(g);
+    return g;
   }
-  store_->set(key(me + "/host"), hostname());
-  store_->set(key(me + "/nproc"), std::to_string(o_.nproc_per_node));
-  store_->set(key(me + "/signature"), dump(job_signature(o_).to_json()));
-  store_->add(key("joined"), 1);
-  int sig = 0;
-  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(o_.rdzv_timeout_s * 1000));
-  if (!wait_for_count(key("joined"), o_.nnodes, timeout, &sig)) {
-    if (sig != 0) throw Interrupted(sig);
-    std::string missing;
-    int joined = 0;
-    bool zero_elsewhere = false;
-    for (int r = 0; r < o_.nnodes; ++r) {
-      if (store_->check({key("node" + std::to_string(r) + "/host")})) {
-        ++joined;
-      } else if (r == 0) {
-        zero_elsewhere = true;  // its store answered this node: node 0 is up, in another job
-      } else {
-        missing += (missing.empty() ? "" : ", ") + std::to_string(r);
-      }
-    }
-    std::string why =
-        "rendezvous timed out after " + std::to_string(static_cast<int>(o_.rdzv_timeout_s)) +
-        " s: " + std::to_string(joined) + " of " + std::to_string(o_.nnodes) + " nodes joined";
-    if (zero_elsewhere) {
-      // An elastic node 0 takes join requests (Note [Elastic membership]) instead.
-      why += store_->check({key("join/next")})
-                 ? "; node 0 is up (its store answered) but runs an elastic job (--nnodes "
-                   "MIN:MAX): give this node node 0's --nnodes"
-                 : "; node 0 is up (its store answered) but has not joined this job: does it "
-                   "run with another --run-id (this node's is '" +
-                       o_.run_id + "')?";
-    }
-    if (!missing.empty()) {
-      why += "; missing node ranks: " + missing +
-             " (started with --node-rank and the same --master-addr/--master-port/--run-id?)";
-    }
+  // Note [Agent protocol]: a joiner whose node 0 has not written this runs under another
+  // --run-id.
+  store_->set(key("node0/host"), hostname());
+  std::string why;
+  if (!form_generation(0, {Member{0, hostname(), 0}}, &why)) {
+    wait_until_told();
     throw AgentError(why);
   }
-  // Every node checks every node's keys against node 0's, and all of them fail the start with
-  // the same message where they disagree. Node 0's store must outlive the others' reading: each
-  // node counts itself in `checked` once it has read what it needs, and node 0 waits for all of
-  // them (at most --node-timeout) before it fails and its store closes. (Without the wait node 1
-  // could find the store gone mid-check and say "lost the connection to the store" instead.)
-  std::optional<std::string> refusal;
-  try {
-    check_joined_nodes();
-  } catch (const AgentError& e) {
-    refusal = e.what();
-  }
-  store_->add(key("checked"), 1);
-  if (!refusal) return;
-  if (o_.node_rank == 0) {
-    int ignored = 0;
-    (void)wait_for_count(key("checked"), o_.nnodes,
-                         std::chrono::milliseconds(static_cast<int64_t>(o_.node_timeout_s * 1000)),
-                         &ignored);
-  }
-  throw AgentError(*refusal);
+  adopt_members(0);
+  return 0;
 }
 
-void Agent::check_joined_nodes() {
-  // Every node wrote its keys before it counted itself in `joined`; one that did not is of
-  // another lockstep version, and a get would wait for it until the store's timeout.
-  const auto written_by = [&](int r, const std::string& name, const std::string& what) {
-    const std::string k = key("node" + std::to_string(r) + "/" + name);
-    if (!store_->check({k})) {
-      throw AgentError("node " + std::to_string(r) + "'s " + what +
-                       " is malformed (another lockstep version?): it joined without writing "
-                       "it; run the same lockstep version on every machine");
+int Agent::join_job() {
+  // Node 0 writes node0/host as soon as its store is up: a store that answers without it for
+  // --rdzv-timeout is another job's (the run id is part of every key).
+  const auto started = Clock::now();
+  bool node_zero_seen = false;
+  const auto node_zero_in_this_job = [&] {
+    if (node_zero_seen || (node_zero_seen = store_->check({key("node0/host")}))) return;
+    if (std::chrono::duration<double>(Clock::now() - started).count() >= o_.rdzv_timeout_s) {
+      throw AgentError("rendezvous timed out after " + seconds_text(o_.rdzv_timeout_s) +
+                       " s: node 0 is up (its store answered) but has not joined this job: "
+                       "does it run with another --run-id (this node's is '" +
+                       o_.run_id + "')?");
     }
-    return store_->get_string(k);
   };
-  for (int r = 0; r < o_.nnodes; ++r) {
-    const std::string n = written_by(r, "nproc", "--nproc-per-node");
-    if (n != std::to_string(o_.nproc_per_node)) {
-      throw AgentError("nodes disagree on --nproc-per-node: " + std::to_string(o_.nproc_per_node) +
-                       " here (node " + std::to_string(o_.node_rank) + "), " + n + " on node " +
-                       std::to_string(r));
+  const int64_t t = store_->add(key("join/next"), 1);
+  const json request = {{"id", o_.node_rank},
+                        {"host", hostname()},
+                        {"nproc", o_.nproc_per_node},
+                        {"signature", job_signature(o_).to_json()}};
+  store_->set(key("join/" + std::to_string(t)), dump(request));
+  const std::string k = key("join/" + std::to_string(t) + "/reply");
+  wait_for_node_zero(k, key("join/" + std::to_string(t) + "/withdrawn"),
+                     "node 0 did not admit this node", "", node_zero_in_this_job);
+  const json reply = json::parse(store_->get_string(k));
+  if (reply.contains("refused")) {
+    throw AgentError("node 0 refused this node: " + reply["refused"].get<std::string>());
+  }
+  return reply.at("admitted").get<int>();
+}
+
+void Agent::adopt_members(int g) {
+  const std::string k = gen_key(g, "members");
+  // A node that stops waiting says so, so that node 0 does not start a generation with it.
+  wait_for_node_zero(
+      k, o_.node_rank == 0 ? "" : gen_key(g, "withdrawn/" + std::to_string(o_.node_rank)),
+      "node 0 did not start generation " + std::to_string(g), gen_key(g, "restart_delay"));
+  const json j = json::parse(store_->get_string(k));
+  if (j.contains("abort")) throw AgentError("the job failed: " + j["abort"].get<std::string>());
+  std::vector<Member> ms;
+  for (const auto& n : j.at("nodes")) ms.push_back(Member::from_json(n));
+  const auto me =
+      std::find_if(ms.begin(), ms.end(), [&](const Member& m) { return m.id == o_.node_rank; });
+  if (me == ms.end()) {
+    if (auto refused = try_get(gen_key(g, "refused/" + std::to_string(o_.node_rank)))) {
+      throw LeftOut("node 0 refused this node: " + *refused);
+    }
+    throw LeftOut("node 0 left this node (--node-rank " + std::to_string(o_.node_rank) +
+                  ") out of generation " + std::to_string(g) + " (" + nodes_text(ms) +
+                  "): it found this node lost (no heartbeat for --node-timeout), or this "
+                  "node did not say in time that it had stopped its workers");
+  }
+  restarts_used_ = j.value("restarts_used", restarts_used_);
+  newcomers_.clear();
+  for (const auto& m : ms) {
+    if (std::none_of(members_.begin(), members_.end(),
+                     [&](const Member& o) { return o.id == m.id; })) {
+      newcomers_.insert(m.id);
     }
   }
-  // Note [Job signature]: every node compares every node's with node 0's, so all of them fail
-  // the start with the same message.
-  const auto signature_of = [&](int r) {
-    try {
-      return JobSignature::from_json(json::parse(written_by(r, "signature", "job signature")));
-    } catch (const json::exception& e) {
-      throw AgentError("node " + std::to_string(r) + "'s job signature is malformed (another " +
-                       "lockstep version?): " + e.what());
-    }
-  };
-  const JobSignature job = signature_of(0);
-  for (int r = 1; r < o_.nnodes; ++r) {
-    if (const auto diff = signature_difference(job, signature_of(r), "node 0")) {
-      throw AgentError("node " + std::to_string(r) + " (host " + host_of(r) +
-                       ") runs another command than node 0: " + *diff +
-                       "; start every machine with the same program, arguments and launcher "
-                       "settings (what differs between machines belongs in the environment)");
-    }
+  members_ = std::move(ms);
+  nnodes_ = static_cast<int>(members_.size());
+  node_rank_ = static_cast<int>(me - members_.begin());
+  // A fixed job's layout is the user's own --nnodes and --node-rank: said only when elastic.
+  if (!o_.elastic) return;
+  if (o_.node_rank == 0) {
+    say("generation " + std::to_string(g) + ": " + std::to_string(nnodes_) + " node(s) by " +
+        "--node-rank: " + nodes_text(members_) + "; world size " + std::to_string(world_size()));
+  } else {
+    say("generation " + std::to_string(g) + ": this machine is node " + std::to_string(node_rank_) +
+        " of " + std::to_string(nnodes_) + " (ranks " +
+        std::to_string(node_rank_ * o_.nproc_per_node) + " to " +
+        std::to_string((node_rank_ + 1) * o_.nproc_per_node - 1) + "); world size " +
+        std::to_string(world_size()));
   }
 }
 
@@ -268,14 +254,7 @@ void Agent::wait_for_node_zero(const std::string& k, const std::string& withdraw
 }
 
 std::string Agent::host_of(int n) {
-  if (o_.elastic) {
-    return n >= 0 && n < static_cast<int>(members_.size()) ? members_[n].host : "?";
-  }
-  try {
-    return try_get(key("node" + std::to_string(n) + "/host")).value_or("?");
-  } catch (const Error&) {
-    return "?";
-  }
+  return n >= 0 && n < static_cast<int>(members_.size()) ? members_[n].host : "?";
 }
 
 }  // namespace lockstep::launch::agent_detail

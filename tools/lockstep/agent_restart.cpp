@@ -1,6 +1,6 @@
-// The agent between generations: Note [Restart backoff]'s wait, node 0's choice of an elastic
-// job's next generation after a failure (who is still here, a newcomer refused, whether the
-// restart counts), and the one line that says why a generation ended.
+// The agent between generations: Note [Restart backoff]'s wait, node 0's choice of the next
+// generation after a failure (who is still here, a newcomer refused, whether the restart counts:
+// Note [Membership]), and the one line that says why a generation ended.
 #include <poll.h>
 
 #include <algorithm>
@@ -52,7 +52,7 @@ bool Agent::next_generation(int g, const json& failure, std::string* why) {
     gone.insert(members_[failed_node].id);
   }
   // A node just admitted whose workers failed before the generation ran with it: it goes, told
-  // why, and the others go on as before (a membership change; Note [Elastic membership]).
+  // why, and the others go on as before (a membership change; Note [Membership]).
   if (const auto m = newcomer_failed_at_start(g, failure)) {
     const std::string what = event_text(failure);
     say("node --node-rank " + std::to_string(m->id) + " (host " + m->host + ") joined generation " +
@@ -101,8 +101,11 @@ bool Agent::next_generation(int g, const json& failure, std::string* why) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  const bool membership = failure.value("membership", false) || here.size() < members_.size();
-  if (!membership) {
+  // Note [Membership]: a joining node is never a failure; a node gone is a change of membership
+  // in an elastic job, and a failure like any other in a fixed one.
+  const bool gone_now = here.size() < members_.size();
+  const bool counts = !failure.value("membership", false) && (!o_.elastic || !gone_now);
+  if (counts) {
     if (restarts_used_ >= o_.max_restarts) {
       *why = "no restarts left (--max-restarts " + std::to_string(o_.max_restarts) + ")";
       store_->set(gen_key(g + 1, "members"), dump({{"abort", event_text(failure) + "; " + *why}}));
@@ -112,17 +115,33 @@ bool Agent::next_generation(int g, const json& failure, std::string* why) {
     // Note [Restart backoff]: node 0 waits; the other nodes, told how long, wait that much
     // longer for its next generation.
     const double delay = restart_delay();
-    say("restarting the workers of every node" + restart_delay_text(delay) + " (restart " +
-        std::to_string(restarts_used_) + " of " + std::to_string(o_.max_restarts) + ")");
+    say(event_text(failure) + "; restarting the whole group" + restart_delay_text(delay) +
+        " (restart " + std::to_string(restarts_used_) + " of " + std::to_string(o_.max_restarts) +
+        ")");
+    if (gone_now) {
+      std::string ids;
+      for (const auto& m : members_) {
+        if (std::none_of(here.begin(), here.end(), [&](const Member& h) { return h.id == m.id; })) {
+          ids += (ids.empty() ? "" : ", ") + std::to_string(m.id);
+        }
+      }
+      say("waiting up to --rdzv-timeout " + seconds_text(o_.rdzv_timeout_s) +
+          " s for an agent with --node-rank " + ids + " to join again (" + nnodes_text() +
+          " needs every node)");
+    }
     if (delay > 0) store_->set(gen_key(g + 1, "restart_delay"), dump(json(delay)));
     if (const int sig = wait_before_restart(delay)) {
       store_->set(gen_key(g + 1, "members"),
                   dump({{"abort", "the launcher on node 0 received " + signal_name(sig)}}));
       throw Interrupted(sig);
     }
-  } else if (here.size() < members_.size()) {
-    say(std::to_string(members_.size() - here.size()) + " node(s) gone; " +
-        std::to_string(here.size()) + " remain (a membership change, not counted as a restart)");
+  } else {
+    say(event_text(failure));
+    if (gone_now) {
+      say(std::to_string(members_.size() - here.size()) + " node(s) gone; " +
+          std::to_string(here.size()) +
+          " remain (a membership change, not counted as a restart)");
+    }
   }
   // From here a replacement for a gone node may take its --node-rank, and the job's end waits
   // only for the nodes still here (exit_sync).

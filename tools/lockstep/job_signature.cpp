@@ -27,11 +27,10 @@ namespace lockstep::launch {
 // DATA_DIR=/mnt/a), and the options about this machine alone (--node-rank, --master-addr as
 // this machine reaches node 0, --log-dir, --tee, --local-ranks-filter, --monitor-interval,
 // --stall-timeout, --rdzv-timeout, --rdzv-last-call, where the token comes from).
-// Elastic (Note [Elastic membership] in agent_elastic.cpp): the signature travels in the join
-// request; node 0 compares it with its own and refuses a machine that differs, naming the first
-// difference on both sides; the running job goes on untouched. Static (Note [Agent protocol] in
-// agent.cpp): each node writes node<r>/signature; once all have joined, every node compares
-// every node's with node 0's, so they all fail the start with the same message.
+// The signature travels in a node's join request (Note [Membership] in agent_membership.cpp);
+// node 0 compares it with its own and refuses a machine that differs, naming the first difference
+// on both sides. An elastic job goes on untouched; a fixed one cannot start without the machine,
+// so node 0 fails the start with the same message.
 
 namespace {
 

@@ -18,7 +18,7 @@ namespace lockstep::launch {
 // Who waits: in a job of fixed size each agent waits on its own, after every node has stopped
 // its workers; the delays agree but for a generation that ended right at the reset (the
 // workers' rendezvous timeout absorbs such a difference). In an elastic job only node 0 waits,
-// before it publishes the next generation's members (Note [Elastic membership]); the other
+// before it publishes the next generation's members (Note [Membership]); the other
 // nodes wait for those members only --rdzv-timeout + --node-timeout + 30 s, less than a doubled
 // delay can be (up to 60 s, or --restart-backoff up to 3600), so node 0 first writes its delay
 // (gen<g+1>/restart_delay) and each of them moves its deadline by that much.

@@ -379,7 +379,7 @@ RunOptions check_run_options(const RawRunOptions& raw, const std::vector<std::st
     o.nproc_per_node = static_cast<int>(parse_int(raw.nproc, src("--nproc-per-node"), 1,
                                                   kMaxNprocPerNode, ", or gpu, cpu or auto"));
   }
-  // --nnodes N, or MIN:MAX for elastic membership (Note [Elastic membership] in agent_elastic.cpp).
+  // --nnodes N, or MIN:MAX for elastic membership (Note [Membership] in agent_membership.cpp).
   if (const size_t colon = raw.nnodes.find(':'); colon != std::string::npos) {
     const std::string what = src("--nnodes") + " " + raw.nnodes;
     o.min_nodes = static_cast<int>(

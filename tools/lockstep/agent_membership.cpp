@@ -1,6 +1,7 @@
-// The elastic rendezvous (`lockstep run --nnodes MIN:MAX`): who is in each generation, join
-// requests, node 0 forming a generation, a node joining, adopting the members, or leaving. Its
-// loop is run_elastic in agent.cpp; the next generation after a failure is in agent_restart.cpp.
+// Who is in each generation (Note [Membership]): join requests, node 0 forming a generation and
+// answering joins while one runs, a node withdrawing or leaving. The first rendezvous, joining and
+// adopting a generation are in agent_rendezvous.cpp, the loop of generations in agent.cpp, the
+// next generation after a failure in agent_restart.cpp.
 #include <signal.h>
 
 #include <algorithm>
@@ -14,7 +15,7 @@
 
 namespace lockstep::launch::agent_detail {
 
-// Note [Elastic membership]
+// Note [Membership]
 // With --nnodes MIN:MAX the job runs on whichever machines have joined, from MIN to MAX, and
 // each change of membership starts a new generation (new ranks and world size, the workers'
 // LOCKSTEP_RESTART_COUNT one higher), as torchrun's elastic agents do. Node 0 (--node-rank 0)
@@ -61,25 +62,23 @@ namespace lockstep::launch::agent_detail {
 // exits 1 saying so), and the others go on as a membership change: a machine that cannot run
 // the job (a missing file, a broken device) must not cost the healthy job a restart.
 // Fewer than MIN nodes left: the rendezvous waits for joins up to --rdzv-timeout, then fails.
-// A signal to node 0 stops the whole job, as without elasticity.
-
-namespace {
-
-std::string nodes_text(const std::vector<Member>& ms) {
-  std::string s;
-  for (const auto& m : ms) {
-    s += (s.empty() ? "" : ", ") + std::to_string(m.id) + " (host " + m.host + ")";
-  }
-  return s;
-}
-
-}  // namespace
+// A signal to node 0 stops the whole job.
+//
+// A job of fixed size (--nnodes N) runs the same protocol as one of MIN = MAX = N, through the
+// same loop (run_generations in agent.cpp), with a policy that keeps it what the user asked for:
+// a job that stops rather than changes. Every node's signal stops the job (an `interrupted`
+// record; no node leaves). A node that runs another command or another version fails the start
+// for every node, saying what differs (elastic: it is refused and the job goes on). A node that
+// withdraws from a rendezvous (a signal while it waits) aborts it. A node found lost is a
+// failure like a worker's: it counts against --max-restarts, and the restart waits up to
+// --rdzv-timeout for an agent with the lost --node-rank to join again.
 
 void Agent::answer_join(const Member& m, const json& reply) {
   store_->set(key("join/" + std::to_string(m.ticket) + "/reply"), dump(reply));
 }
 
-std::vector<Member> Agent::take_join_requests(const std::vector<Member>& forming) {
+std::vector<Member> Agent::take_join_requests(const std::vector<Member>& forming,
+                                              std::string* fatal) {
   std::vector<Member> out;
   const int64_t issued = store_->add(key("join/next"), 0);
   while (next_ticket_ <= issued) {
@@ -101,27 +100,55 @@ std::vector<Member> Agent::take_join_requests(const std::vector<Member>& forming
     Member m;
     m.ticket = next_ticket_++;
     if (store_->check({key("join/" + std::to_string(m.ticket) + "/withdrawn")})) continue;
+    // A fixed job cannot start without this node: the refusal ends its rendezvous, and every
+    // node says the same (Note [Membership]); node 0 waits for the node to have read it.
+    const auto refuse_fatally = [&](const std::string& why) {
+      say(why);
+      answer_join(m, {{"refused", why}});
+      ++told_;
+      *fatal = why;
+    };
     int nproc = -1;
     JobSignature theirs;
     try {
       const json j = json::parse(store_->get_string(k));
-      m.id = j.at("id").get<int>();
+      if (j.is_object()) m.id = j.value("id", -1);
       m.host = j.at("host").get<std::string>();
       nproc = j.at("nproc").get<int>();
       theirs = JobSignature::from_json(j.at("signature"));
     } catch (const json::exception& e) {
-      answer_join(m, {{"refused", std::string("malformed join request: ") + e.what()}});
-      continue;
+      const std::string what = std::string("malformed (another lockstep version?): ") + e.what();
+      if (fatal == nullptr) {
+        answer_join(m, {{"refused", "its join request is " + what}});
+        continue;
+      }
+      refuse_fatally("node " + std::to_string(m.id) + "'s join request is " + what +
+                     "; run the same lockstep version on every machine");
+      break;
     }
     if (nproc != o_.nproc_per_node) {
-      answer_join(m, {{"refused", "nodes disagree on --nproc-per-node: " +
-                                      std::to_string(o_.nproc_per_node) + " on node 0, " +
-                                      std::to_string(nproc) + " on the node that asks to join"}});
-      continue;
+      const std::string why = "nodes disagree on --nproc-per-node: " +
+                              std::to_string(o_.nproc_per_node) + " on node 0, " +
+                              std::to_string(nproc);
+      if (fatal == nullptr) {
+        answer_join(m, {{"refused", why + " on the node that asks to join"}});
+        continue;
+      }
+      refuse_fatally(why + " on node " + std::to_string(m.id) + " (host " + m.host + ")");
+      break;
     }
     // Note [Job signature]: another program, argument or shared setting is refused before it
     // can fail the job or train it wrong.
-    if (const auto diff = signature_difference(job_signature(o_), theirs, "the job")) {
+    const char* const label = fatal == nullptr ? "the job" : "node 0";
+    if (const auto diff = signature_difference(job_signature(o_), theirs, label)) {
+      if (fatal != nullptr) {
+        refuse_fatally("node " + std::to_string(m.id) + " (host " + m.host +
+                           ") runs another command than node 0: " + *diff +
+                           "; start every machine with the same program, arguments and "
+                           "launcher settings (what differs between machines belongs in the "
+                           "environment)");
+        break;
+      }
       say("refused node --node-rank " + std::to_string(m.id) + " (host " + m.host +
           "): its command differs from the job's: " + *diff);
       answer_join(m, {{"refused", "this node's command differs from the job's: " + *diff +
@@ -159,22 +186,18 @@ void Agent::refuse_waiting_joins(const std::string& why) {
   }
 }
 
-namespace {
-
-std::string full_text(const Member& m, int nnodes, int min_nodes) {
-  return "the job already has " + std::to_string(nnodes) + " nodes, the most --nnodes " +
-         std::to_string(min_nodes) + ":" + std::to_string(nnodes) + " allows; node --node-rank " +
-         std::to_string(m.id) + " (host " + m.host + ") was not admitted";
+std::string Agent::full_text(const Member& m) const {
+  return "the job already has " + std::to_string(o_.nnodes) + " nodes, the most " + nnodes_text() +
+         " allows; node --node-rank " + std::to_string(m.id) + " (host " + m.host +
+         ") was not admitted";
 }
-
-}  // namespace
 
 void Agent::admit_while_running(int g, bool ending) {
   for (const auto& m : take_join_requests()) {
     if (members_.size() + pending_.size() >= static_cast<size_t>(o_.nnodes)) {
       say("refused node --node-rank " + std::to_string(m.id) + " (host " + m.host +
           "): the job already has its most nodes (" + std::to_string(o_.nnodes) + ")");
-      answer_join(m, {{"refused", full_text(m, o_.nnodes, o_.min_nodes)}});
+      answer_join(m, {{"refused", full_text(m)}});
       continue;
     }
     if (ending) {  // restarting a job whose node 0 is done would redo its last steps for nothing
@@ -197,19 +220,46 @@ void Agent::admit_while_running(int g, bool ending) {
   }
 }
 
-void Agent::drop_withdrawn(int g, std::vector<Member>& members) {
+std::string Agent::drop_withdrawn(int g, std::vector<Member>& members) {
+  std::string said;
   for (auto it = members.begin(); it != members.end();) {
     const bool gone = it->id != 0 &&
                       (store_->check({gen_key(g, "withdrawn/" + std::to_string(it->id))}) ||
                        (it->ticket > 0 &&
                         store_->check({key("join/" + std::to_string(it->ticket) + "/withdrawn")})));
     if (gone) {
-      say("node --node-rank " + std::to_string(it->id) + " (host " + it->host +
-          ") withdrew before generation " + std::to_string(g) + " started");
+      said = "node --node-rank " + std::to_string(it->id) + " (host " + it->host +
+             ") withdrew before generation " + std::to_string(g) + " started";
+      say(said);
       it = members.erase(it);
     } else {
       ++it;
     }
+  }
+  return said;
+}
+
+void Agent::abort_generation(int g, const std::vector<Member>& members, const std::string& why) {
+  store_->set(gen_key(g, "members"), dump({{"abort", why}}));
+  for (const auto& m : members) {
+    // Those waiting for their answer read the abort there, and say so (wait_until_told).
+    if (m.ticket > 0 && admitted_.insert(m.ticket).second) {
+      answer_join(m, {{"admitted", g}});
+      ++told_;
+    }
+  }
+}
+
+void Agent::wait_until_told() {
+  if (told_ == 0) return;
+  try {
+    int ignored = 0;
+    (void)wait_for_count(key("told"), told_,
+                         std::min<std::chrono::milliseconds>(
+                             kExitSyncTimeout, std::chrono::milliseconds(static_cast<int64_t>(
+                                                   o_.node_timeout_s * 1000))),
+                         &ignored);
+  } catch (const Error&) {
   }
 }
 
@@ -217,15 +267,24 @@ bool Agent::form_generation(int g, std::vector<Member> members, std::string* why
   const auto deadline =
       Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o_.rdzv_timeout_s * 1000));
   std::optional<Clock::time_point> last_call;
+  // Note [Membership]: a fixed job stops where an elastic one would go on without a node.
+  std::string fatal;
   for (;;) {
-    for (const auto& m : take_join_requests(members)) {
+    for (const auto& m : take_join_requests(members, o_.elastic ? nullptr : &fatal)) {
       if (members.size() >= static_cast<size_t>(o_.nnodes)) {
-        answer_join(m, {{"refused", full_text(m, o_.nnodes, o_.min_nodes)}});
+        answer_join(m, {{"refused", full_text(m)}});
       } else {
         members.push_back(m);
       }
     }
-    drop_withdrawn(g, members);
+    if (const std::string said = drop_withdrawn(g, members); !said.empty() && !o_.elastic) {
+      fatal = said + "; a job of fixed size (" + nnodes_text() + ") stops with it";
+    }
+    if (!fatal.empty()) {
+      *why = fatal;
+      abort_generation(g, members, *why);
+      return false;
+    }
     const auto now = Clock::now();
     if (members.size() >= static_cast<size_t>(o_.nnodes)) break;
     if (members.size() >= static_cast<size_t>(o_.min_nodes)) {
@@ -234,30 +293,34 @@ bool Agent::form_generation(int g, std::vector<Member> members, std::string* why
         last_call = std::min(deadline, now + std::chrono::milliseconds(
                                                  static_cast<int64_t>(o_.rdzv_last_call_s * 1000)));
         if (o_.rdzv_last_call_s > 0) {
-          say(std::to_string(members.size()) + " of --nnodes " + std::to_string(o_.min_nodes) +
-              ":" + std::to_string(o_.nnodes) + " nodes are in; waiting " +
+          say(std::to_string(members.size()) + " of " + nnodes_text() + " nodes are in; waiting " +
               seconds_text(o_.rdzv_last_call_s) + " s for more (--rdzv-last-call)");
         }
       }
       if (now >= *last_call) break;
     }
     if (now >= deadline) {
-      *why = "rendezvous timed out after " + seconds_text(o_.rdzv_timeout_s) +
-             " s: " + std::to_string(members.size()) + " node(s) in (" + nodes_text(members) +
-             "), --nnodes " + std::to_string(o_.min_nodes) + ":" + std::to_string(o_.nnodes) +
-             " needs at least " + std::to_string(o_.min_nodes);
-      store_->set(gen_key(g, "members"), dump({{"abort", *why}}));
-      for (const auto& m : members) {
-        if (m.ticket > 0) answer_join(m, {{"admitted", g}});  // they read the abort there
+      *why = "rendezvous timed out after " + seconds_text(o_.rdzv_timeout_s) + " s: ";
+      if (o_.elastic) {
+        *why += std::to_string(members.size()) + " node(s) in (" + nodes_text(members) + "), " +
+                nnodes_text() + " needs at least " + std::to_string(o_.min_nodes);
+      } else {
+        std::string missing;
+        for (int r = 0; r < o_.nnodes; ++r) {
+          if (std::none_of(members.begin(), members.end(),
+                           [&](const Member& m) { return m.id == r; })) {
+            missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+          }
+        }
+        *why += std::to_string(members.size()) + " of " + std::to_string(o_.nnodes) +
+                " nodes joined; missing node ranks: " + missing +
+                " (started with --node-rank and the same --master-addr/--master-port/--run-id?)";
       }
+      abort_generation(g, members, *why);
       return false;
     }
     if (const int sig = take_signal()) {
-      store_->set(gen_key(g, "members"),
-                  dump({{"abort", "the launcher on node 0 received " + signal_name(sig)}}));
-      for (const auto& m : members) {
-        if (m.ticket > 0) answer_join(m, {{"admitted", g}});
-      }
+      abort_generation(g, members, "the launcher on node 0 received " + signal_name(sig));
       throw Interrupted(sig);
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -274,78 +337,6 @@ bool Agent::form_generation(int g, std::vector<Member> members, std::string* why
   return true;
 }
 
-void Agent::adopt_members(int g) {
-  const std::string k = gen_key(g, "members");
-  // A node that stops waiting says so, so that node 0 does not start a generation with it.
-  wait_for_node_zero(
-      k, o_.node_rank == 0 ? "" : gen_key(g, "withdrawn/" + std::to_string(o_.node_rank)),
-      "node 0 did not start generation " + std::to_string(g), gen_key(g, "restart_delay"));
-  const json j = json::parse(store_->get_string(k));
-  if (j.contains("abort")) throw AgentError("the job failed: " + j["abort"].get<std::string>());
-  std::vector<Member> ms;
-  for (const auto& n : j.at("nodes")) ms.push_back(Member::from_json(n));
-  const auto me =
-      std::find_if(ms.begin(), ms.end(), [&](const Member& m) { return m.id == o_.node_rank; });
-  if (me == ms.end()) {
-    if (auto refused = try_get(gen_key(g, "refused/" + std::to_string(o_.node_rank)))) {
-      throw LeftOut("node 0 refused this node: " + *refused);
-    }
-    throw LeftOut("node 0 left this node (--node-rank " + std::to_string(o_.node_rank) +
-                  ") out of generation " + std::to_string(g) + " (" + nodes_text(ms) +
-                  "): it found this node lost (no heartbeat for --node-timeout), or this "
-                  "node did not say in time that it had stopped its workers");
-  }
-  restarts_used_ = j.value("restarts_used", restarts_used_);
-  newcomers_.clear();
-  for (const auto& m : ms) {
-    if (std::none_of(members_.begin(), members_.end(),
-                     [&](const Member& o) { return o.id == m.id; })) {
-      newcomers_.insert(m.id);
-    }
-  }
-  members_ = std::move(ms);
-  nnodes_ = static_cast<int>(members_.size());
-  node_rank_ = static_cast<int>(me - members_.begin());
-  if (o_.node_rank == 0) {
-    say("generation " + std::to_string(g) + ": " + std::to_string(nnodes_) + " node(s) by " +
-        "--node-rank: " + nodes_text(members_) + "; world size " + std::to_string(world_size()));
-  } else {
-    say("generation " + std::to_string(g) + ": this machine is node " + std::to_string(node_rank_) +
-        " of " + std::to_string(nnodes_) + " (ranks " +
-        std::to_string(node_rank_ * o_.nproc_per_node) + " to " +
-        std::to_string((node_rank_ + 1) * o_.nproc_per_node - 1) + "); world size " +
-        std::to_string(world_size()));
-  }
-}
-
-int Agent::join_job() {
-  // A node 0 of fixed size (Note [Agent protocol]) writes node0/host as soon as its store is up,
-  // and would never answer a join request: looked at before asking and while waiting, since this
-  // node may have reached the store a moment before node 0 wrote it.
-  const auto fixed_size_node_zero = [&] {
-    if (store_->check({key("node0/host")})) {
-      throw AgentError(
-          "node 0 runs a job of a fixed size (--nnodes N), not an elastic one: give "
-          "this node node 0's --nnodes");
-    }
-  };
-  fixed_size_node_zero();
-  const int64_t t = store_->add(key("join/next"), 1);
-  const json request = {{"id", o_.node_rank},
-                        {"host", hostname()},
-                        {"nproc", o_.nproc_per_node},
-                        {"signature", job_signature(o_).to_json()}};
-  store_->set(key("join/" + std::to_string(t)), dump(request));
-  const std::string k = key("join/" + std::to_string(t) + "/reply");
-  wait_for_node_zero(k, key("join/" + std::to_string(t) + "/withdrawn"),
-                     "node 0 did not admit this node", "", fixed_size_node_zero);
-  const json reply = json::parse(store_->get_string(k));
-  if (reply.contains("refused")) {
-    throw AgentError("node 0 refused this node: " + reply["refused"].get<std::string>());
-  }
-  return reply.at("admitted").get<int>();
-}
-
 void Agent::publish_leaving(int g, int sig) {
   try {
     store_->compare_set(
@@ -360,18 +351,6 @@ void Agent::publish_leaving(int g, int sig) {
               {"time", utc_now()}}));
   } catch (const Error&) {
   }
-}
-
-int Agent::elastic_rendezvous() {
-  int g = 0;
-  if (o_.node_rank == 0) {
-    std::string why;
-    if (!form_generation(0, {Member{0, hostname(), 0}}, &why)) throw AgentError(why);
-  } else {
-    g = join_job();
-  }
-  adopt_members(g);
-  return g;
 }
 
 }  // namespace lockstep::launch::agent_detail
