@@ -448,7 +448,7 @@ PY
       --save "$work/b/ck.safetensors" --save-every 15 --resume auto --test-crash-at-step 25 \
       > "$work/b.out" 2>&1 || { cat "$work/b.out"; fail "restarted run failed"; }
     cat "$work/b.out"
-    grep -q "rank 1 on node 0 ended with signal SIGKILL" "$work/b.out" || fail "rank 1 was not killed"
+    grep -q "rank 1 on node 0 (host .*) ended with signal SIGKILL" "$work/b.out" || fail "rank 1 was not killed"
     grep -q "^\[rank0\]: .* INFO: resumed .*ck.step00000015.safetensors: step 15" "$work/b.out" \
       || fail "the restarted group did not resume from step 15"
     cmp "$work/a/ck.safetensors" "$work/b/ck.safetensors" \
@@ -523,7 +523,7 @@ PY
       --no-eval --max-steps 1 --test-sample-log "$work/none/samples"
     ;;
   elastic)
-    # Elastic membership with exact rescaling (Note [Elastic membership] in the launcher, Note
+    # Elastic membership with exact rescaling (Note [Membership] in the launcher, Note
     # [Rescaling] here): two agents of `lockstep run --nnodes 1:2` on this machine, one worker
     # each. Node 0 trains alone (world 1) to a checkpoint; node 1 joins, and both go on in
     # generation 1 (world 2) from the newest checkpoint; once generation 1 has written one, node
