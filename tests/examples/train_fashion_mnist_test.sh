@@ -30,6 +30,15 @@ corrupt() {
   printf "\\$(printf %03o $((byte ^ 32)))" | dd of="$f" bs=1 seek=$((size - 1)) conv=notrunc status=none
 }
 
+# subset_data N_TRAIN [N_TEST]: the first N_TRAIN train samples (and N_TEST test samples, else all
+# 10000) of the installed data as plain files in $work/data, for --data in the cases whose point
+# is not the data (equalities between runs, a stop, a shape of batches): each process then starts
+# in a third of the time, most of which is decompressing and scaling the 60000 train images.
+subset_data() {
+  command -v python3 > /dev/null || fail "python3 is missing (scripts/install-deps.sh installs it)"
+  python3 "$(dirname "$0")/fashion_mnist_subset.py" "$work/data" "$@" || fail "could not write the data subset"
+}
+
 # The train_loss of a run's final line.
 final_loss() { sed -n 's/^\(\[rank0\]: \)\{0,1\}final .* train_loss=\([0-9.]*\) .*/\2/p' "$1"; }
 
@@ -287,30 +296,35 @@ EOF
     ;;
   accum)
     # --accum-steps 4: steps and the schedule count optimizer steps; the effective batch and the
-    # linearly scaled lr are printed.
-    "$exe" --accum-steps 4 --max-steps 20 --lr-scaling linear --base-batch 64 --lr 0.01 \
-      --warmup-steps 5 --log-every 5 --no-eval > "$work/out" 2>&1 || { cat "$work/out"; fail "run failed"; }
+    # linearly scaled lr are printed. (20 steps of 4 x 64 read 5120 of the 12000 samples.)
+    subset_data 12000
+    "$exe" --data "$work/data" --accum-steps 4 --max-steps 20 --lr-scaling linear --base-batch 64 \
+      --lr 0.01 --warmup-steps 5 --log-every 5 --no-eval > "$work/out" 2>&1 \
+      || { cat "$work/out"; fail "run failed"; }
     cat "$work/out"
     grep -q "accum_steps=4 effective_batch=256 lr=0.04 " "$work/out" || fail "header"
     grep -q "step 5 loss .* lr 0.04$" "$work/out" || fail "warmup did not reach the scaled lr at step 5"
     [ "$(grep -c "^epoch 0 step [0-9]* loss" "$work/out")" -eq 4 ] \
       || fail "expected 4 loss lines (optimizer steps 5, 10, 15, 20)"
     grep -q "steps=20 " "$work/out" || fail "--max-steps must count optimizer steps"
-    # Note [Accumulation window]: an epoch of 3 micro-batches (25000, 25000, 10000 samples) under
-    # --accum-steps 4 is one step on its 60000 samples, the very step of --batch-size 60000: the
+    # Note [Accumulation window]: an epoch of 3 micro-batches (5000, 5000, 2000 samples) under
+    # --accum-steps 4 is one step on its 12000 samples, the very step of --batch-size 12000: the
     # same loss at step 1 and, after that step's update, at step 2. With 2 ranks (3 micro-batches
-    # of 12500, 12500, 5000 each) it is that step again. (A weight of 1/K reports 3/4 of the loss
-    # and shrinks the update.)
-    common=(--log-every 0 --no-eval --epochs 2 --max-steps 2 --lr 0.5)
-    "$exe" "${common[@]}" --threads 2 --batch-size 60000 > "$work/full" 2>&1 \
+    # of 2500, 2500, 1000 each) it is that step again. (A weight of 1/K reports 3/4 of the loss
+    # and shrinks the update.) The epoch is the first 12000 samples of the train set: all 60000
+    # make the same windows at five times the compute. The losses are compared as printed, to 4
+    # decimals: the runs sum in different orders, so a loss within 1e-7 of a rounding boundary
+    # would print two ways (the first 6000 samples' 2.318050 does).
+    common=(--data "$work/data" --log-every 0 --no-eval --epochs 2 --max-steps 2 --lr 0.5)
+    "$exe" "${common[@]}" --threads 2 --batch-size 12000 > "$work/full" 2>&1 \
       || { cat "$work/full"; fail "full-batch run failed"; }
-    "$exe" "${common[@]}" --threads 2 --batch-size 25000 --accum-steps 4 > "$work/acc" 2>&1 \
+    "$exe" "${common[@]}" --threads 2 --batch-size 5000 --accum-steps 4 > "$work/acc" 2>&1 \
       || { cat "$work/acc"; fail "accumulation run failed"; }
     port=$((20000 + RANDOM % 20000))
     for r in 0 1; do
       RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 \
         MASTER_PORT=$port OMP_NUM_THREADS=1 "$exe" "${common[@]}" --threads 1 \
-        --batch-size 12500 --accum-steps 4 > "$work/ddp$r" 2>&1 &
+        --batch-size 2500 --accum-steps 4 > "$work/ddp$r" 2>&1 &
       pids[$r]=$!
     done
     for r in 0 1; do wait "${pids[$r]}" || { cat "$work/ddp0" "$work/ddp1"; fail "rank $r failed"; }; done
@@ -328,7 +342,10 @@ EOF
     # Exact resume with 1 process: 40 optimizer steps straight, against a run killed (SIGKILL)
     # after step 20 and resumed from its step-20 checkpoint with the same command: the final
     # checkpoints (model, optimizer state, position; nothing time-dependent) are the same bytes.
-    args=(--log-every 0 --no-eval --threads 2 --schedule cosine --max-steps 40)
+    # 40 steps read 2560 samples: the first 6000 of the train set hold them (and each of the
+    # dozen runs starts in a third of the time).
+    subset_data 6000
+    args=(--data "$work/data" --log-every 0 --no-eval --threads 2 --schedule cosine --max-steps 40)
     "$exe" "${args[@]}" --save "$work/a/ck.safetensors" > "$work/a.out" 2>&1 \
       || { cat "$work/a.out"; fail "straight run failed"; }
     "$exe" "${args[@]}" --save "$work/b/ck.safetensors" --save-every 10 --keep 2 \
@@ -354,13 +371,13 @@ EOF
       || { ls "$work/b"; fail "--keep 2 kept other files"; }
     # A checkpoint of another model: an error naming the first mismatched tensor.
     expect_exit 1 "holds another model than --model cnn: .*unexpected key '1.weight'" --model cnn --no-eval \
-      --resume "$work/a/ck.safetensors"
-    expect_exit 1 "no such checkpoint file" --resume "$work/nothing.safetensors"
+      --data "$work/data" --resume "$work/a/ck.safetensors"
+    expect_exit 1 "no such checkpoint file" --data "$work/data" --resume "$work/nothing.safetensors"
     expect_exit 2 "needs --save" --resume auto
     expect_exit 2 "needs --save" --save-every 5
     # Nothing to resume yet: auto starts from step 0.
-    "$exe" --log-every 0 --no-eval --max-steps 2 --save "$work/c/ck.safetensors" --resume auto \
-      > "$work/c.out" 2>&1 || { cat "$work/c.out"; fail "--resume auto without a checkpoint failed"; }
+    "$exe" --data "$work/data" --log-every 0 --no-eval --max-steps 2 --save "$work/c/ck.safetensors" \
+      --resume auto > "$work/c.out" 2>&1 || { cat "$work/c.out"; fail "--resume auto without a checkpoint failed"; }
     grep -q "starting from step 0" "$work/c.out" || fail "no fresh-start message"
     # A checkpoint from before the epoch's loss sums were recorded (the keys taken out, the
     # SHA-256 made anew) still resumes; an info line says what its train_loss covers.
@@ -413,7 +430,7 @@ PY
     cmp "$work/a/ck.safetensors" "$work/d/ck.safetensors" || fail "resumed past a corrupt file: other state"
     [ "$(final_loss "$work/a.out")" = "$(final_loss "$work/d.out")" ] || fail "train_loss after resuming at 30"
     # An explicit --resume of the corrupt file is not replaced: an error.
-    expect_exit 1 "corrupt" --no-eval --resume "$work/d/ck.step00000040.safetensors"
+    expect_exit 1 "corrupt" --data "$work/data" --no-eval --resume "$work/d/ck.step00000040.safetensors"
     # A corrupt end-of-run file: left as it is, this run's result goes beside it as step 40's.
     mkdir -p "$work/e"
     cp "$work/a/ck.safetensors" "$work/e/"
@@ -430,8 +447,8 @@ PY
     # Nothing verifies: an error listing each file, and every file stays.
     corrupt "$work/d/ck.step00000030.safetensors"
     corrupt "$work/d/ck.safetensors"
-    expect_exit 1 "no checkpoint of $work/d/ck.safetensors verifies" --no-eval --save "$work/d/ck.safetensors" \
-      --resume auto
+    expect_exit 1 "no checkpoint of $work/d/ck.safetensors verifies" --data "$work/data" --no-eval \
+      --save "$work/d/ck.safetensors" --resume auto
     grep -q "ck.step00000030.safetensors: " "$work/out" || fail "the error does not list step 30's file"
     cmp "$work/corrupt40" "$work/d/ck.step00000040.safetensors" || fail "the corrupt checkpoint was changed"
     ;;
@@ -634,13 +651,16 @@ PY
     ! grep -q $'\r' "$work/out" || fail "a bar was drawn without a terminal"
     ;;
   uneven)
-    # --uneven (Note [Uneven inputs]): 60000 samples over 7 ranks without padding are 8572 on
-    # ranks 0-2 and 8571 on ranks 3-6, so --batch-size 2857 gives them 4 batches and 3. Ranks 3-6
-    # shadow the last step (dist::Join) and every rank leaves the epoch together: the evaluation
-    # and the mean loss after it, collectives of all ranks, go through, and the model learned.
+    # --uneven (Note [Uneven inputs]): 6009 samples (the first of the train set; all 60000 cost
+    # ten times the compute for the same shapes) over 7 ranks without padding are 859 on ranks
+    # 0-2 and 858 on ranks 3-6, so --batch-size 286 gives them 4 batches and 3. Ranks 3-6 shadow
+    # the last step (dist::Join) and every rank leaves the epoch together: the evaluation (of the
+    # whole test set) and the mean loss after it, collectives of all ranks, go through, and the
+    # model learned (0.32 here; 0.10 is chance).
     [ -x "$tool" ] || fail "no lockstep binary given"
+    subset_data 6009
     OMP_NUM_THREADS=1 "$tool" run --standalone --nproc-per-node 7 "$exe" --uneven \
-      --batch-size 2857 --threads 1 --log-every 1 > "$work/out" 2> "$work/err" \
+      --data "$work/data" --batch-size 286 --threads 1 --log-every 1 > "$work/out" 2> "$work/err" \
       || { cat "$work/out" "$work/err"; fail "--uneven run failed"; }
     cat "$work/out" "$work/err"
     for r in 3 4 5 6; do
@@ -661,7 +681,8 @@ PY
     # bitwise plain DDP's.
     for z in 1 3; do
       OMP_NUM_THREADS=1 "$tool" run --standalone --nproc-per-node 7 "$exe" --uneven --zero $z \
-        --batch-size 2857 --threads 1 --log-every 1 > "$work/z$z.out" 2> "$work/z$z.err" \
+        --data "$work/data" --batch-size 286 --threads 1 --log-every 1 \
+        > "$work/z$z.out" 2> "$work/z$z.err" \
         || { cat "$work/z$z.out" "$work/z$z.err"; fail "--uneven --zero $z run failed"; }
       zlast=$(grep "^\[rank0\]: final " "$work/z$z.out" | tail -n 1)
       [ "${zlast% samples_per_s=*}" = "${last% samples_per_s=*}" ] \
@@ -722,9 +743,13 @@ PY
   zero)
     # --zero 1 (ZeRO-1, Note [ZeRO-1]): 3 ranks write the very checkpoints (parameters and the
     # full, gathered optimizer state) that 3 ranks of plain DDP write; rank 0 keeps a third of the
-    # state. Its step-15 checkpoint resumes in 2 ranks, with --zero 1 and without, to the same end.
+    # state. Its step-6 checkpoint resumes in 2 ranks, with --zero 1 and without, to the same end.
+    # (12 steps carry the momentum through a checkpoint and 6 more steps; 30 cost twice the time.)
     [ -x "$tool" ] || fail "no lockstep binary given"
-    args=(--log-every 0 --no-eval --threads 1 --momentum 0.9 --max-steps 30 --save-every 15)
+    # 12 steps of 3 ranks read 2304 samples.
+    subset_data 6000
+    args=(--data "$work/data" --log-every 0 --no-eval --threads 1 --momentum 0.9 --max-steps 12
+      --save-every 6)
     for z in 0 1; do
       OMP_NUM_THREADS=1 "$tool" run --standalone --nproc-per-node 3 "$exe" "${args[@]}" --zero $z \
         --save "$work/z$z/ck.safetensors" > "$work/z$z.out" 2>&1 \
@@ -733,8 +758,8 @@ PY
     cat "$work/z1.out"
     cmp "$work/z0/ck.safetensors" "$work/z1/ck.safetensors" \
       || fail "--zero 1 ended with other parameters or optimizer state than --zero 0"
-    cmp "$work/z0/ck.step00000015.safetensors" "$work/z1/ck.step00000015.safetensors" \
-      || fail "the step-15 checkpoints of --zero 1 and --zero 0 differ"
+    cmp "$work/z0/ck.step00000006.safetensors" "$work/z1/ck.step00000006.safetensors" \
+      || fail "the step-6 checkpoints of --zero 1 and --zero 0 differ"
     [[ "$(grep -o 'zero: rank 0 keeps [0-9]* bytes .* shard of [0-9]* of the [0-9]* parameter' "$work/z1.out")" =~ keeps\ ([0-9]+)\ bytes.*of\ the\ ([0-9]+)\ parameter ]] \
       || fail "no optimizer-state line"
     # SGD with momentum: one f32 per element; rank 0 holds about a third of them.
@@ -742,7 +767,7 @@ PY
       || fail "rank 0 keeps ${BASH_REMATCH[1]} bytes of state for ${BASH_REMATCH[2]} elements"
     for z in 0 1; do
       OMP_NUM_THREADS=1 "$tool" run --standalone --nproc-per-node 2 "$exe" "${args[@]}" --zero $z \
-        --resume "$work/z1/ck.step00000015.safetensors" --save "$work/r$z/ck.safetensors" \
+        --resume "$work/z1/ck.step00000006.safetensors" --save "$work/r$z/ck.safetensors" \
         > "$work/r$z.out" 2>&1 || { cat "$work/r$z.out"; fail "resuming in 2 ranks with --zero $z failed"; }
     done
     grep -q "written by 3 ranks, now 2" "$work/r1.out" || { cat "$work/r1.out"; fail "no world-size change"; }
@@ -752,11 +777,14 @@ PY
   fsdp)
     # --zero 2 and --zero 3 (FullyShardedDataParallel, each Linear of the MLP a unit; 784 x 1024
     # + 1024 elements in the first, which 3 does not divide) write the very checkpoints plain DDP
-    # writes, after 30 steps, at 2 ranks on shm and 3 on Gloo. The step-15 checkpoint of 3 FSDP
-    # ranks resumes in 2 ranks of plain DDP and of FSDP to the same end.
+    # writes, after 12 steps, at 2 ranks on shm and 3 on Gloo. The step-6 checkpoint of 3 FSDP
+    # ranks resumes in 2 ranks of plain DDP and of FSDP to the same end. (12 steps carry the
+    # momentum and the clipping through a checkpoint and 6 more steps; 30 cost twice the time.)
     [ -x "$tool" ] || fail "no lockstep binary given"
-    args=(--log-every 0 --no-eval --threads 1 --momentum 0.9 --max-steps 30 --save-every 15
-      --clip-grad-norm 1)
+    # 12 steps of 3 ranks read 2304 samples.
+    subset_data 6000
+    args=(--data "$work/data" --log-every 0 --no-eval --threads 1 --momentum 0.9 --max-steps 12
+      --save-every 6 --clip-grad-norm 1)
     for layout in "2 shm" "3 gloo"; do
       read -r world backend <<< "$layout"
       for z in 0 2 3; do
@@ -766,7 +794,7 @@ PY
           || { cat "$work/w$world.z$z.out"; fail "$world ranks with --zero $z failed"; }
       done
       for z in 2 3; do
-        for f in ck.safetensors ck.step00000015.safetensors; do
+        for f in ck.safetensors ck.step00000006.safetensors; do
           cmp "$work/w$world.z0/$f" "$work/w$world.z$z/$f" \
             || fail "$world ranks on $backend: --zero $z wrote another $f than plain DDP"
         done
@@ -774,7 +802,7 @@ PY
     done
     for z in 0 3; do
       OMP_NUM_THREADS=1 "$tool" run --standalone --nproc-per-node 2 "$exe" "${args[@]}" --zero $z \
-        --resume "$work/w3.z3/ck.step00000015.safetensors" --save "$work/r$z/ck.safetensors" \
+        --resume "$work/w3.z3/ck.step00000006.safetensors" --save "$work/r$z/ck.safetensors" \
         > "$work/r$z.out" 2>&1 || { cat "$work/r$z.out"; fail "resuming in 2 ranks with --zero $z failed"; }
     done
     grep -q "written by 3 ranks, now 2" "$work/r3.out" || { cat "$work/r3.out"; fail "no world-size change"; }
