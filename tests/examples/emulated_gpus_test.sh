@@ -33,6 +33,16 @@ launch() {
   fi || { cat "$work/$out"; fail "$out: '$*' on $n ranks ($where) failed"; }
 }
 
+# subset_data N_TRAIN: the first N_TRAIN train samples and 2000 test samples of the installed
+# Fashion-MNIST as plain files in $work/data (tests/examples/fashion_mnist_subset.py), for
+# `--data "$work/data"`: these cases compare two runs on the same data, and each process starts
+# in a third of the time, most of which is decompressing and scaling the 60000 train images.
+subset_data() {
+  command -v python3 > /dev/null || fail "python3 is missing (scripts/install-deps.sh installs it)"
+  python3 "$(dirname "$0")/fashion_mnist_subset.py" "$work/data" "$1" 2000 \
+    || fail "could not write the data subset"
+}
+
 # Rank 0's final line, without the throughput (which differs between any two runs).
 final_of() { grep -h "^\[rank0\]: final " "$1" | tail -n 1 | sed 's/ samples_per_s=.*//; s/ tokens_per_s=[0-9.]*//'; }
 
@@ -58,8 +68,9 @@ case "$case_name" in
     # loss, --check-sync-every (a hash of every parameter all-gathered) and --metrics (the step
     # times of every rank ride in DDP's first bucket); then the emulated run resumes from its
     # step-10 checkpoint and ends on the same bytes.
-    common=(--model mlp --max-steps 20 --threads 1 --log-every 10 --check-sync-every 5
-      --save-every 10)
+    subset_data 6000
+    common=(--data "$work/data" --model mlp --max-steps 20 --threads 1 --log-every 10
+      --check-sync-every 5 --save-every 10)
     for w in cpu gpu; do
       dev=()
       [ $w = gpu ] && dev=(--device cuda --backend nccl)
@@ -75,11 +86,11 @@ case "$case_name" in
     # The README's multi-GPU command (--nproc-per-node gpu counts the emulated GPUs) with bf16
     # autocast, and fp16 with the GradScaler's dynamic loss scale, 10 steps each.
     for amp in bf16 fp16; do
-      launch 2 $amp.cpu cpu 2 "$mnist" --max-steps 10 --threads 1 --log-every 5 --amp $amp \
-        --save "$work/$amp.cpu.ck/ck.safetensors"
+      launch 2 $amp.cpu cpu 2 "$mnist" --data "$work/data" --max-steps 10 --threads 1 --log-every 5 \
+        --amp $amp --save "$work/$amp.cpu.ck/ck.safetensors"
       LOCKSTEP_TEST_EMULATE_GPUS=2 "$tool" run --standalone --nproc-per-node gpu "$mnist" \
-        --device cuda --backend nccl --amp $amp --max-steps 10 --threads 1 --log-every 5 \
-        --save "$work/$amp.gpu.ck/ck.safetensors" > "$work/$amp.gpu" 2>&1 \
+        --data "$work/data" --device cuda --backend nccl --amp $amp --max-steps 10 --threads 1 \
+        --log-every 5 --save "$work/$amp.gpu.ck/ck.safetensors" > "$work/$amp.gpu" 2>&1 \
         || { cat "$work/$amp.gpu"; fail "--amp $amp with --nproc-per-node gpu failed"; }
       grep -q "nproc-per-node gpu = 2" "$work/$amp.gpu" || { cat "$work/$amp.gpu"; fail "gpu did not count 2"; }
       same_as_cpu $amp.gpu $amp.cpu ck.safetensors
@@ -93,13 +104,14 @@ case "$case_name" in
     ;;
   cnn2)
     # The CNN with ZeRO-1 on 2 ranks, and the CNN with BatchNorm under --sync-bn.
+    subset_data 6000
     for w in cpu gpu; do
       dev=()
       [ $w = gpu ] && dev=(--device cuda --backend nccl)
-      launch 2 cnn.$w $w 2 "$mnist" --model cnn --zero 1 --max-steps 8 --threads 1 --log-every 4 \
-        "${dev[@]}" --save "$work/cnn.$w.ck/ck.safetensors"
-      launch 2 bn.$w $w 2 "$mnist" --model cnn-bn --sync-bn --max-steps 8 --threads 1 \
-        --log-every 4 "${dev[@]}" --save "$work/bn.$w.ck/ck.safetensors"
+      launch 2 cnn.$w $w 2 "$mnist" --data "$work/data" --model cnn --zero 1 --max-steps 8 --threads 1 \
+        --log-every 4 "${dev[@]}" --save "$work/cnn.$w.ck/ck.safetensors"
+      launch 2 bn.$w $w 2 "$mnist" --data "$work/data" --model cnn-bn --sync-bn --max-steps 8 \
+        --threads 1 --log-every 4 "${dev[@]}" --save "$work/bn.$w.ck/ck.safetensors"
     done
     same_as_cpu cnn.gpu cnn.cpu ck.safetensors
     same_as_cpu bn.gpu bn.cpu ck.safetensors
@@ -107,27 +119,30 @@ case "$case_name" in
   mnist4)
     # 4 ranks: plain DDP with --zero 1, checkpoints and the sync check; the CNN with BatchNorm
     # under --sync-bn.
+    subset_data 6000
     for w in cpu gpu; do
       dev=()
       [ $w = gpu ] && dev=(--device cuda --backend nccl)
-      launch 4 zero.$w $w 4 "$mnist" --zero 1 --max-steps 12 --threads 1 --log-every 6 \
-        --check-sync-every 6 "${dev[@]}" --save "$work/zero.$w.ck/ck.safetensors"
-      launch 4 bn4.$w $w 4 "$mnist" --model cnn-bn --sync-bn --max-steps 4 --threads 1 \
-        --log-every 2 --batch-size 16 "${dev[@]}" --save "$work/bn4.$w.ck/ck.safetensors"
+      launch 4 zero.$w $w 4 "$mnist" --data "$work/data" --zero 1 --max-steps 12 --threads 1 \
+        --log-every 6 --check-sync-every 6 "${dev[@]}" --save "$work/zero.$w.ck/ck.safetensors"
+      launch 4 bn4.$w $w 4 "$mnist" --data "$work/data" --model cnn-bn --sync-bn --max-steps 4 \
+        --threads 1 --log-every 2 --batch-size 16 "${dev[@]}" --save "$work/bn4.$w.ck/ck.safetensors"
     done
     same_as_cpu zero.gpu zero.cpu ck.safetensors
     same_as_cpu bn4.gpu bn4.cpu ck.safetensors
     ;;
   uneven)
-    # --uneven (Note [Uneven inputs] in train_fashion_mnist.cpp): 60000 samples over 7 ranks
-    # without padding give ranks 0-2 four batches of 2857 and ranks 3-6 three; those shadow the
-    # last step through Join (its exchange of who is active travels on the GPU), and every rank
-    # leaves the epoch together for the evaluation and the mean loss.
+    # --uneven (Note [Uneven inputs] in train_fashion_mnist.cpp): 6009 samples (the first of the
+    # train set; all 60000 make the same batches at ten times the compute) over 7 ranks without
+    # padding give ranks 0-2 four batches (286, 286, 286, 1) and ranks 3-6 three; those shadow
+    # the last step through Join (its exchange of who is active travels on the GPU), and every
+    # rank leaves the epoch together for the evaluation and the mean loss.
+    subset_data 6009
     for w in cpu gpu; do
       dev=()
       [ $w = gpu ] && dev=(--device cuda --backend nccl)
-      launch 7 uneven.$w $w 7 "$mnist" --uneven --batch-size 2857 --max-steps 4 --threads 1 \
-        --log-every 1 --momentum 0.9 "${dev[@]}" --save "$work/uneven.$w.ck/ck.safetensors"
+      launch 7 uneven.$w $w 7 "$mnist" --data "$work/data" --uneven --batch-size 286 --max-steps 4 \
+        --threads 1 --log-every 1 --momentum 0.9 "${dev[@]}" --save "$work/uneven.$w.ck/ck.safetensors"
     done
     grep -q "rank 6 ran out of batches after 3 forwards and shadowed 1" "$work/uneven.gpu" \
       || { cat "$work/uneven.gpu"; fail "rank 6 did not shadow the last step"; }
