@@ -209,16 +209,18 @@ EOF
   backend)
     # DDP over the shm backend (--backend, LOCKSTEP_BACKEND passed through `lockstep run`, and
     # the default, auto, which chooses shm for ranks on one machine) ends on the same line as
-    # over gloo: 2 ranks sum in the same order on both, bit for bit.
+    # over gloo: 2 ranks sum in the same order on both, bit for bit. (40 steps of 2 ranks read
+    # 5120 train samples; the evaluation's 2000 samples decide its line as much as 10000 do.)
     [ -x "$tool" ] || fail "no lockstep binary given"
+    subset_data 6000 2000
     for b in gloo shm env default; do
       flag=(--backend "$b")
       [ "$b" = env ] && flag=()
       # The default run also checks every 5 steps that the ranks hold the same parameters.
       [ "$b" = default ] && flag=(--check-sync-every 5)
       LOCKSTEP_BACKEND=$([ "$b" = env ] && echo shm) OMP_NUM_THREADS=1 \
-        "$tool" run --standalone --nproc-per-node 2 "$exe" --log-every 0 --max-steps 40 \
-        --threads 1 "${flag[@]}" > "$work/$b" 2> "$work/$b.err" \
+        "$tool" run --standalone --nproc-per-node 2 "$exe" --data "$work/data" --log-every 0 \
+        --max-steps 40 --threads 1 "${flag[@]}" > "$work/$b" 2> "$work/$b.err" \
         || { cat "$work/$b" "$work/$b.err"; fail "--backend $b failed"; }
       cat "$work/$b" "$work/$b.err"
     done
@@ -638,15 +640,18 @@ PY
     ;;
   progress)
     # The launcher says its stdout is a terminal: rank 0 redraws one progress line with '\r'
-    # (epoch, step/total, loss, samples/s, ETA) instead of printing periodic loss lines.
-    LOCKSTEP_STDOUT_IS_TTY=1 "$exe" --max-steps 120 --no-eval --log-every 50 > "$work/out" 2>&1 \
-      || { cat "$work/out"; fail "run failed"; }
+    # (epoch, step/total, loss, samples/s, ETA) instead of printing periodic loss lines. The
+    # first 12000 train samples: an epoch of 188 steps.
+    subset_data 12000
+    LOCKSTEP_STDOUT_IS_TTY=1 "$exe" --data "$work/data" --max-steps 120 --no-eval --log-every 50 \
+      > "$work/out" 2>&1 || { cat "$work/out"; fail "run failed"; }
     grep -q $'\r' "$work/out" || fail "no carriage return: no bar was drawn"
-    grep -q "^epoch 0 \[=*>* *\] step 120/938 loss [0-9.]* [0-9]* samples/s ETA [0-9:]*" <(tr '\r' '\n' < "$work/out") \
+    grep -q "^epoch 0 \[=*>* *\] step 120/188 loss [0-9.]* [0-9]* samples/s ETA [0-9:]*" <(tr '\r' '\n' < "$work/out") \
       || { tr '\r' '\n' < "$work/out" | tail -3; fail "no final progress line"; }
     ! grep -q "^epoch 0 step 50 loss" "$work/out" || fail "periodic loss lines printed beside the bar"
     # Not a terminal: the periodic lines, no bar.
-    LOCKSTEP_STDOUT_IS_TTY=0 "$exe" --max-steps 120 --no-eval --log-every 50 > "$work/out" 2>&1
+    LOCKSTEP_STDOUT_IS_TTY=0 "$exe" --data "$work/data" --max-steps 120 --no-eval --log-every 50 \
+      > "$work/out" 2>&1
     grep -q "^epoch 0 step 50 loss" "$work/out" || fail "no periodic loss line without a terminal"
     ! grep -q $'\r' "$work/out" || fail "a bar was drawn without a terminal"
     ;;
@@ -696,7 +701,9 @@ PY
     # train_loss (the mean of all ranks' step losses) and, with the same running statistics, the
     # same test accuracy. Without --sync-bn each rank normalizes with its own 32 samples.
     [ -x "$tool" ] || fail "no lockstep binary given"
-    common=(--model cnn-bn --max-steps 5 --log-every 0)
+    # 5 steps of 64 read 320 train samples; the evaluation is of the whole test set.
+    subset_data 6000
+    common=(--data "$work/data" --model cnn-bn --max-steps 5 --log-every 0)
     "$exe" "${common[@]}" --batch-size 64 --threads 2 > "$work/one" 2>&1 \
       || { cat "$work/one"; fail "one-process run failed"; }
     for v in sync local; do
