@@ -131,12 +131,15 @@ EOF
   diverged)
     # --lr 1e300 sends SGD's parameters to Inf at the first step: the next loss is not finite, and
     # the run stops naming the step (exit 1) instead of training on NaN to exit 0.
+    subset_data 6000
     expect_exit 1 "step 2: the loss is \(NaN\|Inf\): the training has diverged" --lr 1e300 \
-      --max-steps 20 --threads 1 --no-eval
+      --max-steps 20 --threads 1 --no-eval --data "$work/data"
     grep -q -- "--clip-grad-norm" "$work/out" || fail "the message offers no remedy"
     ;;
   save)
-    "$exe" --log-every 0 --max-steps 3 --no-eval --save "$work/model.safetensors" > "$work/out" 2>&1 \
+    subset_data 6000
+    "$exe" --data "$work/data" --log-every 0 --max-steps 3 --no-eval \
+      --save "$work/model.safetensors" > "$work/out" 2>&1 \
       || { cat "$work/out"; fail "run with --save failed"; }
     [ -s "$work/model.safetensors" ] || fail "no file written"
     grep -a -q '"model.1.weight"' "$work/model.safetensors" || fail "parameter names missing from header"
@@ -148,8 +151,8 @@ EOF
     # and /proc, stop everyone).
     echo x > "$work/somefile"
     for bad in "$work/somefile/sub/ck.safetensors" /proc/lockstep-test/ck.safetensors "$work"; do
-      expect_exit 1 "error: --save $bad cannot be written: " --log-every 1 --max-steps 3 --no-eval \
-        --save "$bad"
+      expect_exit 1 "error: --save $bad cannot be written: " --data "$work/data" --log-every 1 \
+        --max-steps 3 --no-eval --save "$bad"
       ! grep -q "^model=\|^epoch\|^final" "$work/out" || { cat "$work/out"; fail "--save $bad: trained first"; }
     done
     grep -q "is a directory" "$work/out" || fail "--save DIR: no reason given"
@@ -177,12 +180,14 @@ EOF
     awk -v a="${BASH_REMATCH[1]}" 'BEGIN { exit !(a >= 0.70) }' || fail "accuracy ${BASH_REMATCH[1]}"
     # A rank-dependent --seed (and another --momentum on rank 1) would shuffle each rank's shard
     # its own way: every rank refuses at the start, naming the first setting and both values
-    # (Note [Same settings]).
+    # (Note [Same settings]). They read the first 6000 train samples.
+    subset_data 6000
     port=$((20000 + RANDOM % 20000))
     for r in 0 1; do
       RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 \
         MASTER_PORT=$port OMP_NUM_THREADS=1 \
-        "$exe" --max-steps 5 --threads 1 --seed $((7 + r)) --momentum 0.$((9 - r)) > "$work/rank$r" 2>&1 &
+        "$exe" --data "$work/data" --max-steps 5 --threads 1 --seed $((7 + r)) --momentum 0.$((9 - r)) \
+        > "$work/rank$r" 2>&1 &
       pids[$r]=$!
     done
     for r in 0 1; do
@@ -245,7 +250,8 @@ EOF
     ;;
   amp_fp16)
     # A short f16 run uses the loss scaler.
-    "$exe" --amp fp16 --max-steps 60 --log-every 20 --no-eval > "$work/out" 2>&1 \
+    subset_data 6000
+    "$exe" --data "$work/data" --amp fp16 --max-steps 60 --log-every 20 --no-eval > "$work/out" 2>&1 \
       || { cat "$work/out"; fail "fp16 run failed"; }
     cat "$work/out"
     grep -q "loss_scale 65536" "$work/out" || fail "fp16 printed no loss scale"
@@ -460,10 +466,13 @@ PY
     # job ends with the very state of an uninterrupted run. Then the 2-rank checkpoint resumes
     # with 1 process (another world size) and runs to --max-steps.
     [ -x "$tool" ] || fail "no lockstep binary given"
+    # 40 steps of 2 ranks read 5120 train samples. (Not in args, whose 40s become 30 below.)
+    subset_data 6000
+    data=(--data "$work/data")
     args=(--log-every 0 --no-eval --threads 1 --schedule cosine --max-steps 40)
-    "$tool" run --standalone --nproc-per-node 2 "$exe" "${args[@]}" --save "$work/a/ck.safetensors" \
-      > "$work/a.out" 2>&1 || { cat "$work/a.out"; fail "straight run failed"; }
-    "$tool" run --standalone --nproc-per-node 2 --max-restarts 1 "$exe" "${args[@]}" \
+    "$tool" run --standalone --nproc-per-node 2 "$exe" "${data[@]}" "${args[@]}" \
+      --save "$work/a/ck.safetensors" > "$work/a.out" 2>&1 || { cat "$work/a.out"; fail "straight run failed"; }
+    "$tool" run --standalone --nproc-per-node 2 --max-restarts 1 "$exe" "${data[@]}" "${args[@]}" \
       --save "$work/b/ck.safetensors" --save-every 15 --resume auto --test-crash-at-step 25 \
       > "$work/b.out" 2>&1 || { cat "$work/b.out"; fail "restarted run failed"; }
     cat "$work/b.out"
@@ -472,7 +481,7 @@ PY
       || fail "the restarted group did not resume from step 15"
     cmp "$work/a/ck.safetensors" "$work/b/ck.safetensors" \
       || fail "the restarted job ended with other parameters or state than the straight run"
-    "$exe" "${args[@]/40/30}" --save "$work/c/ck.safetensors" \
+    "$exe" "${data[@]}" "${args[@]/40/30}" --save "$work/c/ck.safetensors" \
       --resume "$work/b/ck.step00000015.safetensors" > "$work/c.out" 2>&1 \
       || { cat "$work/c.out"; fail "resuming with 1 process failed"; }
     cat "$work/c.out"
@@ -619,11 +628,13 @@ PY
     # for any malformed line) draws it.
     [ -x "$tool" ] || fail "no lockstep binary given"
     m="$work/run/metrics.jsonl"
-    "$exe" --log-every 0 --max-steps 30 --metrics "$m" --save "$work/run/ck.safetensors" \
-      --save-every 20 --test-crash-at-step 25 > "$work/out1" 2>&1
+    # 30 steps read 1920 train samples; the evaluation is of the whole test set.
+    subset_data 6000
+    "$exe" --data "$work/data" --log-every 0 --max-steps 30 --metrics "$m" \
+      --save "$work/run/ck.safetensors" --save-every 20 --test-crash-at-step 25 > "$work/out1" 2>&1
     [ "$(grep -c '"kind":"train"' "$m")" -eq 25 ] || { cat "$m"; fail "expected 25 train records"; }
-    "$exe" --log-every 0 --max-steps 30 --metrics "$m" --save "$work/run/ck.safetensors" \
-      --resume auto > "$work/out2" 2>&1 || { cat "$work/out2"; fail "resumed run failed"; }
+    "$exe" --data "$work/data" --log-every 0 --max-steps 30 --metrics "$m" \
+      --save "$work/run/ck.safetensors" --resume auto > "$work/out2" 2>&1 || { cat "$work/out2"; fail "resumed run failed"; }
     [ "$(grep -c '"kind":"train"' "$m")" -eq 35 ] || fail "expected 25 + 10 train records"
     [ "$(grep -c '"kind":"eval"' "$m")" -eq 1 ] || fail "expected one eval record"
     grep -q '^{"kind":"train","step":21,"epoch":0,"world_size":1,"loss":[0-9.e-]*,"lr":0.05,"samples_per_s":[0-9.e+-]*,"peak_rss_mib":[0-9.e+]*,"time":[0-9.e+]*,"elapsed":[0-9.e+-]*}$' "$m" \
@@ -633,7 +644,7 @@ PY
     "$tool" plot "$m" -o "$work/curves.svg" > "$work/plot" 2>&1 || { cat "$work/plot"; fail "plot failed"; }
     grep -q "<svg" "$work/curves.svg" || fail "no SVG written"
     # fp16 with clipping records the loss scale and the gradient norm.
-    "$exe" --log-every 0 --no-eval --max-steps 3 --amp fp16 --clip-grad-norm 1 \
+    "$exe" --data "$work/data" --log-every 0 --no-eval --max-steps 3 --amp fp16 --clip-grad-norm 1 \
       --metrics "$work/amp.jsonl" > "$work/out3" 2>&1 || { cat "$work/out3"; fail "fp16 run failed"; }
     grep -q '"loss_scale":65536.0,"grad_norm":[0-9.e+-]*,' "$work/amp.jsonl" \
       || { cat "$work/amp.jsonl"; fail "no loss_scale / grad_norm"; }
@@ -732,8 +743,9 @@ PY
     # rank 0 back in a step or two, so 20 of the 25 records must name rank 1.
     [ -x "$tool" ] || fail "no lockstep binary given"
     m="$work/metrics.jsonl"
-    OMP_NUM_THREADS=1 "$tool" run --standalone --nproc-per-node 2 "$exe" --log-every 0 --no-eval \
-      --max-steps 25 --threads 1 --metrics "$m" --ddp-stats --test-slow-rank 1 \
+    subset_data 6000  # 25 steps of 2 ranks read 3200 train samples
+    OMP_NUM_THREADS=1 "$tool" run --standalone --nproc-per-node 2 "$exe" --data "$work/data" \
+      --log-every 0 --no-eval --max-steps 25 --threads 1 --metrics "$m" --ddp-stats --test-slow-rank 1 \
       > "$work/out" 2>&1 || { cat "$work/out"; fail "lockstep run failed"; }
     cat "$work/out"
     [ "$(grep -c '"kind":"train"' "$m")" -eq 25 ] || { cat "$m"; fail "expected 25 train records"; }
