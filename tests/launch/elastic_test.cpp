@@ -180,6 +180,29 @@ TEST_F(FixedSize, ALostNodeCostsARestartAndMayJoinAgain) {
   EXPECT_EQ(g1.at(1)["LOCKSTEP_RESTART_COUNT"], "1");
 }
 
+// Node 1's agent is stopped (SIGSTOP) long enough for node 0 to find it lost, then goes on: node
+// 0 left it out of the restart and said why, so instead of waiting for a generation that needs
+// it, node 1 asks to join again, and generation 1 runs with both.
+TEST_F(FixedSize, ANodeFoundLostWhileOnlySlowAsksToJoinAgain) {
+  const std::vector<std::string> one = {"--max-restarts", "1", "--rdzv-timeout", "60"};
+  const Launch l0 = start_launcher(args("2", 0, 2, one), dir_, "node0");
+  const Launch l1 = start_launcher(args("2", 1, 2, one), dir_, "node1",
+                                   {"LAUNCH_TEST_ELASTIC_STAY_IN_GEN=0"});
+  ASSERT_TRUE(wait_report(0, 1, l1)) << wait_launcher(l1).describe();
+  ::kill(l1.pid, SIGSTOP);
+  const bool waiting = wait_for_stderr(l0, "to join again");
+  ::kill(l1.pid, SIGCONT);
+  ASSERT_TRUE(waiting) << wait_launcher(l0).describe();
+  const Outcome o0 = wait_launcher(l0), o1 = wait_launcher(l1);
+  ASSERT_TRUE(o0.exited_with(0)) << o0.describe();
+  ASSERT_TRUE(o1.exited_with(0)) << o1.describe();
+  EXPECT_THAT(o1.err, HasSubstr("node 0 left this node out of generation 1 (node 0 found this "
+                                "node lost"))
+      << o1.describe();
+  EXPECT_THAT(o1.err, HasSubstr("asking to join again")) << o1.describe();
+  EXPECT_EQ(generation(1).size(), 2u) << o0.describe();
+}
+
 // With MAX nodes in, a further node is refused with the reason, and so is one whose --node-rank
 // is taken; the job is not disturbed.
 TEST_F(Elastic, ANodePastMaxOrWithATakenNodeRankIsRefused) {
@@ -246,7 +269,8 @@ TEST_F(Elastic, ATakenNodeRankIsRefusedDuringTheRendezvousToo) {
 TEST_F(Elastic, ANodeStoppedBeforeTheStartWithdraws) {
   const Launch l0 = start_launcher(args("1:3", 0, 1, {}, "4"), dir_, "node0");
   const Launch l1 = start_launcher(args("1:3", 1, 1), dir_, "node1");
-  std::this_thread::sleep_for(1500ms);  // node 1 has asked; node 0 is in its last call
+  // Node 1 has asked; node 0 is in its last call.
+  ASSERT_TRUE(wait_for_stderr(l0, "node --node-rank 1 (host ")) << wait_launcher(l0).describe();
   ::kill(l1.pid, SIGINT);
   const Outcome o1 = wait_launcher(l1), o0 = wait_launcher(l0);
   EXPECT_TRUE(o1.exited_with(130)) << o1.describe();

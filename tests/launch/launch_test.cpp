@@ -579,8 +579,8 @@ TEST_F(Launcher, ANodeThatWritesNoSignatureIsCalledAnotherVersionAtOnce) {
   const int64_t ticket = older.add(agent + "join/next", 1);
   older.set(agent + "join/" + std::to_string(ticket),
             R"({"id": 1, "host": "older", "nproc": 1})");
-  // The node is told too (node 0 keeps its store up until the node says it read the answer, or
-  // for --node-timeout).
+  // The node is told too (node 0 keeps its store up until the node says it read the answer,
+  // join/<t>/told, or for --node-timeout).
   const std::string reply_key = agent + "join/" + std::to_string(ticket) + "/reply";
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   while (!older.check({reply_key}) && running(l0.pid) &&
@@ -589,7 +589,7 @@ TEST_F(Launcher, ANodeThatWritesNoSignatureIsCalledAnotherVersionAtOnce) {
   }
   const std::string reply = older.get_string(reply_key);
   EXPECT_THAT(reply, HasSubstr("another lockstep version")) << reply;
-  older.add(agent + "told", 1);
+  older.set(agent + "join/" + std::to_string(ticket) + "/told", "1");
   const Outcome o0 = wait_launcher(l0);
   EXPECT_TRUE(o0.exited_with(1)) << o0.describe();
   EXPECT_THAT(o0.err, HasSubstr("node 1's join request is malformed (another lockstep version?): "))

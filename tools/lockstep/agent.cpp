@@ -285,12 +285,6 @@ int Agent::run() {
     return 128 + e.signal;
   } catch (const AgentError& e) {
     say(e.what());
-    if (o_.node_rank != 0 && store_) {
-      try {
-        store_->add(key("told"), 1);  // node 0 may wait for this node to have read why
-      } catch (const Error&) {
-      }
-    }
     return kExitJobFailed;
   } catch (const UsageError&) {
     throw;
@@ -337,10 +331,11 @@ int Agent::run_generations(int g) {
           refuse_waiting_joins("the job was stopped");
         } else {
           // Out of the next generation: an elastic job goes on without this node, a fixed one
-          // stops (Note [Membership]).
+          // stops (Note [Membership]), also if node 0 started it meanwhile.
           const std::string id = std::to_string(o_.node_rank);
-          store_->set(gen_key(g, "stopped/" + id), "1");
           store_->set(gen_key(g + 1, "withdrawn/" + id), "1");
+          if (!o_.elastic) publish_interrupted(g + 1, sig);
+          store_->set(gen_key(g, "stopped/" + id), "1");
         }
       } catch (const Error&) {
       }
@@ -375,10 +370,22 @@ int Agent::run_generations(int g) {
         }
       }
       ++g;
-      adopt_members(g);
+      for (;;) {
+        try {
+          adopt_members(g);
+          break;
+        } catch (const Rejoin& e) {
+          // A fixed job: node 0 left this node out, found lost while it was only slow.
+          say("node 0 left this node out of generation " + std::to_string(g) + " (" + e.what() +
+              "); asking to join again");
+          g = join_job();
+        }
+      }
     } catch (const Interrupted& e) {
       say(std::string(e.what()) + " while restarting; not restarting");
       if (host) refuse_waiting_joins("the job was stopped");
+      // A fixed job stops with this node, also if node 0 started the generation meanwhile.
+      if (!host && !o_.elastic) publish_interrupted(g, e.signal);
       // A node other than node 0 withdrew (wait_for_node_zero): elastic, it just goes.
       if (!leaves_on_signal()) exit_sync(kExitSyncAfterSignal);
       return 128 + e.signal;

@@ -84,6 +84,12 @@ struct LeftOut : AgentError {
   using AgentError::AgentError;
 };
 
+// adopt_members, in a job of fixed size: node 0 left this live node out of the generation (found
+// lost while it was only slow, or late to say it stopped); it asks to join again.
+struct Rejoin : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 inline std::string utc_now() {
   const std::time_t t = std::time(nullptr);
   std::tm tm{};
@@ -274,11 +280,13 @@ class Agent {
   // gen<g>/members; false when it published an abort instead (why in *why).
   bool form_generation(int g, std::vector<Member> members, std::string* why);
   // Node 0: publishes an abort of generation g (the nodes in `members` are answered so that they
-  // read it) and counts in told_ the nodes that will say they read it.
+  // read it) and keeps in told_ the tickets of those that will say they read it.
   void abort_generation(int g, const std::vector<Member>& members, const std::string& why);
   // Node 0, the job ending at a rendezvous: waits (briefly) until the nodes it told have read
-  // why, so that they do not lose the store instead.
+  // why (join/<t>/told), so that they do not lose the store instead.
   void wait_until_told();
+  // A joiner: says it read node 0's answer that the job cannot start.
+  void say_told();
   void publish_leaving(int g, int sig);
 
   // agent_workers.cpp: the worker set, the failure record and its summary
@@ -355,7 +363,8 @@ class Agent {
   int64_t unwritten_ticket_ = 0;
   std::optional<Clock::time_point> unwritten_since_;
   int restarts_used_ = 0;        // failures restarted (elastic membership changes do not count)
-  int64_t told_ = 0;             // node 0: nodes told of an abort that will say they read it
+  std::vector<int64_t> told_;    // node 0: join tickets told why the job cannot start
+  int64_t my_ticket_ = 0;        // this node's last join request (0: node 0, or none yet)
   RestartBackoff backoff_;       // Note [Restart backoff]
   Clock::time_point generation_started_{};
   Fd sigfd_;

@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <functional>
 #include <thread>
 
 #include "agent_impl.h"
@@ -47,20 +46,23 @@ namespace lockstep::launch::agent_detail {
 // fails a check, is refused at once, and the generation goes on untouched. A ticket whose
 // request is not written within --node-timeout (its agent died in between) is skipped; a node
 // that withdraws (join/<t>/withdrawn or gen<g>/withdrawn/<id>) is taken out of a rendezvous
-// still forming. A node that withdraws
-// after its generation was published is found lost by the heartbeat instead.
+// still forming. A node that withdraws after its generation was published is found lost by the
+// heartbeat instead.
 //
 // When a generation fails, every node stops its workers and says so (gen<g>/stopped/<id>).
 // Node 0 keeps the nodes that said so within --node-timeout; a node found lost (Note [Stall
 // watch]) or that left (a SIGINT/SIGTERM to a node other than node 0: it stops its workers and
-// exits, the others go on) is not waited for. A generation that lost a node is a membership
+// exits, the others go on) is not waited for. Node 0 tells each node it leaves out why
+// (gen<g+1>/refused/<id>) before the next generation forms, so that one still running (only
+// slow) learns it while it waits rather than after. A generation that lost a node is a membership
 // change, as is one stopped for a joining node: neither counts against --max-restarts. A
 // failure after which every node is back counts (torchrun's rule: restarts bound failures).
-// Except one: a node new in generation g (admitted for it) whose workers fail before the
-// generation ran with it (none of its ranks finished a collective; a program that makes none
-// never ran with it either) is refused (gen<g+1>/refused/<id>: why, read by that node, which
-// exits 1 saying so), and the others go on as a membership change: a machine that cannot run
-// the job (a missing file, a broken device) must not cost the healthy job a restart.
+// Except one, in an elastic job: a node new in generation g (admitted for it) whose workers
+// fail before the generation ran with it (none of its ranks finished a collective; a program
+// that makes none never ran with it either) is refused (gen<g+1>/refused/<id>: why, read by
+// that node, which exits 1 saying so), and the others go on as a membership change: a machine
+// that cannot run the job (a missing file, a broken device) must not cost the healthy job a
+// restart.
 // Fewer than MIN nodes left: the rendezvous waits for joins up to --rdzv-timeout, then fails.
 // A signal to node 0 stops the whole job.
 //
@@ -69,9 +71,14 @@ namespace lockstep::launch::agent_detail {
 // a job that stops rather than changes. Every node's signal stops the job (an `interrupted`
 // record; no node leaves). A node that runs another command or another version fails the start
 // for every node, saying what differs (elastic: it is refused and the job goes on). A node that
-// withdraws from a rendezvous (a signal while it waits) aborts it. A node found lost is a
-// failure like a worker's: it counts against --max-restarts, and the restart waits up to
-// --rdzv-timeout for an agent with the lost --node-rank to join again.
+// withdraws from a rendezvous (a signal while it waits) aborts it; one stopped while node 0
+// publishes the generation also writes that generation's `interrupted` record. A node found lost
+// (or late to say it stopped) is a failure like a worker's: it counts against --max-restarts, and
+// the restart waits up to --rdzv-timeout for an agent with that --node-rank to join again: the
+// node itself, if it was only slow (told it was left out, it asks to join again with a new
+// ticket; members are matched by --node-rank and ticket, so an agent whose place another took is
+// no member), or a new one. A new agent that asks while the old one is still a member is refused
+// (its --node-rank is taken); it is admitted once node 0 has found the old one lost.
 
 void Agent::answer_join(const Member& m, const json& reply) {
   store_->set(key("join/" + std::to_string(m.ticket) + "/reply"), dump(reply));
@@ -98,14 +105,20 @@ std::vector<Member> Agent::take_join_requests(const std::vector<Member>& forming
       continue;
     }
     Member m;
+    m.id = -1;
     m.ticket = next_ticket_++;
     if (store_->check({key("join/" + std::to_string(m.ticket) + "/withdrawn")})) continue;
+    // The start already failed (a fixed job): every request read with it gets the same answer.
+    if (fatal != nullptr && !fatal->empty()) {
+      answer_join(m, {{"refused", *fatal}, {"fatal", true}});
+      told_.push_back(m.ticket);
+      continue;
+    }
     // A fixed job cannot start without this node: the refusal ends its rendezvous, and every
     // node says the same (Note [Membership]); node 0 waits for the node to have read it.
     const auto refuse_fatally = [&](const std::string& why) {
-      say(why);
-      answer_join(m, {{"refused", why}});
-      ++told_;
+      answer_join(m, {{"refused", why}, {"fatal", true}});
+      told_.push_back(m.ticket);
       *fatal = why;
     };
     int nproc = -1;
@@ -122,9 +135,10 @@ std::vector<Member> Agent::take_join_requests(const std::vector<Member>& forming
         answer_join(m, {{"refused", "its join request is " + what}});
         continue;
       }
-      refuse_fatally("node " + std::to_string(m.id) + "'s join request is " + what +
-                     "; run the same lockstep version on every machine");
-      break;
+      refuse_fatally((m.id >= 0 ? "node " + std::to_string(m.id) + "'s join request"
+                                : std::string("a join request")) +
+                     " is " + what + "; run the same lockstep version on every machine");
+      continue;
     }
     if (nproc != o_.nproc_per_node) {
       const std::string why = "nodes disagree on --nproc-per-node: " +
@@ -135,7 +149,7 @@ std::vector<Member> Agent::take_join_requests(const std::vector<Member>& forming
         continue;
       }
       refuse_fatally(why + " on node " + std::to_string(m.id) + " (host " + m.host + ")");
-      break;
+      continue;
     }
     // Note [Job signature]: another program, argument or shared setting is refused before it
     // can fail the job or train it wrong.
@@ -147,7 +161,7 @@ std::vector<Member> Agent::take_join_requests(const std::vector<Member>& forming
                            "; start every machine with the same program, arguments and "
                            "launcher settings (what differs between machines belongs in the "
                            "environment)");
-        break;
+        continue;
       }
       say("refused node --node-rank " + std::to_string(m.id) + " (host " + m.host +
           "): its command differs from the job's: " + *diff);
@@ -230,7 +244,7 @@ std::string Agent::drop_withdrawn(int g, std::vector<Member>& members) {
     if (gone) {
       said = "node --node-rank " + std::to_string(it->id) + " (host " + it->host +
              ") withdrew before generation " + std::to_string(g) + " started";
-      say(said);
+      if (o_.elastic) say(said);  // a fixed job says it in why it stops
       it = members.erase(it);
     } else {
       ++it;
@@ -245,20 +259,36 @@ void Agent::abort_generation(int g, const std::vector<Member>& members, const st
     // Those waiting for their answer read the abort there, and say so (wait_until_told).
     if (m.ticket > 0 && admitted_.insert(m.ticket).second) {
       answer_join(m, {{"admitted", g}});
-      ++told_;
+      told_.push_back(m.ticket);
     }
+  }
+  // Requests read with the abort: refused with it (they would wait for an answer in vain).
+  for (const auto& m : take_join_requests()) {
+    answer_join(m, {{"refused", why}, {"fatal", true}});
+    told_.push_back(m.ticket);
   }
 }
 
 void Agent::wait_until_told() {
-  if (told_ == 0) return;
+  const auto deadline =
+      Clock::now() + std::min<std::chrono::milliseconds>(
+                         kExitSyncTimeout, std::chrono::milliseconds(
+                                               static_cast<int64_t>(o_.node_timeout_s * 1000)));
   try {
-    int ignored = 0;
-    (void)wait_for_count(key("told"), told_,
-                         std::min<std::chrono::milliseconds>(
-                             kExitSyncTimeout, std::chrono::milliseconds(static_cast<int64_t>(
-                                                   o_.node_timeout_s * 1000))),
-                         &ignored);
+    for (const int64_t t : told_) {
+      while (!store_->check({key("join/" + std::to_string(t) + "/told")}) &&
+             Clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    }
+  } catch (const Error&) {
+  }
+}
+
+void Agent::say_told() {
+  if (my_ticket_ == 0) return;
+  try {
+    store_->set(key("join/" + std::to_string(my_ticket_) + "/told"), "1");
   } catch (const Error&) {
   }
 }
@@ -270,11 +300,15 @@ bool Agent::form_generation(int g, std::vector<Member> members, std::string* why
   // Note [Membership]: a fixed job stops where an elastic one would go on without a node.
   std::string fatal;
   for (;;) {
-    for (const auto& m : take_join_requests(members, o_.elastic ? nullptr : &fatal)) {
+    // (A request with another command cannot stop a rendezvous that needs no one more.)
+    const bool complete = members.size() >= static_cast<size_t>(o_.nnodes);
+    for (const auto& m : take_join_requests(members, o_.elastic || complete ? nullptr : &fatal)) {
       if (members.size() >= static_cast<size_t>(o_.nnodes)) {
         answer_join(m, {{"refused", full_text(m)}});
       } else {
         members.push_back(m);
+        say("node --node-rank " + std::to_string(m.id) + " (host " + m.host + ") is in (" +
+            std::to_string(members.size()) + " of " + nnodes_text() + ")");
       }
     }
     if (const std::string said = drop_withdrawn(g, members); !said.empty() && !o_.elastic) {

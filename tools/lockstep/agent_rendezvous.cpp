@@ -139,6 +139,7 @@ int Agent::join_job() {
     }
   };
   const int64_t t = store_->add(key("join/next"), 1);
+  my_ticket_ = t;
   const json request = {{"id", o_.node_rank},
                         {"host", hostname()},
                         {"nproc", o_.nproc_per_node},
@@ -149,25 +150,45 @@ int Agent::join_job() {
                      "node 0 did not admit this node", "", node_zero_in_this_job);
   const json reply = json::parse(store_->get_string(k));
   if (reply.contains("refused")) {
+    if (reply.value("fatal", false)) say_told();  // node 0 waits for it before it ends
     throw AgentError("node 0 refused this node: " + reply["refused"].get<std::string>());
   }
   return reply.at("admitted").get<int>();
 }
 
+
 void Agent::adopt_members(int g) {
   const std::string k = gen_key(g, "members");
+  const std::string refused_key = gen_key(g, "refused/" + std::to_string(o_.node_rank));
+  // Node 0 leaves a node out before it forms the generation, and says why: an elastic job goes
+  // on without it; a fixed one needs it, so a node that is still here asks to join again
+  // (Note [Membership]).
+  const auto left_out = [&] {
+    if (o_.node_rank == 0) return;
+    if (auto why = try_get(refused_key)) {
+      if (!o_.elastic) throw Rejoin(*why);
+      throw LeftOut("node 0 refused this node: " + *why);
+    }
+  };
   // A node that stops waiting says so, so that node 0 does not start a generation with it.
   wait_for_node_zero(
       k, o_.node_rank == 0 ? "" : gen_key(g, "withdrawn/" + std::to_string(o_.node_rank)),
-      "node 0 did not start generation " + std::to_string(g), gen_key(g, "restart_delay"));
+      "node 0 did not start generation " + std::to_string(g), gen_key(g, "restart_delay"),
+      left_out);
   const json j = json::parse(store_->get_string(k));
-  if (j.contains("abort")) throw AgentError("the job failed: " + j["abort"].get<std::string>());
+  if (j.contains("abort")) {
+    say_told();  // a joiner: node 0 waits for it before it ends
+    throw AgentError("the job failed: " + j["abort"].get<std::string>());
+  }
   std::vector<Member> ms;
   for (const auto& n : j.at("nodes")) ms.push_back(Member::from_json(n));
-  const auto me =
-      std::find_if(ms.begin(), ms.end(), [&](const Member& m) { return m.id == o_.node_rank; });
+  // By --node-rank and join request: an agent that another took the place of is not a member.
+  const auto me = std::find_if(ms.begin(), ms.end(), [&](const Member& m) {
+    return m.id == o_.node_rank && m.ticket == my_ticket_;
+  });
   if (me == ms.end()) {
-    if (auto refused = try_get(gen_key(g, "refused/" + std::to_string(o_.node_rank)))) {
+    left_out();
+    if (auto refused = try_get(refused_key)) {
       throw LeftOut("node 0 refused this node: " + *refused);
     }
     throw LeftOut("node 0 left this node (--node-rank " + std::to_string(o_.node_rank) +

@@ -101,9 +101,28 @@ bool Agent::next_generation(int g, const json& failure, std::string* why) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
+  // The nodes left out: told why before the next generation forms (read in adopt_members), so
+  // that one still here learns it now (and, in a fixed job, asks to join again).
+  std::string gone_ids;
+  for (const auto& m : members_) {
+    if (std::any_of(here.begin(), here.end(), [&](const Member& h) { return h.id == m.id; })) {
+      continue;
+    }
+    gone_ids += (gone_ids.empty() ? "" : ", ") + std::to_string(m.id);
+    const std::string k = gen_key(g + 1, "refused/" + std::to_string(m.id));
+    if (!store_->check({k})) {
+      store_->set(k, "node 0 found this node lost (no heartbeat for --node-timeout), or it did "
+                     "not say within --node-timeout that it had stopped its workers");
+    }
+  }
+  const size_t before = members_.size();
+  const bool gone_now = here.size() < before;
+  // From here a replacement for a gone node may take its --node-rank, and the job's end waits
+  // only for the nodes still here (exit_sync).
+  members_ = here;
+  nnodes_ = static_cast<int>(here.size());
   // Note [Membership]: a joining node is never a failure; a node gone is a change of membership
   // in an elastic job, and a failure like any other in a fixed one.
-  const bool gone_now = here.size() < members_.size();
   const bool counts = !failure.value("membership", false) && (!o_.elastic || !gone_now);
   if (counts) {
     if (restarts_used_ >= o_.max_restarts) {
@@ -119,14 +138,8 @@ bool Agent::next_generation(int g, const json& failure, std::string* why) {
         " (restart " + std::to_string(restarts_used_) + " of " + std::to_string(o_.max_restarts) +
         ")");
     if (gone_now) {
-      std::string ids;
-      for (const auto& m : members_) {
-        if (std::none_of(here.begin(), here.end(), [&](const Member& h) { return h.id == m.id; })) {
-          ids += (ids.empty() ? "" : ", ") + std::to_string(m.id);
-        }
-      }
       say("waiting up to --rdzv-timeout " + seconds_text(o_.rdzv_timeout_s) +
-          " s for an agent with --node-rank " + ids + " to join again (" + nnodes_text() +
+          " s for an agent with --node-rank " + gone_ids + " to join again (" + nnodes_text() +
           " needs every node)");
     }
     if (delay > 0) store_->set(gen_key(g + 1, "restart_delay"), dump(json(delay)));
@@ -138,15 +151,10 @@ bool Agent::next_generation(int g, const json& failure, std::string* why) {
   } else {
     say(event_text(failure));
     if (gone_now) {
-      say(std::to_string(members_.size() - here.size()) + " node(s) gone; " +
-          std::to_string(here.size()) +
+      say(std::to_string(before - here.size()) + " node(s) gone; " + std::to_string(here.size()) +
           " remain (a membership change, not counted as a restart)");
     }
   }
-  // From here a replacement for a gone node may take its --node-rank, and the job's end waits
-  // only for the nodes still here (exit_sync).
-  members_ = here;
-  nnodes_ = static_cast<int>(here.size());
   std::vector<Member> next = here;
   next.insert(next.end(), pending_.begin(), pending_.end());
   return form_generation(g + 1, next, why);
@@ -155,7 +163,8 @@ bool Agent::next_generation(int g, const json& failure, std::string* why) {
 std::optional<Member> Agent::newcomer_failed_at_start(int g, const json& failure) {
   // Generation 0 has no members from before to go on with; a node lost, leaving, or stopped for
   // a joiner is no failure of its workers.
-  if (g == 0 || failure.value("membership", false) || failure.value("left", false) ||
+  // A fixed job cannot go on without the node (Note [Membership]).
+  if (!o_.elastic || g == 0 || failure.value("membership", false) || failure.value("left", false) ||
       failure.value("lost", false) || failure.value("interrupted", false)) {
     return std::nullopt;
   }

@@ -200,13 +200,14 @@ int main(int argc, char** argv) {
   }
   const bool is_run = !args.empty() && args.front() == "run";
   if (is_run) {
-    // SIGUSR1 asks a running job for its report. Its default action kills the process, and the
-    // agent reads it only once its signalfd exists: held pending until then, an early request
-    // is answered late instead of killing the launcher.
-    sigset_t usr1;
-    sigemptyset(&usr1);
-    sigaddset(&usr1, SIGUSR1);
-    ::sigprocmask(SIG_BLOCK, &usr1, nullptr);
+    // The agent reads its signals from a signalfd, once it exists. Until then they are held
+    // pending rather than taking their default action: an early SIGUSR1 (a report) is answered
+    // late instead of killing the launcher, and an early SIGINT or SIGTERM stops it as one at any
+    // other stage does (it exits 128 + the signal, saying so) instead of killing it silently.
+    sigset_t early;
+    sigemptyset(&early);
+    for (int s : {SIGUSR1, SIGINT, SIGTERM, SIGHUP}) sigaddset(&early, s);
+    ::sigprocmask(SIG_BLOCK, &early, nullptr);
   }
   std::reverse(args.begin(), args.end());  // CLI11 takes them in reverse order
   try {

@@ -15,10 +15,8 @@ namespace lockstep::launch {
 // start, at most kMaxRestartBackoffS (or --restart-backoff itself, when larger). A generation
 // that ran at least kRestartBackoffReset starts the doubling over: that job trains, it does not
 // crash-loop. --restart-backoff 0 restarts at once.
-// Who waits: in a job of fixed size each agent waits on its own, after every node has stopped
-// its workers; the delays agree but for a generation that ended right at the reset (the
-// workers' rendezvous timeout absorbs such a difference). In an elastic job only node 0 waits,
-// before it publishes the next generation's members (Note [Membership]); the other
+// Who waits: only node 0, before it publishes the next generation's members (Note
+// [Membership]), in a job of fixed size and an elastic one alike; the other
 // nodes wait for those members only --rdzv-timeout + --node-timeout + 30 s, less than a doubled
 // delay can be (up to 60 s, or --restart-backoff up to 3600), so node 0 first writes its delay
 // (gen<g+1>/restart_delay) and each of them moves its deadline by that much.

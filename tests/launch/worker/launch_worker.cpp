@@ -149,7 +149,8 @@ int report_env(const fs::path& out_dir, int argc, char** argv) {
 // ends (0) in a world of `want` ranks (LAUNCH_TEST_ELASTIC_WANT, where set, instead: every node
 // of a job runs the same arguments, Note [Job signature]), and in any other waits to be stopped
 // for a new generation; with LAUNCH_TEST_ELASTIC_FAIL=1 it fails (3) at once instead, and so it
-// does in generation G with LAUNCH_TEST_ELASTIC_FAIL_IN_GEN=G.
+// does in generation G with LAUNCH_TEST_ELASTIC_FAIL_IN_GEN=G; with
+// LAUNCH_TEST_ELASTIC_STAY_IN_GEN=G it waits to be stopped in generation G whatever the world.
 int elastic(const fs::path& out, int want) {
   want = env_int("LAUNCH_TEST_ELASTIC_WANT", want);
   const fs::path dir = out / ("gen" + std::to_string(env_int("LOCKSTEP_RESTART_COUNT", -1)));
@@ -166,7 +167,9 @@ int elastic(const fs::path& out, int want) {
     std::fprintf(stderr, "fails in this generation\n");
     return 3;
   }
-  if (env_int("WORLD_SIZE", -1) == want) return 0;
+  const bool stay = env_int("LAUNCH_TEST_ELASTIC_STAY_IN_GEN", -1) ==
+                   env_int("LOCKSTEP_RESTART_COUNT", -1);  // waits to be stopped there
+  if (env_int("WORLD_SIZE", -1) == want && !stay) return 0;
   return sleep_then_fail(60s);
 }
 
