@@ -21,8 +21,6 @@
 //   gen<g>/final/node<n>    the same, captured at the failure, for the verdict
 //   exit                    agents done; node 0 keeps the store up until every agent has read
 //                           the outcome
-//   told                    nodes told at a rendezvous that the job cannot start, once they read
-//                           why (node 0 waits for them before its store closes)
 // Workers use the same store (LOCKSTEP_USE_AGENT_STORE=1) under lockstep/<run-id>/gen<g>/, so a
 // restarted generation never sees the previous one's keys.
 #include "agent.h"

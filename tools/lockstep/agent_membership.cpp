@@ -23,16 +23,20 @@ namespace lockstep::launch::agent_detail {
 // nodes give distinct --node-rank values above 0: a node's name, and the order of nodes in each
 // generation (so rank 0 always runs on node 0, and ranks follow --node-rank order).
 //
-// Keys, under lockstep/<run-id>/agent/ (beside Note [Agent protocol]'s gen<g>/... keys):
+// Keys, under lockstep/<run-id>/agent/ (beside Note [Agent protocol]'s):
 //   join/next              counter: a node that wants in takes ticket t = add(join/next, 1)
 //   join/<t>               its request: {id, host, nproc, signature} (Note [Job signature])
-//   join/<t>/reply         node 0's answer: {"admitted": g} or {"refused": why}
+//   join/<t>/reply         node 0's answer: {"admitted": g} or {"refused": why}, with
+//                          "fatal": true when the job cannot start (a fixed job's refusal)
 //   join/<t>/withdrawn     the node stopped waiting for the answer (a signal, its timeout)
+//   join/<t>/told          the node read that the job cannot start (a fatal refusal, or an
+//                          abort of the generation it was admitted to); node 0 waits for it
 //   gen<g>/members         {"nodes": [{id, host, ticket}, ...]} (by id), or {"abort": why}
 //   gen<g>/stopped/<id>    after generation g failed: this node has stopped its workers
 //   gen<g>/withdrawn/<id>  the node stopped waiting for generation g to start
-//   gen<g>/refused/<id>    node 0 left the node out of generation g: why (its workers failed
-//                          at the start of g-1, the generation it had just joined)
+//   gen<g>/refused/<id>    node 0 left the node out of generation g: why (found lost, late to
+//                          say it stopped, or, elastic, its workers failed at the start of
+//                          g-1, the generation it had just joined)
 //   gen<g>/restart_delay   seconds node 0 waits before publishing gen<g>/members after a
 //                          failure that counts (Note [Restart backoff]); the others wait longer
 //
