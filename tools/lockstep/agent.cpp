@@ -242,6 +242,14 @@ GenResult Agent::run_generation(int g) {
   }
 }
 
+void Agent::withdraw(int g, int sig) {
+  try {
+    store_->set(gen_key(g, "withdrawn/" + std::to_string(o_.node_rank)), "1");
+    if (!o_.elastic) publish_interrupted(g, sig);
+  } catch (const Error&) {
+  }
+}
+
 void Agent::exit_sync(std::chrono::milliseconds timeout) {
   try {
     store_->add(key("exit"), 1);
@@ -324,16 +332,11 @@ int Agent::run_generations(int g) {
       try {
         if (host) {
           publish_interrupted(g + 1, sig);
-          store_->set(gen_key(g + 1, "members"),
-                      dump({{"abort", "the launcher on node 0 received " + signal_name(sig)}}));
+          abort_generation(g + 1, {}, "the launcher on node 0 received " + signal_name(sig));
           refuse_waiting_joins("the job was stopped");
         } else {
-          // Out of the next generation: an elastic job goes on without this node, a fixed one
-          // stops (Note [Membership]), also if node 0 started it meanwhile.
-          const std::string id = std::to_string(o_.node_rank);
-          store_->set(gen_key(g + 1, "withdrawn/" + id), "1");
-          if (!o_.elastic) publish_interrupted(g + 1, sig);
-          store_->set(gen_key(g, "stopped/" + id), "1");
+          withdraw(g + 1, sig);
+          store_->set(gen_key(g, "stopped/" + std::to_string(o_.node_rank)), "1");
         }
       } catch (const Error&) {
       }
@@ -382,8 +385,7 @@ int Agent::run_generations(int g) {
     } catch (const Interrupted& e) {
       say(std::string(e.what()) + " while restarting; not restarting");
       if (host) refuse_waiting_joins("the job was stopped");
-      // A fixed job stops with this node, also if node 0 started the generation meanwhile.
-      if (!host && !o_.elastic) publish_interrupted(g, e.signal);
+      if (!host) withdraw(g, e.signal);  // wait_for_node_zero withdrew it; a fixed job stops
       // A node other than node 0 withdrew (wait_for_node_zero): elastic, it just goes.
       if (!leaves_on_signal()) exit_sync(kExitSyncAfterSignal);
       return 128 + e.signal;

@@ -231,6 +231,10 @@ class Agent {
   GenResult run_generation(int g);
   // `by_worker`: the workers stopped on a signal of their own (Note [Preemption]).
   void publish_interrupted(int g, int sig, bool by_worker = false);
+  // A node other than node 0 out of generation g (a signal): node 0 does not form it with this
+  // node; an elastic job goes on without it, a fixed one stops (Note [Membership]), also if node
+  // 0 started the generation meanwhile.
+  void withdraw(int g, int sig);
   void exit_sync(std::chrono::milliseconds timeout);
   // How long node 0 keeps the store up at the end for the others to read the outcome.
   std::chrono::milliseconds normal_exit_wait() const;

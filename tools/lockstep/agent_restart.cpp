@@ -83,8 +83,7 @@ bool Agent::next_generation(int g, const json& failure, std::string* why) {
     }
     if (!waiting) break;
     if (const int sig = take_signal()) {
-      store_->set(gen_key(g + 1, "members"),
-                  dump({{"abort", "the launcher on node 0 received " + signal_name(sig)}}));
+      abort_generation(g + 1, {}, "the launcher on node 0 received " + signal_name(sig));
       throw Interrupted(sig);
     }
     if (Clock::now() >= deadline) {
@@ -127,7 +126,7 @@ bool Agent::next_generation(int g, const json& failure, std::string* why) {
   if (counts) {
     if (restarts_used_ >= o_.max_restarts) {
       *why = "no restarts left (--max-restarts " + std::to_string(o_.max_restarts) + ")";
-      store_->set(gen_key(g + 1, "members"), dump({{"abort", event_text(failure) + "; " + *why}}));
+      abort_generation(g + 1, {}, event_text(failure) + "; " + *why);
       return false;
     }
     ++restarts_used_;
@@ -144,8 +143,7 @@ bool Agent::next_generation(int g, const json& failure, std::string* why) {
     }
     if (delay > 0) store_->set(gen_key(g + 1, "restart_delay"), dump(json(delay)));
     if (const int sig = wait_before_restart(delay)) {
-      store_->set(gen_key(g + 1, "members"),
-                  dump({{"abort", "the launcher on node 0 received " + signal_name(sig)}}));
+      abort_generation(g + 1, {}, "the launcher on node 0 received " + signal_name(sig));
       throw Interrupted(sig);
     }
   } else {
