@@ -63,17 +63,30 @@ small=(--data "$work/tiny" --block-size 32 --n-layer 2 --n-head 2 --n-embd 32 --
 # Starts `world` ranks of the example (torchrun's variables, loopback, one thread each) with the
 # flags after the first two arguments, rank r's output in $work/<name>.rank<r>, and waits for
 # them: their exit codes are in rcs[]. run_ranks fails the test when one of them failed.
+# The ranks on a port that was free a moment ago; when another process took it in between, rank 0
+# says so at once, and the ranks start again on another port (rank 1 would otherwise wait out its
+# rendezvous timeout for a store that never comes).
 launch_ranks() {
-  local name=$1 world=$2 port=$((20000 + RANDOM % 20000)) r
+  local name=$1 world=$2 port r try
   shift 2
-  for ((r = 0; r < world; ++r)); do
-    RANK=$r WORLD_SIZE=$world LOCAL_RANK=$r LOCAL_WORLD_SIZE=$world MASTER_ADDR=127.0.0.1 \
-      MASTER_PORT=$port OMP_NUM_THREADS=1 "$exe" "$@" > "$work/$name.rank$r" 2>&1 &
-    pids[$r]=$!
-  done
-  for ((r = 0; r < world; ++r)); do
-    wait "${pids[$r]}"
-    rcs[$r]=$?
+  for try in 1 2 3; do
+    port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    for ((r = 0; r < world; ++r)); do
+      RANK=$r WORLD_SIZE=$world LOCAL_RANK=$r LOCAL_WORLD_SIZE=$world MASTER_ADDR=127.0.0.1 \
+        MASTER_PORT=$port OMP_NUM_THREADS=1 "$exe" "$@" > "$work/$name.rank$r" 2>&1 &
+      pids[$r]=$!
+    done
+    wait "${pids[0]}"
+    rcs[0]=$?
+    if [ "${rcs[0]}" -ne 0 ] && grep -q "port $port is already in use" "$work/$name.rank0"; then
+      for ((r = 1; r < world; ++r)); do kill "${pids[$r]}" 2> /dev/null; wait "${pids[$r]}"; done
+      continue
+    fi
+    for ((r = 1; r < world; ++r)); do
+      wait "${pids[$r]}"
+      rcs[$r]=$?
+    done
+    return
   done
 }
 run_ranks() {
