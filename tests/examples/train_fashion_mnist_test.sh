@@ -34,6 +34,10 @@ corrupt() {
 # 10000) of the installed data as plain files in $work/data, for --data in the cases whose point
 # is not the data (equalities between runs, a stop, a shape of batches): each process then starts
 # in a third of the time, most of which is decompressing and scaling the 60000 train images.
+# A TCP port on loopback that the kernel just gave as free (a random one may be in use).
+free_port() {
+  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
 subset_data() {
   command -v python3 > /dev/null || fail "python3 is missing (scripts/install-deps.sh installs it)"
   python3 "$(dirname "$0")/fashion_mnist_subset.py" "$work/data" "$@" || fail "could not write the data subset"
@@ -161,7 +165,7 @@ EOF
   ddp)
     # Two ranks with torchrun's variables: DDP on each rank's shard; only rank 0 prints; the
     # shared evaluation and the mean loss come out once; --save is written by rank 0 alone.
-    port=$((20000 + RANDOM % 20000))
+    port=$(free_port)
     for r in 0 1; do
       RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 \
         MASTER_PORT=$port OMP_NUM_THREADS=1 \
@@ -182,7 +186,7 @@ EOF
     # its own way: every rank refuses at the start, naming the first setting and both values
     # (Note [Same settings]). They read the first 6000 train samples.
     subset_data 6000
-    port=$((20000 + RANDOM % 20000))
+    port=$(free_port)
     for r in 0 1; do
       RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 \
         MASTER_PORT=$port OMP_NUM_THREADS=1 \
@@ -328,7 +332,7 @@ EOF
       || { cat "$work/full"; fail "full-batch run failed"; }
     "$exe" "${common[@]}" --threads 2 --batch-size 5000 --accum-steps 4 > "$work/acc" 2>&1 \
       || { cat "$work/acc"; fail "accumulation run failed"; }
-    port=$((20000 + RANDOM % 20000))
+    port=$(free_port)
     for r in 0 1; do
       RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 \
         MASTER_PORT=$port OMP_NUM_THREADS=1 "$exe" "${common[@]}" --threads 1 \

@@ -63,6 +63,10 @@ small=(--data "$work/tiny" --block-size 32 --n-layer 2 --n-head 2 --n-embd 32 --
 # Starts `world` ranks of the example (torchrun's variables, loopback, one thread each) with the
 # flags after the first two arguments, rank r's output in $work/<name>.rank<r>, and waits for
 # them: their exit codes are in rcs[]. run_ranks fails the test when one of them failed.
+# A TCP port on loopback that the kernel just gave as free (a random one may be in use).
+free_port() {
+  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
 # The ranks on a port that was free a moment ago; when another process took it in between, rank 0
 # says so at once, and the ranks start again on another port (rank 1 would otherwise wait out its
 # rendezvous timeout for a store that never comes).
@@ -70,7 +74,7 @@ launch_ranks() {
   local name=$1 world=$2 port r try
   shift 2
   for try in 1 2 3; do
-    port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    port=$(free_port)
     for ((r = 0; r < world; ++r)); do
       RANK=$r WORLD_SIZE=$world LOCAL_RANK=$r LOCAL_WORLD_SIZE=$world MASTER_ADDR=127.0.0.1 \
         MASTER_PORT=$port OMP_NUM_THREADS=1 "$exe" "$@" > "$work/$name.rank$r" 2>&1 &
@@ -182,7 +186,7 @@ case "$case_name" in
     # the gradients (accumulated over 2 micro-batches, the first under no_sync). Not bit for bit:
     # a mean of two means of 4 rounds apart from a mean of 8.
     prepare_tiny
-    port=$((20000 + RANDOM % 20000))
+    port=$(free_port)
     args=("${small[@]}" --warmup-steps 2 --lr 1e-2 --eval-every 4 --accum-steps 2 --max-steps)
     for r in 0 1; do
       RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 \
@@ -196,7 +200,7 @@ case "$case_name" in
     grep -q "world_size=2" "$work/rank0" || fail "not 2 ranks"
     # Another --batch-size on rank 1 would count the consumed windows wrong: both ranks refuse at
     # the start, naming it and both values (Note [Same settings]).
-    port2=$((20000 + RANDOM % 20000))
+    port2=$(free_port)
     for r in 0 1; do
       RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 \
         MASTER_PORT=$port2 OMP_NUM_THREADS=1 \
