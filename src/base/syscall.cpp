@@ -1,4 +1,5 @@
-// errno's text and the owning file descriptor (include/lockstep/base/syscall.h).
+// errno's text, the owning file descriptor and the durable write's pieces
+// (include/lockstep/base/syscall.h).
 #include "lockstep/base/syscall.h"
 
 #include <errno.h>
@@ -6,6 +7,11 @@
 #include <sys/stat.h>
 #include <string.h>
 #include <unistd.h>
+
+#include <atomic>
+#include <cstdint>
+#include <filesystem>
+#include <utility>
 
 namespace lockstep {
 
@@ -24,6 +30,55 @@ bool write_best_effort(int fd, std::string_view s) {
     s.remove_prefix(static_cast<size_t>(n));
   }
   return true;
+}
+
+void write_all(int fd, const void* data, size_t n, const std::string& what) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    const ssize_t w = LS_SYSCHECK_MSG(retry_on_eintr([&] { return ::write(fd, p, n); }), what);
+    LS_CHECK(w > 0, what, " wrote nothing");
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+}
+
+void fsync_directory(const std::string& dir, const std::string& who) {
+  Fd d(LS_SYSCHECK_MSG(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC), who,
+                       ": cannot open the directory ", dir, " to fsync it"));
+  LS_SYSCHECK_MSG(::fsync(d.get()), who, ": fsync of the directory ", dir, " failed");
+}
+
+std::string parent_directory(const std::string& path) {
+  const std::string dir = std::filesystem::path(path).parent_path().string();
+  return dir.empty() ? "." : dir;
+}
+
+AtomicFile::AtomicFile(std::string path, std::string who)
+    : path_(std::move(path)), who_(std::move(who)) {
+  static std::atomic<uint64_t> counter{0};
+  tmp_ = path_ + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
+  fd_ = Fd(LS_SYSCHECK_MSG(::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644),
+                           who_, ": cannot create ", tmp_));
+}
+
+AtomicFile::~AtomicFile() {
+  if (committed_) return;
+  fd_.reset();
+  ::unlink(tmp_.c_str());
+}
+
+void AtomicFile::write(const void* data, size_t n) {
+  write_all(fd_.get(), data, n, who_ + ": writing " + tmp_);
+}
+
+void AtomicFile::commit() {
+  LS_CHECK(!committed_, who_, ": ", path_, " is already written");
+  LS_SYSCHECK_MSG(::fsync(fd_.get()), who_, ": fsync of ", tmp_, " failed");
+  LS_SYSCHECK_MSG(fd_.close(), who_, ": closing ", tmp_, " failed");
+  LS_SYSCHECK_MSG(::rename(tmp_.c_str(), path_.c_str()), who_, ": renaming ", tmp_, " to ", path_,
+                  " failed");
+  committed_ = true;
+  fsync_directory(parent_directory(path_), who_);  // the rename is durable only now
 }
 
 void Fd::reset() {

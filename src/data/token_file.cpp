@@ -8,12 +8,10 @@
 #include <unistd.h>
 #include <zlib.h>
 
-#include <atomic>
 #include <bit>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 
 #include "lockstep/base/syscall.h"
 
@@ -66,26 +64,6 @@ std::string describe_magic(const unsigned char* p) {
   return "bytes " + s;
 }
 
-void write_all(int fd, const void* data, size_t n, const std::string& path) {
-  const char* p = static_cast<const char*>(data);
-  while (n > 0) {
-    const ssize_t w = LS_SYSCHECK_MSG(retry_on_eintr([&] { return ::write(fd, p, n); }),
-                                      "write_token_file: writing ", path);
-    LS_CHECK(w > 0, "write_token_file: writing ", path, " wrote nothing");
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
-}
-
-// The rename is durable only once the directory entry is on disk too.
-void fsync_directory(const std::string& path) {
-  std::string dir = std::filesystem::path(path).parent_path().string();
-  if (dir.empty()) dir = ".";
-  Fd d(LS_SYSCHECK_MSG(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC),
-                       "write_token_file: cannot open directory ", dir, " to fsync it"));
-  LS_SYSCHECK_MSG(::fsync(d.get()), "write_token_file: fsync of directory ", dir, " failed");
-}
-
 template <typename T>
 void write_tokens(const std::string& path, std::span<const T> tokens, int64_t vocab_size) {
   constexpr int64_t width = sizeof(T);
@@ -106,27 +84,10 @@ void write_tokens(const std::string& path, std::span<const T> tokens, int64_t vo
   put_u32(header + kVocabAt, static_cast<uint32_t>(vocab_size));
   put_u32(header + kChecksumAt, crc_of(tokens.data(), data_bytes));
 
-  // pid and a counter: concurrent writers, from other processes or threads, never share a file.
-  static std::atomic<uint64_t> counter{0};
-  const std::string tmp =
-      path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
-  Fd f(LS_SYSCHECK_MSG(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644),
-                       "write_token_file: cannot create ", tmp));
-  try {
-    write_all(f.get(), header, sizeof header, tmp);
-    write_all(f.get(), tokens.data(), data_bytes, tmp);
-    LS_SYSCHECK_MSG(::fsync(f.get()), "write_token_file: fsync of ", tmp, " failed");
-    LS_SYSCHECK_MSG(f.close(), "write_token_file: closing ", tmp, " failed");
-  } catch (...) {
-    ::unlink(tmp.c_str());
-    throw;
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    LS_THROW("write_token_file: renaming ", tmp, " to ", path, " failed: ", errno_text(err));
-  }
-  fsync_directory(path);
+  AtomicFile file(path, "write_token_file");
+  file.write(header, sizeof header);
+  file.write(tokens.data(), data_bytes);
+  file.commit();
 }
 
 // The largest token of n at p, each `width` bytes.

@@ -4,12 +4,10 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <atomic>
 #include <bit>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <memory>
@@ -42,26 +40,6 @@ constexpr int kQuoteDepth = 3;
 
 // Ordered so that "the first problem" is the first in the header as written.
 using json = nlohmann::ordered_json;
-
-void write_all(int fd, const void* data, size_t n, const std::string& path) {
-  const char* p = static_cast<const char*>(data);
-  while (n > 0) {
-    const ssize_t w = LS_SYSCHECK_MSG(retry_on_eintr([&] { return ::write(fd, p, n); }),
-                                      "save_safetensors: writing ", path);
-    LS_CHECK(w > 0, "save_safetensors: writing ", path, " wrote nothing");
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
-}
-
-// The rename is durable only once the directory entry is on disk too.
-void fsync_directory(const std::string& path) {
-  std::string dir = std::filesystem::path(path).parent_path().string();
-  if (dir.empty()) dir = ".";
-  Fd d(LS_SYSCHECK_MSG(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC),
-                       "save_safetensors: cannot open directory ", dir, " to fsync it"));
-  LS_SYSCHECK_MSG(::fsync(d.get()), "save_safetensors: fsync of directory ", dir, " failed");
-}
 
 // A private, writable (copy-on-write) mapping of a whole file: tensors may be modified in place
 // without the file ever changing. Tensors that point into it share ownership (MappedStorage).
@@ -412,28 +390,11 @@ void save_safetensors(const std::string& path, const NamedTensors& tensors,
   unsigned char len_le[kLengthBytes];
   for (size_t i = 0; i < kLengthBytes; ++i) len_le[i] = static_cast<unsigned char>(hlen >> (8 * i));
 
-  // pid and a counter: concurrent saves, from other processes or threads, never share a file.
-  static std::atomic<uint64_t> counter{0};
-  const std::string tmp =
-      path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
-  Fd f(LS_SYSCHECK_MSG(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644),
-                       "save_safetensors: cannot create ", tmp));
-  try {
-    write_all(f.get(), len_le, kLengthBytes, tmp);
-    write_all(f.get(), h.data(), h.size(), tmp);
-    for (const Tensor& c : data)
-      write_all(f.get(), c.data_ptr(), static_cast<size_t>(c.nbytes()), tmp);
-    LS_SYSCHECK_MSG(::fsync(f.get()), "save_safetensors: fsync of ", tmp, " failed");
-  } catch (...) {
-    ::unlink(tmp.c_str());
-    throw;
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    LS_THROW("save_safetensors: renaming ", tmp, " to ", path, " failed: ", errno_text(err));
-  }
-  fsync_directory(path);
+  AtomicFile file(path, "save_safetensors");
+  file.write(len_le, kLengthBytes);
+  file.write(h.data(), h.size());
+  for (const Tensor& c : data) file.write(c.data_ptr(), static_cast<size_t>(c.nbytes()));
+  file.commit();
 }
 
 Metadata load_safetensors_metadata(const std::string& path) {

@@ -63,36 +63,18 @@ namespace fs = std::filesystem;
 constexpr auto kPollInterval = std::chrono::milliseconds(20);
 constexpr const char* kOldInfix = ".old-";
 
-void fsync_dir(const std::string& dir, const std::string& what) {
-  Fd d(LS_SYSCHECK_MSG(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC), what,
-                       ": cannot open the directory ", dir, " to fsync it"));
-  LS_SYSCHECK_MSG(::fsync(d.get()), what, ": fsync of the directory ", dir, " failed");
-}
-
-std::string parent_of(const std::string& path) {
-  const fs::path p = fs::path(path).parent_path();
-  return p.empty() ? "." : p.string();
-}
-
 // Writes `text` to `path` through a temporary file, fsynced and renamed: `path` exists only whole.
 void write_file_atomic(const std::string& path, const std::string& text, const std::string& what) {
   const std::string tmp = path + ".part";
   {
     Fd f(LS_SYSCHECK_MSG(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644), what,
                          ": cannot create ", tmp));
-    const char* p = text.data();
-    size_t n = text.size();
-    while (n > 0) {
-      const ssize_t w = LS_SYSCHECK_MSG(retry_on_eintr([&] { return ::write(f.get(), p, n); }),
-                                        what, ": writing ", tmp);
-      p += w;
-      n -= static_cast<size_t>(w);
-    }
+    write_all(f.get(), text.data(), text.size(), what + ": writing " + tmp);
     LS_SYSCHECK_MSG(::fsync(f.get()), what, ": fsync of ", tmp, " failed");
     LS_SYSCHECK_MSG(f.close(), what, ": closing ", tmp);
   }
   LS_SYSCHECK_MSG(::rename(tmp.c_str(), path.c_str()), what, ": renaming ", tmp, " to ", path);
-  fsync_dir(parent_of(path), what);
+  fsync_directory(parent_directory(path), what);
 }
 
 // "run/ckpt/" names the directory "run/ckpt", whose parent is "run".
@@ -114,7 +96,7 @@ bool starts_with(const std::string& s, const char* prefix) { return s.rfind(pref
 void remove_stale_directories(const std::string& dir) {
   const std::string series = checkpoint_series(dir);
   std::error_code ec;
-  fs::directory_iterator it(parent_of(dir), ec), end;
+  fs::directory_iterator it(parent_directory(dir), ec), end;
   std::vector<fs::path> stale;
   for (; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
@@ -333,15 +315,15 @@ void commit_sharded_checkpoint(const std::string& tmp_dir, const std::string& di
   std::error_code ec;
   LS_CHECK(fs::is_regular_file(fs::path(tmp_dir) / sharded::kIndexName, ec), what, ": ", tmp_dir,
            " has no ", sharded::kIndexName, "; expected write_sharded_index to have run");
-  fsync_dir(tmp_dir, what);
-  const std::string parent = parent_of(dir);
+  fsync_directory(tmp_dir, what);
+  const std::string parent = parent_directory(dir);
   if (fs::exists(fs::symlink_status(dir, ec))) {
     LS_CHECK(is_sharded_checkpoint(dir), what, ": ", dir,
              " exists and is not a sharded checkpoint (no ", sharded::kIndexName,
              "); it is not replaced: move it away or save elsewhere");
     // Note [Sharded checkpoint], step 3.
     if (::renameat2(AT_FDCWD, tmp_dir.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) == 0) {
-      fsync_dir(parent, what);
+      fsync_directory(parent, what);
       fs::remove_all(tmp_dir, ec);  // now the older checkpoint
     } else {
       const int err = errno;
@@ -354,13 +336,13 @@ void commit_sharded_checkpoint(const std::string& tmp_dir, const std::string& di
                       aside);
       LS_SYSCHECK_MSG(::rename(tmp_dir.c_str(), dir.c_str()), what, ": renaming ", tmp_dir, " to ",
                       dir);
-      fsync_dir(parent, what);
+      fsync_directory(parent, what);
       fs::remove_all(aside, ec);
     }
   } else {
     LS_SYSCHECK_MSG(::rename(tmp_dir.c_str(), dir.c_str()), what, ": renaming ", tmp_dir, " to ",
                     dir);
-    fsync_dir(parent, what);
+    fsync_directory(parent, what);
   }
   remove_stale_directories(dir);
 }

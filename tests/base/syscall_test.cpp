@@ -1,4 +1,5 @@
-// The system-call check and the owning file descriptor (include/lockstep/base/syscall.h).
+// The system-call check, the owning file descriptor and the file written whole
+// (include/lockstep/base/syscall.h).
 #include "lockstep/base/syscall.h"
 
 #include <fcntl.h>
@@ -7,7 +8,12 @@
 
 #include <cerrno>
 #include <csignal>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace lockstep {
 namespace {
@@ -126,6 +132,57 @@ TEST(Fd, ReleaseGivesUpOwnershipAndCloseReportsErrors) {
   EXPECT_FALSE(w.valid());
   EXPECT_FALSE(fd_open(fds[1]));
   EXPECT_EQ(w.close(), 0);  // closing an empty Fd is a no-op
+}
+
+namespace fs = std::filesystem;
+
+std::string read_text(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// The files in `dir` other than `keep`: what a write left behind.
+std::vector<std::string> others_in(const fs::path& dir, const std::string& keep) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().filename() != keep) out.push_back(e.path().filename().string());
+  return out;
+}
+
+TEST(AtomicFile, CommitReplacesTheFileWholeAndLeavesNoTemporaryFile) {
+  const fs::path dir = fs::temp_directory_path() / ("atomic_file_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const fs::path path = dir / "out.bin";
+  std::ofstream(path) << "old";  // a temporary: closed at the end of the statement
+  {
+    AtomicFile f(path.string(), "test");
+    f.write("new ", 4);
+    f.write("bytes", 5);
+    EXPECT_EQ(read_text(path), "old");  // nothing reaches the file before commit()
+    f.commit();
+  }
+  EXPECT_EQ(read_text(path), "new bytes");
+  EXPECT_TRUE(others_in(dir, "out.bin").empty());
+  fs::remove_all(dir);
+}
+
+TEST(AtomicFile, AnAbandonedWriteKeepsTheOldFileAndRemovesItsTemporaryFile) {
+  const fs::path dir = fs::temp_directory_path() / ("atomic_file_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const fs::path path = dir / "out.bin";
+  std::ofstream(path) << "old";  // a temporary: closed at the end of the statement
+  try {
+    AtomicFile f(path.string(), "test");
+    f.write("half", 4);
+    throw std::runtime_error("the writer failed");
+  } catch (const std::runtime_error&) {
+  }
+  EXPECT_EQ(read_text(path), "old");
+  EXPECT_TRUE(others_in(dir, "out.bin").empty());
+  EXPECT_THROW(AtomicFile((dir / "no" / "such" / "dir").string(), "test"), Error);
+  fs::remove_all(dir);
 }
 
 }  // namespace

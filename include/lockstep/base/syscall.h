@@ -1,8 +1,9 @@
 // System calls: LS_SYSCHECK (the one check for calls that fail with -1 and errno), errno's text,
-// and Fd, the one owning file descriptor.
+// Fd, the one owning file descriptor, and the durable write's pieces (write_all, fsync_directory).
 #pragma once
 
 #include <cerrno>
+#include <cstddef>
 #include <initializer_list>
 #include <string>
 #include <string_view>
@@ -39,6 +40,17 @@ auto retry_on_eintr(const F& f) {
 // and returns false, and never throws, so losing the screen never stops a training run.
 bool write_best_effort(int fd, std::string_view s);
 
+// Writes all n bytes at `data` to `fd`, going on after short writes and EINTR. A failure throws
+// "<what>: <errno text>", where `what` says what was being written ("save_safetensors: writing
+// x.tmp"); a write that makes no progress throws "<what> wrote nothing".
+void write_all(int fd, const void* data, size_t n, const std::string& what);
+
+// Fsyncs the directory `dir`: a file created or renamed there is durable only once the directory
+// entry is on disk too. `who` begins the message of a failure ("save_safetensors").
+void fsync_directory(const std::string& dir, const std::string& who);
+// The directory that holds `path` ("." for a bare file name), for fsync_directory.
+std::string parent_directory(const std::string& path);
+
 // Owns one file descriptor; closes it on destruction (errors from close are ignored there: a
 // destructor never throws). close() reports them for callers that must know (a file written
 // through the descriptor).
@@ -73,6 +85,28 @@ class Fd {
 
  private:
   int fd_ = -1;
+};
+
+// A file written whole or not at all: the bytes go to a temporary file beside `path` (named with
+// the pid and a counter, so concurrent writers, from other processes or threads, never share
+// one), and commit() fsyncs and closes it, renames it to `path` and fsyncs the directory, so that
+// `path` is either the old file or the whole new one, even across a crash. Destroyed without
+// commit() (an exception on the way), it removes the temporary file. `who` begins every message
+// ("save_safetensors: writing x.tmp.12.0: No space left on device (errno 28)").
+class AtomicFile {
+ public:
+  AtomicFile(std::string path, std::string who);
+  ~AtomicFile();
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+
+  void write(const void* data, size_t n);
+  void commit();
+
+ private:
+  std::string path_, who_, tmp_;
+  Fd fd_;
+  bool committed_ = false;
 };
 
 // Opens `path` for reading and returns it only when it is a regular file; else throws
