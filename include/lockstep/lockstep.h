@@ -20,6 +20,7 @@
 #include "lockstep/distributed/init.h"
 #include "lockstep/distributed/join.h"
 #include "lockstep/distributed/parallel_module.h"
+#include "lockstep/distributed/powersgd.h"
 #include "lockstep/distributed/process_group.h"
 #include "lockstep/distributed/store/hash_store.h"
 #include "lockstep/distributed/store/prefix_store.h"

@@ -28,6 +28,8 @@ namespace lockstep::dist {
 // leaves their average (the hook makes it when it is undefined or of another size or dtype; it
 // may be the buffer's own chunk rank, buffer.narrow(0, rank * q, q): then in place, as ZeRO-1's).
 // An FSDP unit is a bucket too: its flat, padded gradient, numel a multiple of the world size.
+// `wire_bytes` is what a hook that sends less than the buffer sets in start(): the bytes its
+// collectives carry for this bucket on this step (0: not set, the buffer's).
 struct GradBucket {
   int index = 0;
   Tensor buffer;
@@ -37,6 +39,7 @@ struct GradBucket {
   int contributors = 0;
   Tensor scratch;
   Tensor shard;
+  int64_t wire_bytes = 0;
 };
 
 // How a bucket is reduced. start() launches the reduction and returns its Work (it runs while

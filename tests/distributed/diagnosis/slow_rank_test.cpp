@@ -9,6 +9,7 @@
 #include "distributed/thread_ranks.h"
 #include "lockstep/base/log.h"
 #include "lockstep/distributed/join.h"
+#include "lockstep/distributed/powersgd.h"
 #include "testing.h"
 
 using namespace lockstep;
@@ -140,14 +141,17 @@ class CaptureWarnings {
   std::vector<std::string> lines_;
 };
 
-// Trains `steps` steps with rank r's forward sleeping delays[r]; every rank's last stats.
+// Trains `steps` steps with rank r's forward sleeping delays[r]; every rank's last stats. `hook`,
+// when given, makes each rank's comm hook (a hook with state, as PowerSGD's, serves one model).
 std::vector<DDPStats> train(const std::vector<std::chrono::milliseconds>& delays, int steps,
-                            DDPOptions opts) {
+                            DDPOptions opts, const std::function<CommHook()>& hook = nullptr) {
   const int world = static_cast<int>(delays.size());
   std::vector<DDPStats> stats(delays.size());
   const auto errors = run_ranks(world, [&](int r, ProcessGroupPtr pg) {
+    DDPOptions mine = opts;
+    if (hook) mine.comm_hook = hook();
     auto ddp =
-        std::make_shared<DistributedDataParallel>(std::make_shared<Sleepy>(delays[r], 3), pg, opts);
+        std::make_shared<DistributedDataParallel>(std::make_shared<Sleepy>(delays[r], 3), pg, mine);
     optim::SGD opt(ddp->parameters(), {.lr = 0.1});
     const Data d = make_data(8, 20 + r);
     for (int s = 0; s < steps; ++s) {
@@ -176,8 +180,11 @@ TEST_P(SlowRankDDP, TheSleepingRankIsNamedOnEveryRankAndRankZeroWarns) {
   o.slow_rank_steps = kWarnAfter;
   if (GetParam() == "bf16") o.comm_hook = bf16_compress_hook();
   if (GetParam() == "fp16") o.comm_hook = fp16_compress_hook();
+  // PowerSGD sends the times beside its P, through the same average all-reduce.
+  std::function<CommHook()> hook;
+  if (GetParam() == "powersgd") hook = [] { return powersgd_hook({.start_powersgd_iter = 0}); };
   CaptureWarnings warnings;
-  const auto stats = train({kOthers, kOthers, kSlow}, kSteps, o);
+  const auto stats = train({kOthers, kOthers, kSlow}, kSteps, o, hook);
   // A time is rounded twice on its way (into the wire's dtype, then the average's division):
   // each half a unit in the last place, 2^-8 of the value in bf16, 2^-11 in f16.
   const double precision =
@@ -205,7 +212,8 @@ TEST_P(SlowRankDDP, TheSleepingRankIsNamedOnEveryRankAndRankZeroWarns) {
   EXPECT_GE(std::stod(lines[0].substr(at)), kSlow.count() * (1 - precision)) << lines[0];
 }
 
-INSTANTIATE_TEST_SUITE_P(Hooks, SlowRankDDP, ::testing::Values("allreduce", "bf16", "fp16"));
+INSTANTIATE_TEST_SUITE_P(Hooks, SlowRankDDP,
+                         ::testing::Values("allreduce", "bf16", "fp16", "powersgd"));
 
 TEST(SlowRankDDPEven, NoWarningWhenEveryRankSleepsAlike) {
   // Every rank sleeps 20 ms: to be warned about, one would have to lag by 10 ms more than the
