@@ -48,6 +48,8 @@ struct Config {
   std::string metrics;                // JSON Lines of per-step metrics (rank 0)
   double bucket_mb = 25.0;
   std::string comm_hook = "none";
+  int64_t powersgd_rank = 1;    // --comm-hook powersgd: the rank of each gradient's approximation
+  int64_t powersgd_start = 10;  // --comm-hook powersgd: plain all-reduce steps before compressing
   std::string backend;  // empty: LOCKSTEP_BACKEND, else init_process_group's default (auto)
   double timeout = 0;   // collective timeout in seconds; 0: LOCKSTEP_TIMEOUT, else 30 minutes
   bool ddp_stats = false;
@@ -140,6 +142,7 @@ CLI::Option* add_number(CLI::App& app, const std::string& flag, T& into, const R
 constexpr int64_t kMaxCount = 1'000'000'000;
 constexpr int64_t kMaxThreads = 4096;
 constexpr double kMaxBucketMb = 1 << 20;  // 1 TiB
+constexpr int64_t kMaxPowerSGDRank = 1024;
 
 // A number as the user would write it: the shortest text that reads back as the same double
 // (for messages that quote a flag's value, e.g. the settings check's).
@@ -248,9 +251,18 @@ inline int parse_flags(int argc, char** argv, Config& cfg) {
       ->type_name("PATH");
   add_number(app, "--bucket-mb", cfg.bucket_mb, R{0, kMaxBucketMb, true},
              "DDP gradient bucket size in MiB");
-  app.add_option("--comm-hook", cfg.comm_hook, "DDP gradient compression on the wire")
-      ->check(CLI::IsMember({"none", "bf16", "fp16"}))
+  app.add_option("--comm-hook", cfg.comm_hook,
+                 "DDP gradient compression on the wire: bf16 or fp16 halves the bytes; "
+                 "powersgd sends a low-rank approximation of each weight's gradient, with error "
+                 "feedback (dist::powersgd_hook)")
+      ->check(CLI::IsMember({"none", "bf16", "fp16", "powersgd"}))
       ->capture_default_str();
+  add_number(app, "--powersgd-rank", cfg.powersgd_rank, I{1, kMaxPowerSGDRank},
+             "With --comm-hook powersgd: the rank of each gradient's approximation (higher: "
+             "closer to the uncompressed gradient, more bytes)");
+  add_number(app, "--powersgd-start", cfg.powersgd_start, I{0, kMaxCount},
+             "With --comm-hook powersgd: optimizer steps reduced uncompressed before "
+             "compression starts (the library's default, as PyTorch's, is 1000)");
   app.add_option("--backend", cfg.backend,
                  "DDP's process group backend (default: LOCKSTEP_BACKEND, else auto: shm on one "
                  "machine, gloo with one rank per machine, hier across machines of several)")
@@ -360,6 +372,12 @@ inline int parse_flags(int argc, char** argv, Config& cfg) {
                        " belongs to DDP; --zero " + std::to_string(cfg.zero) +
                        " trains with FSDP, which reduce-scatters full-width gradients and keeps "
                        "no replica to compare");
+  }
+  if (cfg.comm_hook != "powersgd" &&
+      (app.count("--powersgd-rank") > 0 || app.count("--powersgd-start") > 0)) {
+    return usage_error(std::string(app.count("--powersgd-rank") > 0 ? "--powersgd-rank"
+                                                                     : "--powersgd-start") +
+                       " applies to --comm-hook powersgd, and --comm-hook is " + cfg.comm_hook);
   }
   if (cfg.sync_bn && cfg.dp > 1) {
     return usage_error("--sync-bn needs a process group of ranks; --dp " + std::to_string(cfg.dp) +

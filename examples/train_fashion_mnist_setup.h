@@ -20,6 +20,7 @@
 #include "lockstep/base/env_var.h"
 #include "lockstep/data/data.h"
 #include "lockstep/distributed/fsdp.h"
+#include "lockstep/distributed/powersgd.h"
 #include "lockstep/distributed/sync_check.h"
 #include "lockstep/distributed/zero.h"
 #include "lockstep/io/checkpoint.h"
@@ -112,9 +113,14 @@ inline optim::Schedule schedule_of(const Config& cfg, int64_t total_steps) {
   return optim::constant_schedule();
 }
 
-inline dist::CommHook comm_hook_named(const std::string& name) {
-  if (name == "bf16") return dist::bf16_compress_hook();
-  if (name == "fp16") return dist::fp16_compress_hook();
+inline dist::CommHook comm_hook_of(const Config& cfg) {
+  if (cfg.comm_hook == "bf16") return dist::bf16_compress_hook();
+  if (cfg.comm_hook == "fp16") return dist::fp16_compress_hook();
+  if (cfg.comm_hook == "powersgd") {
+    return dist::powersgd_hook({.matrix_approximation_rank = cfg.powersgd_rank,
+                                .start_powersgd_iter = cfg.powersgd_start,
+                                .seed = cfg.seed});
+  }
   return dist::allreduce_hook();
 }
 
@@ -286,7 +292,7 @@ inline Model build_model(const Config& cfg, const std::shared_ptr<dist::ProcessG
   } else {
     dist::DDPOptions dopts;
     dopts.bucket_bytes = std::max<int64_t>(1, static_cast<int64_t>(cfg.bucket_mb * (1 << 20)));
-    dopts.comm_hook = comm_hook_named(cfg.comm_hook);
+    dopts.comm_hook = comm_hook_of(cfg);
     dopts.check_sync_every = cfg.check_sync_every;
     if (pg->rank() == cfg.test_slow_rank) test_slow_forward(*m.params);
     auto ddp = std::make_shared<dist::DistributedDataParallel>(m.params, pg, dopts);
@@ -355,6 +361,8 @@ inline bool check_job_settings(const Config& cfg, dist::ProcessGroup& pg,
        {"--check-sync-every", text(cfg.check_sync_every)},
        {"--bucket-mb", number_text(cfg.bucket_mb)},
        {"--comm-hook", cfg.comm_hook},
+       {"--powersgd-rank", text(cfg.powersgd_rank)},
+       {"--powersgd-start", text(cfg.powersgd_start)},
        {"the training data (--data)",
         std::to_string(train.size()) + " samples, hash " +
             std::to_string(dist::tensor_hash(train.images()) ^
