@@ -403,9 +403,9 @@ void AdamW::step() {
 // ---- clip_grad_norm ----
 
 void add_squares(ExactSum& acc, const Tensor& t) {
-  LS_CHECK(t.device().is_cpu(), "add_squares: expected a CPU tensor, got one on ",
-           t.device().str());
-  const Tensor c = t.contiguous();
+  // A device tensor is read back: the exact sum is the host's, and the same bits wherever the
+  // gradient lives are worth one copy of it per clipped step.
+  const Tensor c = t.device().is_cpu() ? t.contiguous() : t.to(kCPU);
   // Blocks of a fixed size, each summed exactly and the blocks merged exactly: the threads'
   // split cannot change the result.
   constexpr int64_t kBlock = int64_t{1} << 15;
@@ -424,7 +424,17 @@ void add_squares(ExactSum& acc, const Tensor& t) {
   for (const ExactSum& part : parts) acc.add(part);
 }
 
-double clip_coefficient(double total, double max_norm) { return max_norm / (total + 1e-6); }
+double scale_to_max_norm(const std::vector<Tensor>& grads, double total, double max_norm) {
+  if (!std::isfinite(total)) return total;
+  // PyTorch's coefficient, clamped at 1 (clip_grad_norm_): a norm under the limit is left as is.
+  const double coef = max_norm / (total + 1e-6);
+  if (coef < 1.0) {
+    autograd::NoGradGuard no_grad;
+    for (const Tensor& g : grads)
+      if (g.defined()) Tensor(g).mul_(coef);
+  }
+  return total;
+}
 
 double clip_grad_norm(const std::vector<Tensor>& params, double max_norm, double norm_type) {
   LS_CHECK(max_norm >= 0, "clip_grad_norm: max_norm must be >= 0, got ", max_norm);
@@ -435,25 +445,24 @@ double clip_grad_norm(const std::vector<Tensor>& params, double max_norm, double
   autograd::NoGradGuard no_grad;
   const bool inf_norm = std::isinf(norm_type);
   double acc = 0;
-  ExactSum exact;  // the CPU gradients' squares (Note [Exact norm])
-  // Device gradients: partial norms stay on the device (f64 sums), read once at the end, so
-  // clipping costs one host synchronisation per step, not one per parameter.
+  ExactSum exact;  // the squares, wherever the gradients live (Note [Exact norm])
+  // The infinity norm of device gradients: partial maxima stay on the device, read once at the
+  // end, so it costs one host synchronisation per step, not one per parameter.
   Tensor device_acc;
+  std::vector<Tensor> grads;
   for (const Tensor& p : params) {
     if (!p.grad().defined()) continue;
+    grads.push_back(p.grad());
     Tensor g = grad_of(p);
-    if (!g.device().is_cpu()) {
-      const Tensor a = abs(g.to(kFloat64));
-      Tensor part = inf_norm ? max(a) : sum(mul(a, a));
-      if (device_acc.defined() && part.device() != device_acc.device())
-        part = part.to(device_acc.device());
-      device_acc = !device_acc.defined() ? part
-                   : inf_norm            ? maximum(device_acc, part)
-                                         : add(device_acc, part);
-      continue;
-    }
     if (!inf_norm) {
       add_squares(exact, g);
+      continue;
+    }
+    if (!g.device().is_cpu()) {
+      Tensor part = max(abs(g.to(kFloat64)));
+      if (device_acc.defined() && part.device() != device_acc.device())
+        part = part.to(device_acc.device());
+      device_acc = !device_acc.defined() ? part : maximum(device_acc, part);
       continue;
     }
     double part = 0;
@@ -470,16 +479,9 @@ double clip_grad_norm(const std::vector<Tensor>& params, double max_norm, double
   if (!inf_norm) acc = exact.value();
   if (device_acc.defined()) {
     const double part = device_acc.item();
-    acc = inf_norm ? (std::isnan(part) || part > acc ? part : acc) : acc + part;
+    acc = std::isnan(part) || part > acc ? part : acc;
   }
-  const double total = std::isinf(norm_type) ? acc : std::sqrt(acc);
-  if (!std::isfinite(total)) return total;
-  const double coef = clip_coefficient(total, max_norm);
-  if (coef < 1.0) {
-    for (const Tensor& p : params)
-      if (p.grad().defined()) p.grad().mul_(coef);
-  }
-  return total;
+  return scale_to_max_norm(grads, inf_norm ? acc : std::sqrt(acc), max_norm);
 }
 
 void check_loss_is_finite(double loss, int64_t step, const std::string& remedy) {

@@ -2,6 +2,7 @@
 // behind the device seam, the CPU's kernels less those CUDA lacks, and the nccl backend's
 // contract over the CPU transport. ctest runs these as cuda.emulated, with
 // LOCKSTEP_TEST_EMULATE_GPUS=2; without it they skip, saying so.
+#include <bit>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -67,6 +68,32 @@ TEST(Emulated, DevicesAreHostMemoryBehindTheDeviceSeam) {
   start.record();
   end.record();
   EXPECT_GE(end.elapsed_ms(start), 0.0f);
+}
+
+// clip_grad_norm of gradients on a GPU is the norm of the same gradients on the CPU, to the bit,
+// and scales them alike: the exact sum (Note [Exact norm]) that lets DDP, ZeRO and FSDP clip
+// alike holds wherever the gradient lives. The magnitudes span about 2^40, so a sum of the
+// squares in f64, in any order, rounds away bits the exact sum keeps.
+TEST(Emulated, ClipGradNormOfDeviceGradientsIsTheCpuNormBitwise) {
+  LS_REQUIRE_EMULATION();
+  Generator gen(5);
+  const Tensor wide = mul(randn({3, 4099}, gen), exp(mul(rand({3, 4099}, gen), 27.7)));
+  std::vector<Tensor> host, device;
+  for (int64_t i = 0; i < 3; ++i) {
+    Tensor g = wide.select(0, i).contiguous();
+    Tensor p = zeros({4099}).requires_grad_();
+    p.set_grad(g.clone());
+    host.push_back(p);
+    Tensor q = zeros({4099}, on(0)).requires_grad_();
+    q.set_grad(g.to(cuda_device(0)));
+    device.push_back(q);
+  }
+  const double cpu_norm = optim::clip_grad_norm(host, 1.0);
+  const double gpu_norm = optim::clip_grad_norm(device, 1.0);
+  EXPECT_EQ(std::bit_cast<uint64_t>(gpu_norm), std::bit_cast<uint64_t>(cpu_norm))
+      << "cpu " << cpu_norm << ", gpu " << gpu_norm;
+  for (int i = 0; i < 3; ++i)
+    EXPECT_EQ(values(device[i].grad()), values(host[i].grad())) << "parameter " << i;
 }
 
 // The nccl backend on emulated GPUs, two ranks as threads, each bound to its own device.

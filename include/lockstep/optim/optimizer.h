@@ -125,15 +125,17 @@ class AdamW : public Optimizer {
 // Scales gradients in place so that their global norm is at most max_norm; returns the norm
 // before clipping. A non-finite norm is returned and nothing is scaled (a GradScaler will skip
 // that step anyway). norm_type 2 (Euclidean) or infinity.
-// The 2-norm of CPU gradients is summed exactly (Note [Exact norm]): the same bits however the
-// elements are split between tensors or ranks, so DDP, ZeroRedundancyOptimizer and
-// FullyShardedDataParallel clip alike. Device gradients sum in f64 on their device.
+// The 2-norm is summed exactly (Note [Exact norm]), device gradients on the host after one copy:
+// the same bits however the elements are split between tensors or ranks and wherever they live,
+// so DDP, ZeroRedundancyOptimizer and FullyShardedDataParallel clip alike. The infinity norm of
+// device gradients is taken on their device.
 double clip_grad_norm(const std::vector<Tensor>& params, double max_norm, double norm_type = 2.0);
 // clip_grad_norm's parts, for wrappers that hold the gradient in shards: adds the squares of a
-// CPU floating tensor's elements to `acc` exactly; and the factor the gradients are scaled by
-// (when below 1) for a total norm `total`.
+// floating tensor's elements to `acc` exactly (a device tensor is read back first); and the
+// scaling, which multiplies `grads` in place by max_norm / (total + 1e-6) when that is below 1
+// and returns `total` (nothing scaled when `total` is not finite).
 void add_squares(ExactSum& acc, const Tensor& t);
-double clip_coefficient(double total, double max_norm);
+double scale_to_max_norm(const std::vector<Tensor>& grads, double total, double max_norm);
 
 // Throws when the loss of optimizer step `step` (1-based) is NaN or Inf: the training has
 // diverged, and going on would only carry NaN into the parameters (io::save_checkpoint refuses

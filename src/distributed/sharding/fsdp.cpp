@@ -611,7 +611,7 @@ double FullyShardedDataParallel::clip_grad_norm(double max_norm) {
   std::vector<Tensor> shards;
   for (const auto& u : units_)
     if (u->grad_shard.defined()) shards.push_back(u->grad_shard);
-  return clip_shards(shards, sharded_grad_norm(*pg_, shards), max_norm);
+  return optim::scale_to_max_norm(shards, sharded_grad_norm(*pg_, shards), max_norm);
 }
 
 // ---- full parameters ----

@@ -15,7 +15,7 @@ double sharded_grad_norm(ProcessGroup& pg, const std::vector<Tensor>& shards) {
   autograd::NoGradGuard no_grad;
   optim::ExactSum acc;
   for (const Tensor& g : shards)
-    if (g.defined()) optim::add_squares(acc, g.device().is_cpu() ? g : g.to(kCPU));
+    if (g.defined()) optim::add_squares(acc, g);
   // The limbs of every rank add as integers (Note [Exact norm]); an inf or NaN anywhere is
   // every rank's, by a max over a flag.
   const optim::ExactSum::Limbs mine = acc.limbs();
@@ -29,17 +29,6 @@ double sharded_grad_norm(ProcessGroup& pg, const std::vector<Tensor>& shards) {
   optim::ExactSum::Limbs summed{};
   std::copy_n(limbs.data<int64_t>(), optim::ExactSum::kLimbs, summed.begin());
   return std::sqrt(optim::ExactSum::from_limbs(summed).value());
-}
-
-double clip_shards(const std::vector<Tensor>& shards, double total, double max_norm) {
-  if (!std::isfinite(total)) return total;
-  const double coef = optim::clip_coefficient(total, max_norm);
-  if (coef < 1.0) {
-    autograd::NoGradGuard no_grad;
-    for (const Tensor& g : shards)
-      if (g.defined()) Tensor(g).mul_(coef);
-  }
-  return total;
 }
 
 }  // namespace lockstep::dist

@@ -9,11 +9,8 @@
 namespace lockstep::dist {
 
 // Collective: the 2-norm of every element of `shards` on every rank together (each element held
-// by one rank only; device tensors are read back to the host). NaN or inf when any element is.
+// by one rank only; device tensors are read back to the host, as optim::clip_grad_norm reads
+// them). NaN or inf when any element is. optim::scale_to_max_norm then scales the shards.
 double sharded_grad_norm(ProcessGroup& pg, const std::vector<Tensor>& shards);
-
-// Scales `shards` in place as optim::clip_grad_norm scales a gradient of norm `total`, and
-// returns `total` (nothing scaled when it is not finite).
-double clip_shards(const std::vector<Tensor>& shards, double total, double max_norm);
 
 }  // namespace lockstep::dist

@@ -198,7 +198,7 @@ double ZeroRedundancyOptimizer::clip_grad_norm(double max_norm) {
     all.push_back(g);
     if (!piece.tail || pg_->rank() == 0) mine.push_back(g);
   }
-  return clip_shards(all, sharded_grad_norm(*pg_, mine), max_norm);
+  return optim::scale_to_max_norm(all, sharded_grad_norm(*pg_, mine), max_norm);
 }
 
 std::vector<Tensor> ZeroRedundancyOptimizer::step_gradients() {
