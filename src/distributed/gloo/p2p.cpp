@@ -87,8 +87,13 @@ void check_signatures(const std::shared_ptr<gloo::Context>& ctx, const CallSigna
 //   all_reduce: the tensor is split into size contiguous chunks (64-byte multiples; the last ones
 //     short or empty), reduce-scattered in place as above, and every reduced piece is sent to
 //     every other rank as soon as it is reduced (the all-gather). Two latencies. A rank posts the
-//     all-gather's receives into the other ranks' chunks only once its own sends of those chunks
-//     are done, so a received piece never overwrites bytes still being sent.
+//     all-gather's receives into the other ranks' chunks at the start, before its reduce-scatter
+//     sends of those chunks: piece p of chunk c can only arrive once rank c has received this
+//     rank's piece p of it, that is once this rank's send of those bytes is done, so a received
+//     piece never overwrites bytes still being sent. Posted late (after this rank's sends), the
+//     notice that a receive is posted, which a Gloo sender waits for, queued behind this rank's
+//     outgoing data: between machines at 1 Gbit/s, 4 ranks, a 16 MiB all_reduce took 0.71 of
+//     the time a ring needs on that link, and 0.90 with the receives posted first.
 //   all_reduce with two ranks, or of at most kWholeBytes over all ranks: every rank sends the
 //     whole tensor to every other rank and reduces all of it itself, in the same rank order: one
 //     latency instead of two, and with two ranks the same bytes on the wire (as the shm backend
@@ -280,15 +285,9 @@ void rank_order_all_reduce(const std::shared_ptr<gloo::Context>& ctx, void* data
   x.out = bytes + my_begin * es;
   const uint64_t ag_slot = gloo::Slot::build(kAllGatherSlotPrefix, tag);
   auto gather_buf = ctx->createUnboundBuffer(bytes, count * es);
-  size_t sends = 0;
-  reduce_scatter_pieces(x, [&](size_t off, size_t len) {
-    for (int r = 0; r < size; ++r) {
-      if (r == me) continue;
-      gather_buf->send(r, ag_slot, (my_begin + off) * es, len * es);
-      ++sends;
-    }
-  });
-  // This rank's sends of the other chunks are done: their bytes may now be overwritten.
+  // The all-gather's receives are posted first, before any byte of the reduce-scatter moves:
+  // a Gloo sender waits for the receiver's notice that a receive is posted, and a notice posted
+  // late travels behind whatever this rank has queued by then (Note [Gloo rank-order reduction]).
   const size_t piece = std::max<size_t>(1, kPieceBytes / es);
   size_t recvs = 0;
   for (int c = 0; c < size; ++c) {
@@ -299,6 +298,14 @@ void rank_order_all_reduce(const std::shared_ptr<gloo::Context>& ctx, void* data
       ++recvs;
     }
   }
+  size_t sends = 0;
+  reduce_scatter_pieces(x, [&](size_t off, size_t len) {
+    for (int r = 0; r < size; ++r) {
+      if (r == me) continue;
+      gather_buf->send(r, ag_slot, (my_begin + off) * es, len * es);
+      ++sends;
+    }
+  });
   for (size_t i = 0; i < recvs; ++i) wait_recv(*gather_buf, deadline, "all_reduce");
   for (size_t i = 0; i < sends; ++i) wait_send(*gather_buf, deadline, "all_reduce");
 }

@@ -1,0 +1,116 @@
+// all_reduce between machines: one rank of a job started by `lockstep run` (or any launcher that
+// sets torchrun's variables) times the default group's all_reduce of float32 from 4 KiB to
+// 64 MiB and rank 0 prints, per size, the median time per call, the algorithm bandwidth, and
+// the time a bandwidth-optimal ring needs on links of --gbps (2 (n - 1) / n x bytes / rate, no
+// latency): "of limit" is the ring's time over the measured one (1.0: as fast as the link allows).
+//
+//   lockstep run ... net_allreduce [--gbps 1] [--min-bytes 4096] [--max-bytes 67108864]
+//                                  [--rounds 5] [--json PATH]
+//
+// bench/shaped_net.sh runs it across emulated machines with rate-limited links.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "lockstep/distributed/init.h"
+#include "lockstep/lockstep.h"
+
+using namespace lockstep;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+// Each round moves about this many bytes per rank (fewer calls for big messages).
+constexpr int64_t kBytesPerRound = 16 << 20;
+constexpr int kMaxIters = 100;
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+int usage(const char* why) {
+  std::fprintf(stderr,
+               "usage: net_allreduce [--gbps G] [--min-bytes B] [--max-bytes B] [--rounds R] "
+               "[--json PATH]\n%s\n",
+               why);
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  double gbps = 1;
+  int64_t min_bytes = 4 << 10, max_bytes = 64 << 20;
+  int rounds = 5;
+  std::string json;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (i + 1 >= argc) return usage(("a value is missing after " + a).c_str());
+    const std::string v = argv[++i];
+    if (a == "--gbps") {
+      gbps = std::stod(v);
+    } else if (a == "--min-bytes") {
+      min_bytes = std::stoll(v);
+    } else if (a == "--max-bytes") {
+      max_bytes = std::stoll(v);
+    } else if (a == "--rounds") {
+      rounds = std::stoi(v);
+    } else if (a == "--json") {
+      json = v;
+    } else {
+      return usage(("unknown argument: " + a).c_str());
+    }
+  }
+  if (gbps <= 0 || min_bytes < 4 || max_bytes < min_bytes || rounds < 1) {
+    return usage("expected --gbps > 0, 4 <= --min-bytes <= --max-bytes, --rounds >= 1");
+  }
+  auto pg = dist::init_process_group();
+  const int rank = pg->rank(), size = pg->size();
+  const double ring_factor = 2.0 * (size - 1) / size;
+  std::ofstream out;
+  if (rank == 0) {
+    std::printf("all_reduce sum, float32, backend %s, %d ranks, links %.3g Gbit/s; median of %d\n",
+                std::string(pg->backend()).c_str(), size, gbps, rounds);
+    std::printf("%10s %12s %12s %12s %9s\n", "bytes", "us/call", "algbw GB/s", "ring us",
+                "of limit");
+    if (!json.empty()) {
+      out.open(json);
+      out << "{\"benchmark\": \"net_allreduce\", \"backend\": \"" << pg->backend()
+          << "\", \"ranks\": " << size << ", \"gbps\": " << gbps << ", \"rows\": [";
+    }
+  }
+  bool first = true;
+  for (int64_t bytes = min_bytes; bytes <= max_bytes; bytes *= 4) {
+    const int iters =
+        static_cast<int>(std::clamp<int64_t>(kBytesPerRound / bytes, 1, kMaxIters));
+    Tensor t = full({bytes / 4}, 1.0, kFloat32);
+    pg->all_reduce(t)->wait();  // warm-up: scratch pages, TCP windows
+    std::vector<double> per_call;
+    for (int r = 0; r < rounds; ++r) {
+      pg->barrier()->wait();
+      const auto t0 = Clock::now();
+      for (int i = 0; i < iters; ++i) pg->all_reduce(t)->wait();
+      per_call.push_back(std::chrono::duration<double>(Clock::now() - t0).count() / iters);
+    }
+    if (rank != 0) continue;
+    const double s = median(per_call);
+    const double ring_s = ring_factor * static_cast<double>(bytes) * 8 / (gbps * 1e9);
+    std::printf("%10lld %12.1f %12.3f %12.1f %9.2f\n", static_cast<long long>(bytes), s * 1e6,
+                bytes / s / 1e9, ring_s * 1e6, ring_s / s);
+    std::fflush(stdout);
+    if (out.is_open()) {
+      out << (first ? "\n" : ",\n") << "  {\"bytes\": " << bytes << ", \"seconds\": " << s
+          << ", \"ring_seconds\": " << ring_s << "}";
+      first = false;
+    }
+  }
+  if (out.is_open()) out << "\n]}\n";
+  pg->barrier()->wait();
+  dist::destroy_process_group();
+  return 0;
+}
