@@ -188,8 +188,11 @@ void Reducer::launch_ready() {
     Bucket& b = buckets_[next_launch_++];
     if (next_launch_ == 1) write_step_time(b);
     b.handle.contributors = contributors_ > 0 ? contributors_ : pg_->size();
+    b.handle.wire_bytes = 0;
     b.work = opts_.comm_hook.start(*pg_, b.handle);
-    bytes_this_step_ += b.numel * dtype_size(b.dtype);
+    // A compressing hook (PowerSGD) says what its collectives carry; else the gradients' bytes.
+    bytes_this_step_ +=
+        b.handle.wire_bytes > 0 ? b.handle.wire_bytes : b.numel * dtype_size(b.dtype);
   }
 }
 

@@ -431,6 +431,7 @@ TEST(PowerSGDDDP, UnusedParametersGetAZeroGradientNotNaN) {
   const Data data = make_data(8, 9);
   std::vector<std::vector<std::vector<double>>> params(2);
   std::vector<std::vector<double>> unused_grad(2);
+  std::vector<int64_t> wire(2), gradient_bytes(2);
   const auto errors = lockstep::testing::run_ranks(2, [&](int r, ProcessGroupPtr pg) {
     DDPOptions o;
     o.find_unused_parameters = true;
@@ -446,10 +447,17 @@ TEST(PowerSGDDDP, UnusedParametersGetAZeroGradientNotNaN) {
     for (const auto& [name, p] : ddp->module()->named_parameters())
       if (name == "unused.weight") unused_grad[r] = p.grad().to_vector<double>();
     params[r] = param_values(*ddp->module());
+    wire[r] = ddp->stats().bytes_reduced_last_step;
+    for (const Tensor& p : ddp->module()->parameters()) gradient_bytes[r] += p.nbytes();
   });
   for (const auto& e : errors) ASSERT_EQ(e, "");
   for (int r = 0; r < 2; ++r)
     for (double v : unused_grad[r]) ASSERT_EQ(v, 0.0);
+  // DDPStats counts what the hook sent (P, Q, the 1-D tensors), not the gradients' bytes.
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_GT(wire[r], 0);
+    EXPECT_LT(wire[r], gradient_bytes[r] / 2) << "rank " << r;
+  }
   for (const auto& p : params[0])
     for (double v : p) ASSERT_TRUE(std::isfinite(v));
   EXPECT_EQ(params[1], params[0]);
