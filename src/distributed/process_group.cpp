@@ -229,6 +229,15 @@ ProcessGroup::ProcessGroup(int rank, int size, std::chrono::milliseconds timeout
            " ms");
 }
 
+void ProcessGroup::work_refuse(Work& work, const std::string& who,
+                               const std::string& first_failure) {
+  work.finish(std::make_exception_ptr(
+      Error(lockstep::detail::str_cat(who, ": ", work.description(),
+                                      " was not run: this group failed earlier (", first_failure,
+                                      "); build a new group to continue"),
+            __FILE__, __LINE__)));
+}
+
 std::string ProcessGroup::who() const {
   return lockstep::detail::str_cat("rank ", rank_, "/", size_, " (", backend(), ")");
 }

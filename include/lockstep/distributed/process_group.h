@@ -219,6 +219,15 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   // success), and installs the hook its wait() runs before blocking (Note [Caller runs] in
   // src/distributed/gloo/process_group_gloo.cpp).
   static void work_finish(Work& work, std::exception_ptr error = nullptr) { work.finish(error); }
+  // Note [Poisoned group]: a collective that fails once data may have moved (a timeout, a lost
+  // peer) leaves the group's connections or shared memory in a state nothing can trust, so the
+  // backend keeps the first failure and every later collective fails at once naming it
+  // (ARCHITECTURE.md, departure 7). A signature mismatch found before any data moved does not
+  // poison. Each backend keeps `first_failure` under its own threading rule (gloo's
+  // communication thread, shm's caller, hier's and nccl's mutex); this finishes `work` with the
+  // one message they all give: "<who>: <collective> was not run: this group failed earlier
+  // (<first_failure>); build a new group to continue".
+  static void work_refuse(Work& work, const std::string& who, const std::string& first_failure);
   static void work_set_wait_hook(Work& work, std::function<void(const Work&)> hook) {
     work.set_wait_hook(std::move(hook));
   }

@@ -177,15 +177,7 @@ class ProcessGroupGloo::Impl : public std::enable_shared_from_this<ProcessGroupG
       if (auto impl = self.lock()) impl->help(w);
     });
     post([this, work, timeout, body = std::move(body)] {
-      if (!context_) {
-        work_finish(
-            *work, std::make_exception_ptr(
-                       Error(lockstep::detail::str_cat(who_, ": ", work->description(),
-                                                       " was not run: this group failed earlier (",
-                                                       broken_, "); build a new group to continue"),
-                             __FILE__, __LINE__)));
-        return;
-      }
+      if (!context_) return work_refuse(*work, who_, broken_);  // Note [Poisoned group]
       try {
         work_start(*work);
         body(context_);

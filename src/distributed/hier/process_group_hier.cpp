@@ -78,29 +78,25 @@ class ProcessGroupHier::Impl {
                         layout_.machines);
   }
 
-  // Runs one collective: fails at once when the group is poisoned, and poisons it on failure.
+  // Runs one collective: fails at once when the group is poisoned, and poisons it on failure
+  // (Note [Poisoned group]).
   template <class Fn>
   void run(const WorkPtr& work, Fn&& fn) {
-    std::exception_ptr error;
+    std::string poisoned;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (!poisoned_.empty()) {
-        error = std::make_exception_ptr(Error(
-            str_cat(who_, ": ", work->description(), " cannot run: the group failed earlier (",
-                    poisoned_, "); build a new group to continue"),
-            __FILE__, __LINE__));
-      }
+      poisoned = poisoned_;
     }
-    if (!error) {
-      try {
-        work_start(*work);
-        fn();
-      } catch (const std::exception& e) {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (poisoned_.empty()) poisoned_ = e.what();
-        error = std::make_exception_ptr(Error(
-            str_cat(who_, ": ", work->description(), " failed: ", e.what()), __FILE__, __LINE__));
-      }
+    if (!poisoned.empty()) return work_refuse(*work, who_, poisoned);
+    std::exception_ptr error;
+    try {
+      work_start(*work);
+      fn();
+    } catch (const std::exception& e) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (poisoned_.empty()) poisoned_ = e.what();
+      error = std::make_exception_ptr(Error(
+          str_cat(who_, ": ", work->description(), " failed: ", e.what()), __FILE__, __LINE__));
     }
     work_finish(*work, error);
   }

@@ -339,10 +339,7 @@ class ProcessGroupNCCL::Impl {
       broken = broken_;
     }
     if (broken.empty()) return false;
-    work_finish(work,
-                make_error(lockstep::detail::str_cat(who_, ": ", work.description(),
-                                                     " was not run: this group failed earlier (",
-                                                     broken, "); build a new group to continue")));
+    work_refuse(work, who_, broken);  // Note [Poisoned group]
     return true;
   }
 

@@ -113,10 +113,7 @@ class ProcessGroupShm::Impl {
   // thread (measure before adding one).
   void run(const WorkPtr& work, std::chrono::milliseconds timeout,
            const std::function<void(Clock::time_point, std::chrono::milliseconds)>& body) {
-    if (!broken_.empty()) {
-      return fail(*work, lockstep::detail::str_cat(" was not run: this group failed earlier (",
-                                                   broken_, "); build a new group to continue"));
-    }
+    if (!broken_.empty()) return work_refuse(*work, who_, broken_);  // Note [Poisoned group]
     try {
       // A rank whose collectives never wait long (its peers are always ahead) learns here that
       // another rank failed.
@@ -182,7 +179,7 @@ class ProcessGroupShm::Impl {
 
   const std::string who_;
   Segment seg_;
-  std::string broken_;  // the first failure; set once the group is poisoned
+  std::string broken_;  // the first failure; set once the group is poisoned (Note [Poisoned group])
 };
 
 void register_shm_backend() {
