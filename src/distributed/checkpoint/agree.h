@@ -7,12 +7,9 @@
 #include <string>
 #include <vector>
 
-#include "lockstep/distributed/process_group.h"
-#include "lockstep/distributed/store/store.h"  // to_bytes
+#include "distributed/object_text.h"
 
 namespace lockstep::dist {
-
-inline std::string bytes_str(const Bytes& b) { return std::string(b.begin(), b.end()); }
 
 // Runs `body` and returns why it failed ("" when it did not). Any exception is caught: a rank
 // that left before the next collective would leave the others waiting in it.
@@ -31,9 +28,9 @@ inline std::string failure_of(const std::function<void()>& body) {
 
 // Every rank learns every rank's error ("" where it succeeded); throws the first one.
 inline void agree(ProcessGroup& pg, const std::string& what, const std::string& error) {
-  const std::vector<Bytes> all = pg.all_gather_object(to_bytes(error));
+  const std::vector<std::string> all = all_gather_text(pg, error);
   for (size_t r = 0; r < all.size(); ++r)
-    LS_CHECK(all[r].empty(), what, " failed on rank ", r, ": ", bytes_str(all[r]));
+    LS_CHECK(all[r].empty(), what, " failed on rank ", r, ": ", all[r]);
 }
 
 }  // namespace lockstep::dist

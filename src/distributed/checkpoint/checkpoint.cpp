@@ -33,8 +33,7 @@ io::SafetensorsContents broadcast_contents(ProcessGroup& pg, const std::string& 
       desc["tensors"] = tensors;
     });
   }
-  const std::string header =
-      bytes_str(pg.broadcast_object(to_bytes(pg.rank() == 0 && error.empty() ? desc.dump() : "")));
+  const std::string header = broadcast_text(pg, pg.rank() == 0 && error.empty() ? desc.dump() : "");
   agree(pg, "load_checkpoint", error);
   // Everything that can fail (parsing, allocating the copies) before the data moves, so that
   // no rank is left in the broadcast when another gave up.
@@ -94,17 +93,17 @@ void save_checkpoint(ProcessGroup& pg, const std::string& path, const io::Traini
     });
   }
   // The broadcast is the barrier: the others wait until rank 0 says the file is there.
-  const Bytes status = pg.broadcast_object(to_bytes(error));
-  LS_CHECK(status.empty(), "save_checkpoint failed on rank 0: ", bytes_str(status));
+  const std::string status = broadcast_text(pg, error);
+  LS_CHECK(status.empty(), "save_checkpoint failed on rank 0: ", status);
 }
 
 io::TrainingCheckpoint load_checkpoint(ProcessGroup& pg, const std::string& path,
                                        CheckpointLoad how) {
   if (pg.size() > 1 && how == CheckpointLoad::automatic) {
     // Every rank reads the file itself when it sees the very file rank 0 sees.
-    const std::vector<Bytes> digests = pg.all_gather_object(to_bytes(recorded_digest(path)));
+    const std::vector<std::string> digests = all_gather_text(pg, recorded_digest(path));
     bool same = !digests[0].empty();
-    for (const Bytes& d : digests) same = same && d == digests[0];
+    for (const std::string& d : digests) same = same && d == digests[0];
     how = same ? CheckpointLoad::every_rank : CheckpointLoad::broadcast;
   }
   if (pg.size() == 1 || how == CheckpointLoad::every_rank) {
@@ -156,7 +155,7 @@ io::CheckpointChoice resolve_resume_with(ProcessGroup& pg, const std::string& re
     answer["skipped"] = json::array();
     for (const auto& [path, reason] : choice.skipped) answer["skipped"].push_back({path, reason});
   }
-  answer = json::parse(bytes_str(pg.broadcast_object(to_bytes(answer.dump()))));
+  answer = json::parse(broadcast_text(pg, answer.dump()));
   LS_CHECK(answer["error"].get<std::string>().empty(), answer["error"].get<std::string>());
   choice.path = answer["path"].get<std::string>();
   choice.skipped.clear();
@@ -182,7 +181,7 @@ void check_checkpoint_path(ProcessGroup& pg, const std::string& what, const std:
     const std::string error = failure_of([&] { problem = io::checkpoint_path_problem(path); });
     if (!error.empty()) problem = error;
   }
-  problem = bytes_str(pg.broadcast_object(to_bytes(problem)));
+  problem = broadcast_text(pg, problem);
   LS_CHECK(problem.empty(), what, " ", path, " cannot be written: ", problem);
 }
 

@@ -83,18 +83,17 @@ void save_sharded_checkpoint(ProcessGroup& pg, const std::string& dir,
                              const io::TrainingCheckpoint& meta, int64_t keep,
                              const std::vector<std::string>& spare) {
   const int rank = pg.rank(), world = pg.size();
-  const std::string token =
-      bytes_str(pg.broadcast_object(to_bytes(rank == 0 ? io::new_sharded_token() : "")));
+  const std::string token = broadcast_text(pg, rank == 0 ? io::new_sharded_token() : "");
   const std::string tmp = io::sharded_temp_dir(dir, token);
   const std::string what = "save_sharded_checkpoint " + dir;
   // Step 1 on every rank; the all-gather of errors is the barrier before rank 0's index.
   const std::string error =
       failure_of([&] { io::write_checkpoint_shard(tmp, rank, world, slices); });
-  const std::vector<Bytes> all = pg.all_gather_object(to_bytes(error));
+  const std::vector<std::string> all = all_gather_text(pg, error);
   for (size_t r = 0; r < all.size(); ++r) {
     if (all[r].empty()) continue;
     if (rank == 0) remove_quietly(tmp);
-    LS_THROW(what, " failed on rank ", r, ": ", bytes_str(all[r]));
+    LS_THROW(what, " failed on rank ", r, ": ", all[r]);
   }
   std::string status;
   if (rank == 0) {
@@ -102,7 +101,7 @@ void save_sharded_checkpoint(ProcessGroup& pg, const std::string& dir,
     if (!status.empty()) remove_quietly(tmp);
   }
   // The broadcast is the end of the save: every rank returns once `dir` is committed.
-  status = bytes_str(pg.broadcast_object(to_bytes(status)));
+  status = broadcast_text(pg, status);
   LS_CHECK(status.empty(), what, " failed on rank 0: ", status);
 }
 
@@ -138,10 +137,10 @@ void AsyncShardedSaver::save(const std::string& dir, const std::vector<io::Tenso
   const int rank = pg_.rank(), world = pg_.size();
   // One all-gather: every rank's verdict on the previous save and rank 0's token for this one.
   json mine = {{"error", join()}, {"token", rank == 0 ? io::new_sharded_token() : ""}};
-  const std::vector<Bytes> all = pg_.all_gather_object(to_bytes(mine.dump()));
+  const std::vector<std::string> all = all_gather_text(pg_, mine.dump());
   std::string token;
   for (size_t r = 0; r < all.size(); ++r) {
-    const json theirs = json::parse(bytes_str(all[r]));
+    const json theirs = json::parse(all[r]);
     if (r == 0) token = theirs.at("token").get<std::string>();
     LS_CHECK(theirs.at("error").get<std::string>().empty(), "AsyncShardedSaver: the save of ",
              state_->last_dir, " failed on rank ", r, ": ", theirs.at("error").get<std::string>());

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "distributed/data_parallel/reducer.h"
+#include "distributed/object_text.h"
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/base/error.h"
 #include "lockstep/distributed/join.h"
@@ -55,21 +56,21 @@ std::vector<std::string> signature(const nn::Module& m) {
   return lines;
 }
 
-Bytes join_lines(const std::vector<std::string>& lines) {
+std::string join_lines(const std::vector<std::string>& lines) {
   std::string s;
   for (const auto& l : lines) s += l + "\n";
-  return to_bytes(s);
+  return s;
 }
 
-std::vector<std::string> split_lines(const Bytes& b) {
+std::vector<std::string> split_lines(const std::string& text) {
   std::vector<std::string> out;
   std::string cur;
-  for (uint8_t c : b) {
+  for (char c : text) {
     if (c == '\n') {
       out.push_back(cur);
       cur.clear();
     } else {
-      cur += static_cast<char>(c);
+      cur += c;
     }
   }
   return out;
@@ -80,7 +81,7 @@ std::vector<std::string> split_lines(const Bytes& b) {
 // Every rank gets every rank's signature, so every rank reaches the same verdict and the same
 // message (no rank is left waiting in a later collective).
 void check_same_model(ProcessGroup& pg, const nn::Module& m, std::string_view wrapper) {
-  const auto all = pg.all_gather_object(join_lines(signature(m)));
+  const auto all = all_gather_text(pg, join_lines(signature(m)));
   const auto ref = split_lines(all[0]);
   for (size_t r = 1; r < all.size(); ++r) {
     const auto other = split_lines(all[r]);

@@ -3,6 +3,7 @@
 #include <map>
 #include <unordered_map>
 
+#include "distributed/object_text.h"
 #include "distributed/sharding/fsdp_unit.h"
 #include "distributed/sharding/state_key.h"
 #include "lockstep/autograd/grad_mode.h"
@@ -148,7 +149,7 @@ optim::NamedTensors FullyShardedDataParallel::Optim::state_dict() const {
   for (const auto& [field, dtype] : fields)
     signature += field + ":" + std::string(dtype_name(dtype)) + ";";
   for (const auto& [key, t] : entry) signature += std::to_string(key.first) + key.second + ",";
-  const auto all = fsdp_.pg_->all_gather_object(to_bytes(signature));
+  const auto all = all_gather_text(*fsdp_.pg_, signature);
   for (size_t r = 1; r < all.size(); ++r)
     LS_CHECK(all[r] == all[0], "FSDP optimizer state_dict: rank ", r,
              " holds other state fields than rank 0 (did every rank step the same parameters?)");

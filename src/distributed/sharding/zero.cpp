@@ -11,6 +11,7 @@
 #include <sstream>
 #include <string>
 
+#include "distributed/object_text.h"
 #include "distributed/sharding/grad_norm.h"
 #include "distributed/sharding/zero_internal.h"
 #include "lockstep/autograd/grad_mode.h"
@@ -150,9 +151,7 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> 
   std::ostringstream text;
   for (const auto& g : local_->param_groups())
     text << detail::exact(g.lr) << ' ' << detail::exact(g.weight_decay) << ' ';
-  const std::string mine = text.str();
-  const Bytes agreed = pg_->broadcast_object(Bytes(mine.begin(), mine.end()), 0);
-  std::istringstream in(std::string(agreed.begin(), agreed.end()));
+  std::istringstream in(broadcast_text(*pg_, text.str()));
   for (auto& g : groups_) {
     std::string lr, wd;
     in >> lr >> wd;

@@ -7,6 +7,7 @@
 #include <sstream>
 #include <string>
 
+#include "distributed/object_text.h"
 #include "distributed/sharding/zero_internal.h"
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/base/error.h"
@@ -47,10 +48,9 @@ ZeroRedundancyOptimizer::StateIndex ZeroRedundancyOptimizer::index_state() const
   for (const auto& [field, dtype] : fields) {
     text << "field " << field << ' ' << static_cast<int>(dtype) << '\n';
   }
-  const std::string mine = text.str();
-  const auto all = pg_->all_gather_object(Bytes(mine.begin(), mine.end()));
+  const std::vector<std::string> all = all_gather_text(*pg_, text.str());
   for (size_t r = 0; r < all.size(); ++r) {
-    std::istringstream in(std::string(all[r].begin(), all[r].end()));
+    std::istringstream in(all[r]);
     std::string kind;
     while (in >> kind) {
       std::string name, value;
