@@ -405,7 +405,7 @@ void AdamW::step() {
 void add_squares(ExactSum& acc, const Tensor& t) {
   // A device tensor is read back: the exact sum is the host's, and the same bits wherever the
   // gradient lives are worth one copy of it per clipped step.
-  const Tensor c = t.device().is_cpu() ? t.contiguous() : t.to(kCPU);
+  const Tensor c = (t.device().is_cpu() ? t : t.to(kCPU)).contiguous();
   // Blocks of a fixed size, each summed exactly and the blocks merged exactly: the threads'
   // split cannot change the result.
   constexpr int64_t kBlock = int64_t{1} << 15;
