@@ -7,6 +7,7 @@
 #include <string>
 #include <unordered_set>
 
+#include "distributed/data_parallel/join_rescale.h"
 #include "lockstep/autograd/engine.h"
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/base/error.h"
@@ -266,11 +267,9 @@ void Reducer::finalize() {
     reset_iteration();
     throw;
   }
-  // Note [Join]: the hooks averaged over the world size; fewer ranks contributed.
-  if (contributors_ > 0 && contributors_ != pg_->size()) {
-    autograd::NoGradGuard no_grad;
-    const double rescale = static_cast<double>(pg_->size()) / contributors_;
-    for (auto& b : buckets_) b.flat.narrow(0, 0, b.numel).mul_(rescale);
+  // Note [Join]: the hooks averaged over the world size; fewer ranks may have contributed.
+  for (auto& b : buckets_) {
+    detail::rescale_to_contributors(b.flat.narrow(0, 0, b.numel), contributors_, pg_->size());
   }
   contributors_ = 0;
   const double exposed = std::chrono::duration<double>(Clock::now() - t0).count();

@@ -7,6 +7,7 @@
 #include <set>
 #include <unordered_map>
 
+#include "distributed/data_parallel/join_rescale.h"
 #include "distributed/data_parallel/reducer.h"
 #include "distributed/sharding/fsdp_unit.h"
 #include "distributed/sharding/grad_norm.h"
@@ -522,11 +523,8 @@ void FullyShardedDataParallel::complete_scatter(Unit& u) {
                                   : std::string("no tensor"),
            " in GradBucket::shard for unit ", u.index, ", expected this rank's ", u.shard_numel,
            " of ", dtype_name(u.reduce), ": FSDP needs a sharding hook, as reduce_scatter_hook()");
-  // Note [Join and FSDP]: the average was over the world size; fewer ranks contributed.
-  if (contributors_ > 0 && contributors_ != pg_->size()) {
-    autograd::NoGradGuard no_grad;
-    u.grad_shard.mul_(static_cast<double>(pg_->size()) / contributors_);
-  }
+  // Note [Join and FSDP]: the average was over the world size; fewer ranks may have contributed.
+  detail::rescale_to_contributors(u.grad_shard, contributors_, pg_->size());
   if (u.grad_shard.dtype() != u.dtype) u.grad_shard = u.grad_shard.to(u.dtype);  // the master's
   u.shard.set_grad(u.grad_shard);
   for (size_t i : u.params) {
