@@ -3,6 +3,9 @@
 // 64 MiB and rank 0 prints, per size, the median time per call, the algorithm bandwidth, and
 // the time a bandwidth-optimal ring needs on links of --gbps (2 (n - 1) / n x bytes / rate, no
 // latency): "of limit" is the ring's time over the measured one (1.0: as fast as the link allows).
+// Then the cost model (Note [Cost model]): alpha and beta fitted to all rows, and per size the
+// algorithm the group ran (the model's choice from the settings, or LOCKSTEP_ALLREDUCE_ALGO), the
+// model's time and measured / predicted.
 //
 //   lockstep run ... net_allreduce [--gbps 1] [--min-bytes 4096] [--max-bytes 67108864]
 //                                  [--rounds 5] [--json PATH]
@@ -16,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "lockstep/distributed/cost_model.h"
 #include "lockstep/distributed/init.h"
 #include "lockstep/lockstep.h"
 
@@ -85,9 +89,20 @@ int main(int argc, char** argv) {
     }
   }
   bool first = true;
+  // The algorithm each size ran, as the group chose it (rank 0's settings, which are this
+  // process's: every rank here runs with the same environment).
+  const dist::LinkModel settings = dist::link_from_env();
+  const dist::AlgorithmSetting forced = dist::algorithm_setting_from_env();
+  auto algorithm_of = [&](int64_t bytes) {
+    if (size == 2 || forced == dist::AlgorithmSetting::kWhole) {
+      return dist::AllReduceAlgorithm::kWhole;
+    }
+    if (forced == dist::AlgorithmSetting::kDirect) return dist::AllReduceAlgorithm::kDirect;
+    return dist::choose_all_reduce(bytes, size, settings);
+  };
+  std::vector<dist::LinkSample> samples;
   for (int64_t bytes = min_bytes; bytes <= max_bytes; bytes *= 4) {
-    const int iters =
-        static_cast<int>(std::clamp<int64_t>(kBytesPerRound / bytes, 1, kMaxIters));
+    const int iters = static_cast<int>(std::clamp<int64_t>(kBytesPerRound / bytes, 1, kMaxIters));
     Tensor t = full({bytes / 4}, 1.0, kFloat32);
     pg->all_reduce(t)->wait();  // warm-up: scratch pages, TCP windows
     std::vector<double> per_call;
@@ -99,6 +114,7 @@ int main(int argc, char** argv) {
     }
     if (rank != 0) continue;
     const double s = median(per_call);
+    samples.push_back({bytes, s, algorithm_of(bytes)});
     const double ring_s = ring_factor * static_cast<double>(bytes) * 8 / (gbps * 1e9);
     std::printf("%10lld %12.1f %12.3f %12.1f %9.2f\n", static_cast<long long>(bytes), s * 1e6,
                 bytes / s / 1e9, ring_s * 1e6, ring_s / s);
@@ -109,7 +125,24 @@ int main(int argc, char** argv) {
       first = false;
     }
   }
-  if (out.is_open()) out << "\n]}\n";
+  if (rank == 0 && size > 1 && samples.size() >= 2) {
+    const dist::LinkModel fit = dist::fit_link(size, samples);
+    std::printf("cost model fitted to these rows: alpha %.1f us, beta %.3f ns/byte (%.3g Gbit/s)\n",
+                fit.alpha * 1e6, fit.beta * 1e9, fit.beta > 0 ? 8 / fit.beta / 1e9 : 0.0);
+    std::printf("%10s %10s %12s %12s %9s\n", "bytes", "algorithm", "us/call", "model us",
+                "measured/model");
+    for (const dist::LinkSample& x : samples) {
+      const double p = dist::predict_all_reduce(x.algorithm, x.bytes, size, fit);
+      std::printf("%10lld %10s %12.1f %12.1f %9.2f\n", static_cast<long long>(x.bytes),
+                  std::string(dist::algorithm_name(x.algorithm)).c_str(), x.seconds * 1e6, p * 1e6,
+                  x.seconds / p);
+    }
+    if (out.is_open()) {
+      out << "\n], \"alpha\": " << fit.alpha << ", \"beta\": " << fit.beta << "}\n";
+    }
+  } else if (out.is_open()) {
+    out << "\n]}\n";
+  }
   pg->barrier()->wait();
   dist::destroy_process_group();
   return 0;

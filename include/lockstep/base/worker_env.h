@@ -70,5 +70,11 @@ inline constexpr const char* kCpuCacheMb = "LOCKSTEP_CPU_CACHE_MB";
 inline constexpr const char* kCpuMemoryLimitMb = "LOCKSTEP_CPU_MEMORY_LIMIT_MB";
 // "1": f32 matrix products may use TF32 tensor cores from the start (cuda::set_allow_tf32).
 inline constexpr const char* kAllowTf32 = "LOCKSTEP_ALLOW_TF32";
+// The network link the gloo backend's cost model assumes (Note [Cost model] in
+// src/distributed/cost_model.cpp): microseconds per message round, and Gbit/s per rank.
+inline constexpr const char* kNetAlphaUs = "LOCKSTEP_NET_ALPHA_US";
+inline constexpr const char* kNetGbps = "LOCKSTEP_NET_GBPS";
+// The gloo backend's all_reduce algorithm: auto (the cost model's choice), whole or direct.
+inline constexpr const char* kAllReduceAlgo = "LOCKSTEP_ALLREDUCE_ALGO";
 
 }  // namespace lockstep::env

@@ -94,12 +94,13 @@ void check_signatures(const std::shared_ptr<gloo::Context>& ctx, const CallSigna
 //     notice that a receive is posted, which a Gloo sender waits for, queued behind this rank's
 //     outgoing data: between machines at 1 Gbit/s, 4 ranks, a 16 MiB all_reduce took 0.71 of
 //     the time a ring needs on that link, and 0.90 with the receives posted first.
-//   all_reduce with two ranks, or of at most kWholeBytes over all ranks: every rank sends the
-//     whole tensor to every other rank and reduces all of it itself, in the same rank order: one
-//     latency instead of two, and with two ranks the same bytes on the wire (as the shm backend
-//     does, Note [Two ranks reduce whole pieces]). The tensor is both sent and reduced in place,
-//     so piece p is overwritten only once it has been sent to every rank (a pair also completes
-//     its sends in order).
+//   all_reduce with two ranks, or of a tensor small enough that rounds cost more than bytes
+//     (the caller's choice, Note [Cost model] in src/distributed/cost_model.cpp): every rank
+//     sends the whole tensor to every other rank and reduces all of it itself, in the same rank
+//     order: one latency instead of two, and with two ranks the same bytes on the wire (as the
+//     shm backend does, Note [Two ranks reduce whole pieces]). The tensor is both sent and reduced
+//     in place, so piece p is overwritten only once it has been sent to every rank (a pair also
+//     completes its sends in order).
 // The price against Gloo's ring: scratch of size - 1 chunks ((size - 1) / size of the tensor, the
 // whole tensor with two ranks) instead of a few segments, kept by the group at the largest size
 // seen (fresh pages on every call, a page fault each, made a 64 MiB all_reduce twice as slow),
@@ -113,8 +114,6 @@ namespace {
 // large enough that per-message costs (a preamble, a wake-up) stay small. 1 MiB pieces made the
 // 2-rank 4-64 MiB all_reduce 5-20% faster than 256 KiB ones (bench/allreduce, 2026-12-04).
 constexpr size_t kPieceBytes = 1024 * 1024;
-// An all_reduce of at most this many bytes over all ranks is reduced whole by every rank.
-constexpr size_t kWholeBytes = 32 * 1024;
 // All-reduce chunks start on cache-line boundaries.
 constexpr size_t kChunkAlignBytes = 64;
 
@@ -251,7 +250,7 @@ void rank_order_reduce_scatter(const std::shared_ptr<gloo::Context>& ctx, void* 
 }
 
 void rank_order_all_reduce(const std::shared_ptr<gloo::Context>& ctx, void* data, size_t count,
-                           DType dtype, ReduceOp op, uint32_t tag,
+                           DType dtype, ReduceOp op, bool whole, uint32_t tag,
                            std::chrono::milliseconds timeout, std::vector<uint8_t>& scratch) {
   const int size = ctx->size;
   const int me = ctx->rank;
@@ -272,7 +271,7 @@ void rank_order_all_reduce(const std::shared_ptr<gloo::Context>& ctx, void* data
              .deadline = deadline,
              .what = "all_reduce",
              .scratch = scratch};
-  if (size == 2 || count * es * static_cast<size_t>(size) <= kWholeBytes) {
+  if (size == 2 || whole) {
     reduce_scatter_pieces(x, [](size_t, size_t) {});
     return;
   }

@@ -43,8 +43,12 @@ void rank_order_reduce_scatter(const std::shared_ptr<gloo::Context>& ctx, void* 
 // Rank-order all_reduce of `count` elements in place (Note [Gloo rank-order reduction]): a
 // rank-order reduce-scatter of `size` contiguous chunks, then an all-gather of the reduced chunks;
 // every element ends as the shm backend's all_reduce leaves it.
+// `whole`: every rank sends the whole tensor to every other rank (one data round, (size - 1) x the
+// bytes); else reduce-scatter then all-gather (two rounds, a ring's bytes). Two ranks always send
+// whole tensors. The caller chooses (Note [Cost model] in src/distributed/cost_model.cpp), the
+// same on every rank; both give the same bits.
 void rank_order_all_reduce(const std::shared_ptr<gloo::Context>& ctx, void* data, size_t count,
-                           DType dtype, ReduceOp op, uint32_t tag,
+                           DType dtype, ReduceOp op, bool whole, uint32_t tag,
                            std::chrono::milliseconds timeout, std::vector<uint8_t>& scratch);
 
 }  // namespace lockstep::dist::detail

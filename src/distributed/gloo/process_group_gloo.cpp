@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <future>
@@ -24,6 +25,7 @@
 #include "distributed/gloo/register.h"
 #include "distributed/gloo/store_adapter.h"
 #include "lockstep/base/error.h"
+#include "lockstep/distributed/cost_model.h"
 
 namespace lockstep::dist {
 
@@ -142,6 +144,10 @@ class ProcessGroupGloo::Impl : public std::enable_shared_from_this<ProcessGroupG
         } catch (const std::exception& e) {
           LS_THROW(who_, ": cannot listen on ", address_, " for Gloo's connections: ", e.what());
         }
+        // Read (and checked) on every rank before connecting, so that a bad value fails this
+        // rank's connect, which tells the others; rank 0's are the ones used, below.
+        link_ = link_from_env();
+        algorithm_ = algorithm_setting_from_env();
         auto context = std::make_shared<gloo::rendezvous::Context>(rank_, size_);
         context->setTimeout(config.timeout);
         detail::GlooStoreAdapter adapter(config.store, config.timeout);
@@ -152,6 +158,7 @@ class ProcessGroupGloo::Impl : public std::enable_shared_from_this<ProcessGroupG
         } catch (const std::exception& e) {
           LS_THROW(who_, ": connecting to the other ", size_ - 1, " ranks failed: ", e.what());
         }
+        agree_on_cost_model(*config.store);
         context_ = std::move(context);
         done->set_value();
       } catch (...) {
@@ -215,11 +222,45 @@ class ProcessGroupGloo::Impl : public std::enable_shared_from_this<ProcessGroupG
 
   const std::string& address() const { return address_; }
 
+  // Whether an all_reduce of `bytes` sends whole tensors (else reduce-scatter + all-gather): the
+  // cost model's choice (Note [Cost model] in src/distributed/cost_model.cpp) or the setting's.
+  // Two ranks always send whole tensors: the same bytes, one round less.
+  bool all_reduce_whole(int64_t bytes) const {
+    if (size_ == 2) return true;
+    switch (algorithm_) {
+      case AlgorithmSetting::kWhole:
+        return true;
+      case AlgorithmSetting::kDirect:
+        return false;
+      case AlgorithmSetting::kAuto:
+        break;
+    }
+    return choose_all_reduce(bytes, size_, link_) == AllReduceAlgorithm::kWhole;
+  }
+
   // What a rank-order collective receives into (Note [Gloo rank-order reduction]); used by
   // whichever thread holds exec_mu_, as the context is.
   std::vector<uint8_t>& scratch() { return scratch_; }
 
  private:
+  // Every rank must choose the same algorithm for a call, or their messages would not match:
+  // all take rank 0's link model and setting, published through the group's store.
+  void agree_on_cost_model(Store& store) {
+    static const std::string kKey = "lockstep/cost_model";
+    if (rank_ == 0) {
+      char text[96];
+      std::snprintf(text, sizeof(text), "%.17g %.17g %d", link_.alpha, link_.beta,
+                    static_cast<int>(algorithm_));
+      store.set(kKey, std::string_view(text));
+      return;
+    }
+    const std::string text = store.get_string(kKey);
+    int algorithm = 0;
+    LS_CHECK(std::sscanf(text.c_str(), "%lf %lf %d", &link_.alpha, &link_.beta, &algorithm) == 3,
+             who_, ": rank 0's cost model settings are unreadable: '", text, "'");
+    algorithm_ = static_cast<AlgorithmSetting>(algorithm);
+  }
+
   void post(std::function<void()> task) {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -315,6 +356,8 @@ class ProcessGroupGloo::Impl : public std::enable_shared_from_this<ProcessGroupG
   std::string broken_;
   std::string address_;
   std::vector<uint8_t> scratch_;
+  LinkModel link_;
+  AlgorithmSetting algorithm_ = AlgorithmSetting::kAuto;
 
   std::mutex exec_mu_;  // held while a task runs (Note [Caller runs])
   std::mutex mu_;       // guards the queue
@@ -352,8 +395,9 @@ void ProcessGroupGloo::do_all_reduce(Tensor tensor, ReduceOp op, std::chrono::mi
                                      const WorkPtr& work) {
   const auto tag = static_cast<uint32_t>(work->seq());
   auto* scratch = &impl_->scratch();
+  const bool whole = impl_->all_reduce_whole(tensor.nbytes());
   impl_->run(work, timeout,
-             [tensor, op, timeout, tag, scratch](const std::shared_ptr<gloo::Context>& ctx) {
+             [tensor, op, timeout, tag, scratch, whole](const std::shared_ptr<gloo::Context>& ctx) {
                const auto deadline = Clock::now() + timeout;
                detail::check_signatures(
                    ctx, detail::signature(detail::CallKind::all_reduce, &tensor, op), tag, timeout);
@@ -361,7 +405,7 @@ void ProcessGroupGloo::do_all_reduce(Tensor tensor, ReduceOp op, std::chrono::mi
                // rank-order reduction]); avg divides inside.
                detail::rank_order_all_reduce(ctx, tensor.data_ptr(),
                                              static_cast<size_t>(tensor.numel()), tensor.dtype(),
-                                             op, tag, detail::time_left(deadline), *scratch);
+                                             op, whole, tag, detail::time_left(deadline), *scratch);
              });
 }
 

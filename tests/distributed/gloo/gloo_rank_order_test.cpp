@@ -5,6 +5,7 @@
 // round differently.
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -62,15 +63,22 @@ std::vector<float> serial_sum(int world, int64_t n, ReduceOp op, uint64_t salt) 
   return acc;
 }
 
+// The gloo backend's all_reduce sends whole tensors or reduce-scatters and all-gathers, by the
+// cost model (Note [Cost model]); LOCKSTEP_ALLREDUCE_ALGO, read when a group is made, forces one.
 struct Sizes {
   int world;
   int64_t n;
+  const char* algorithm;
 };
 
-class GlooRankOrder : public ::testing::TestWithParam<Sizes> {};
+class GlooRankOrder : public ::testing::TestWithParam<Sizes> {
+ protected:
+  void SetUp() override { ::setenv("LOCKSTEP_ALLREDUCE_ALGO", GetParam().algorithm, 1); }
+  void TearDown() override { ::unsetenv("LOCKSTEP_ALLREDUCE_ALGO"); }
+};
 
 TEST_P(GlooRankOrder, AllReduceIsBitwiseTheSerialRankOrderSumAndShms) {
-  const auto [world, n] = GetParam();
+  const auto [world, n, algorithm] = GetParam();
   for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg}) {
     const uint64_t salt = static_cast<uint64_t>(n) * 7 + static_cast<uint64_t>(op);
     const auto want = bits(serial_sum(world, n, op, salt));
@@ -86,7 +94,7 @@ TEST_P(GlooRankOrder, AllReduceIsBitwiseTheSerialRankOrderSumAndShms) {
 // reduce_scatter's chunks (n / world each) are not all_reduce's (64-byte multiples), and
 // all_reduce's split is not used at all with two ranks: the rank order makes them agree anyway.
 TEST_P(GlooRankOrder, ReduceScatterThenAllGatherIsBitwiseAllReduce) {
-  const auto [world, n] = GetParam();
+  const auto [world, n, algorithm] = GetParam();
   const int64_t per = n / world;  // the whole input: world x per elements
   const uint64_t salt = static_cast<uint64_t>(n) * 13;
   const auto errors =
@@ -106,21 +114,27 @@ TEST_P(GlooRankOrder, ReduceScatterThenAllGatherIsBitwiseAllReduce) {
 }
 
 // Sizes: empty, smaller than the world, not a multiple of it, one 64-byte chunk plus a bit, more
-// than one 1 MiB piece per chunk (pieces arrive and are reduced in order), and small enough to
-// be reduced whole by every rank.
+// than one 1 MiB piece per chunk (pieces arrive and are reduced in order); each sent whole and
+// reduce-scattered (two ranks always send whole tensors), and as the cost model chooses.
 std::vector<Sizes> sizes() {
   std::vector<Sizes> s;
   for (int world : {2, 3, 4}) {
     for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{2}, int64_t{5}, int64_t{17}, int64_t{1000},
                       int64_t{4099}, int64_t{(1 << 20) + 5}}) {
-      s.push_back({world, n});
+      for (const char* algorithm : {"whole", "direct"}) {
+        if (world == 2 && std::string(algorithm) == "direct") continue;
+        if (n > (1 << 20) && std::string(algorithm) == "whole") continue;
+        s.push_back({world, n, algorithm});
+      }
     }
   }
+  s.push_back({4, 4099, "auto"});
   return s;
 }
 
 INSTANTIATE_TEST_SUITE_P(Sizes, GlooRankOrder, ::testing::ValuesIn(sizes()), [](const auto& info) {
-  return std::to_string(info.param.world) + "ranks_" + std::to_string(info.param.n) + "elements";
+  return std::to_string(info.param.world) + "ranks_" + std::to_string(info.param.n) + "elements_" +
+         info.param.algorithm;
 });
 
 // Every dtype the backend reduces, and ops other than sum: the same bits as shm's (which
