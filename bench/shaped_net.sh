@@ -25,7 +25,9 @@ for rate in $rates; do
   gbps=$(awk -v r="$rate" 'BEGIN { if (r ~ /gbit$/) print r + 0; else if (r ~ /mbit$/) print (r + 0) / 1000; else print 100 }')
   runs=$((runs + 1)) pids=()
   for ((i = 0; i < nodes; i++)); do
-    LOCKSTEP_BACKEND=${BACKEND:-auto} OMP_NUM_THREADS=1 sc_exec "$i" timeout 900 "$tool" run \
+    LOCKSTEP_BACKEND=${BACKEND:-auto} OMP_NUM_THREADS=1 \
+      LOCKSTEP_NET_ALPHA_US=${LOCKSTEP_NET_ALPHA_US:-} LOCKSTEP_NET_GBPS=${LOCKSTEP_NET_GBPS:-} \
+      LOCKSTEP_ALLREDUCE_ALGO=${LOCKSTEP_ALLREDUCE_ALGO:-} sc_exec "$i" timeout 900 "$tool" run \
       --nnodes "$nodes" --node-rank "$i" --master-addr "${sc_addr[0]}" --master-port "$port" \
       --nproc-per-node "$nproc" --token-file "$work/token" --run-id "r$runs" \
       "$bench" --gbps "$gbps" ${ARGS:-} > "$work/r$runs.$i.log" 2>&1 &
