@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# The GPU check of lockstep (docs/GPU.md): one prepared script for a lent GPU machine, which has
-# the CUDA toolkit, PyTorch and python3 but none of lockstep's other dependencies (OpenBLAS, Gloo,
-# GoogleTest, ...) and no package registry. So the programs are built here and travel as a pack.
+# The GPU check of lockstep (docs/GPU.md): one prepared script for a GPU machine, which may have
+# the CUDA libraries, PyTorch and python3 but none of lockstep's other dependencies (OpenBLAS,
+# Gloo, GoogleTest, ...) and no package registry. So the programs are built where lockstep builds
+# ("here") and copied to the GPU machine as a pack.
 #
 #   scripts/gpu-check.sh [--dry | --device] [--build-dir DIR] [--pack DIR] OUTDIR
 #
 # Here (no GPU; the default when nvidia-smi is absent or sees no GPU), or with --dry: builds
 # test_cuda and cuda_bench with CUDA into build/gpu-check (or takes them from --build-dir, which
 # is then not rebuilt), packs them with the shared libraries the GPU image lacks into
-# build/gpu-pack/ (one gzipped tarball), checks that the pack fits what travels (60 MiB), and
+# build/gpu-pack/ (one gzipped tarball), checks that the pack is within its limit (60 MiB), and
 # writes OUTDIR/summary.md and OUTDIR/results.json with the GPU part reported as skipped.
 #
 # On the GPU machine (the default when a GPU is visible, or --device): unpacks build/gpu-pack,
@@ -59,7 +60,7 @@ out=$(cd "$out" && pwd)
 mkdir -p "$pack_dir"
 pack_dir=$(cd "$pack_dir" && pwd)
 
-# What travels with the working tree is at most 64 MiB; the pack gets 60 of them.
+# The pack's size limit: small enough to copy to a GPU machine beside the working tree.
 readonly limit_bytes=$((60 * 1024 * 1024))
 readonly tarball="$pack_dir/lockstep-gpu-pack.tar.gz"
 started=$(date +%s)
@@ -79,7 +80,7 @@ fi
 
 # Libraries never packed: the C runtime, which every Linux has (the GPU image's is newer), and the
 # CUDA libraries, which the GPU image has (its toolkit, its driver, PyTorch's nvidia-* packages)
-# and which are far too large to travel (cuBLASLt alone is ~500 MB).
+# and which are far too large to copy (cuBLASLt alone is ~500 MB).
 readonly system_libs='^(linux-vdso|libc|libm|libdl|librt|libpthread|ld-linux[^ ]*|libstdc\+\+|libgcc_s|libresolv|libutil)\.so'
 readonly cuda_libs='^lib(cuda|cudart|cublas|cublasLt|cudnn[a-z_]*|nccl|nvrtc[a-z-]*|nvJitLink|curand|cufft|cusparse|cusolver|nvToolsExt|cupti)\.so'
 
@@ -93,8 +94,8 @@ build() {
   if command -v ccache >/dev/null 2>&1; then
     launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
   fi
-  # sm_90 machine code only: the lent GPU is an H200 (Hopper), and one architecture halves the
-  # CUDA compile time and the binaries' size.
+  # sm_90 machine code only (Hopper: H100, H200): one architecture halves the CUDA compile time
+  # and the binaries' size. For a GPU of another architecture, pass such a build with --build-dir.
   cmake -S "$repo" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_CUDA_ARCHITECTURES=90-real "${launcher[@]}" >"$out/build.log" 2>&1 || {
     log "configure failed (see $out/build.log)"; return 1; }
@@ -139,7 +140,7 @@ pack() {
       log "train_gpt --prepare failed (see $out/build.log)"; return 1; }
   fi
   # gzip: about a quarter of the size in a few seconds of one core (xz -6 halves that again but
-  # takes ten times longer, too slow for the ctest); python3's tarfile unpacks it on the device.
+  # takes ten times longer, too slow for the ctest); python3's tarfile unpacks it on the GPU machine.
   tar -C "$stage" -czf "$tarball" . || return 1
   rm -rf "$stage"
 }
