@@ -222,7 +222,7 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   // Note [Poisoned group]: a collective that fails once data may have moved (a timeout, a lost
   // peer) leaves the group's connections or shared memory in a state nothing can trust, so the
   // backend keeps the first failure and every later collective fails at once naming it
-  // (ARCHITECTURE.md, departure 7). A signature mismatch found before any data moved does not
+  // (ARCHITECTURE.md, decision 7). A signature mismatch found before any data moved does not
   // poison. Each backend keeps `first_failure` under its own threading rule (gloo's
   // communication thread, shm's caller, hier's and nccl's mutex); this finishes `work` with the
   // one message they all give: "<who>: <collective> was not run: this group failed earlier
