@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "lockstep/distributed/comm_hook.h"
@@ -58,7 +59,11 @@ class PowerSGDState {
  private:
   struct Pending;
   PowerSGDOptions opts_;
-  std::atomic<const ProcessGroup*> group_{nullptr};
+  // The group this state serves while that group lives (a later one may take it over), and its
+  // rank and size for the refusal's message.
+  std::mutex group_mu_;
+  std::weak_ptr<const ProcessGroup> group_;
+  int group_rank_ = -1, group_size_ = 0;
   int64_t started_ = 0;
   Generator gen_;
   std::map<std::string, Tensor> errors_;

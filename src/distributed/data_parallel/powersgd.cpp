@@ -18,6 +18,8 @@
 // one generator seeded alike on every rank, so every rank draws the same ones.
 #include "lockstep/distributed/powersgd.h"
 
+#include <mutex>
+
 #include <algorithm>
 #include <utility>
 #include <vector>
@@ -96,12 +98,27 @@ Tensor PowerSGDState::q(const std::string& name) const {
 WorkPtr PowerSGDState::start(ProcessGroup& pg, GradBucket& b) {
   // Its step count, errors and Qs are one model's on one rank: a hook shared by ranks on
   // threads would count their steps together and mix their errors.
-  const ProcessGroup* first = nullptr;
-  if (!group_.compare_exchange_strong(first, &pg) && first != &pg) {
-    LS_THROW("PowerSGD: this hook's state already serves another process group (rank ",
-             first->rank(), " of ", first->size(), "), and this is rank ", pg.rank(),
-             "'s: give each DDP model its own powersgd_hook()");
+  {
+    std::lock_guard<std::mutex> lock(group_mu_);
+    const std::shared_ptr<const ProcessGroup> bound = group_.lock();
+    if (bound && bound.get() != &pg) {
+      LS_THROW("PowerSGD: this hook's state already serves another process group (rank ",
+               group_rank_, " of ", group_size_, "), and this is rank ", pg.rank(),
+               "'s: give each DDP model its own powersgd_hook()");
+    }
+    if (!bound) {
+      group_ = pg.weak_from_this();
+      group_rank_ = pg.rank();
+      group_size_ = pg.size();
+    }
   }
+  // Note [Join]: a rank out of data contributes zeros, and the reducer rescales the average after
+  // finish(); error feedback would add a joined rank's error and keep errors against the
+  // unscaled average. Refused on every rank alike (contributors comes from the Join's header).
+  LS_CHECK(b.contributors <= 0 || b.contributors == pg.size(),
+           "PowerSGD: cannot reduce a step to which ", b.contributors, " of ", pg.size(),
+           " ranks contribute (a dist::Join after a rank ran out of data); expected all ",
+           pg.size(), ": use allreduce_hook() with Join");
   if (b.index == 0) ++started_;
   if (iteration() < opts_.start_powersgd_iter) {
     b.wire_bytes = b.buffer.nbytes();

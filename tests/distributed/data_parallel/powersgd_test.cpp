@@ -370,23 +370,48 @@ TEST(PowerSGD, BadOptionsAreRefused) {
                                   {"matrix_approximation_rank must be at least 1, got 0"});
 }
 
-TEST(PowerSGD, AStateServesOneProcessGroup) {
-  // Ranks on threads given one hook would count their steps together and mix their errors.
+TEST(PowerSGD, AStateServesOneProcessGroupAtATime) {
+  // Ranks on threads given one hook would count their steps together and mix their errors: a
+  // second group is refused while the first lives, and may take the state over once it is gone.
   const CommHook hook = powersgd_hook({.start_powersgd_iter = 0});
-  std::vector<std::string> errors;
-  for (int group = 0; group < 2; ++group) {
-    const auto e = lockstep::testing::run_ranks(
-        1,
-        [&](int, ProcessGroupPtr pg) {
-          GradBucket b = make_bucket(kParams, 1);
-          hook.start(*pg, b)->wait();
-          hook.finish(b);
-        },
-        std::chrono::seconds(60), /*via_registry=*/true);
-    errors.push_back(e[0]);
+  auto use = [&](ProcessGroupPtr pg) {
+    GradBucket b = make_bucket(kParams, 1);
+    hook.start(*pg, b)->wait();
+    hook.finish(b);
+  };
+  std::string inner;
+  const auto outer = lockstep::testing::run_ranks(
+      1,
+      [&](int, ProcessGroupPtr pg) {
+        use(pg);
+        inner = lockstep::testing::run_ranks(
+            1, [&](int, ProcessGroupPtr other) { use(other); }, std::chrono::seconds(60),
+            /*via_registry=*/true)[0];
+        use(pg);  // still its own
+      },
+      std::chrono::seconds(60), /*via_registry=*/true);
+  EXPECT_EQ(outer[0], "");
+  EXPECT_THAT(inner, ::testing::HasSubstr("already serves another process group (rank 0 of 1)"));
+  EXPECT_THAT(inner, ::testing::HasSubstr("give each DDP model its own powersgd_hook()"));
+  const auto later = lockstep::testing::run_ranks(
+      1, [&](int, ProcessGroupPtr pg) { use(pg); }, std::chrono::seconds(60),
+      /*via_registry=*/true);
+  EXPECT_EQ(later[0], "");
+}
+
+TEST(PowerSGD, AStepWithFewerContributorsThanRanksIsRefusedOnEveryRank) {
+  // Inside a dist::Join after a rank ran out of data, error feedback would be wrong: every rank
+  // refuses before any collective, so none waits for the others.
+  const auto errors = lockstep::testing::run_ranks(2, [&](int, ProcessGroupPtr pg) {
+    const CommHook hook = powersgd_hook({.start_powersgd_iter = 0});
+    GradBucket b = make_bucket(kParams, 2);
+    b.contributors = 1;
+    hook.start(*pg, b)->wait();
+  });
+  for (const auto& e : errors) {
+    EXPECT_THAT(e, ::testing::HasSubstr("1 of 2 ranks contribute"));
+    EXPECT_THAT(e, ::testing::HasSubstr("use allreduce_hook() with Join"));
   }
-  EXPECT_EQ(errors[0], "");
-  EXPECT_THAT(errors[1], ::testing::HasSubstr("give each DDP model its own powersgd_hook()"));
 }
 
 // --- under DDP: the reducer's own elements ---
