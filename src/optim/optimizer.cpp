@@ -11,6 +11,7 @@
 #include "lockstep/optim/exact_sum.h"
 #include "ops/cpu/avx2_math.h"
 #include "ops/kernels.h"
+#include "optim/update_rule.h"
 #include "tensor/dispatch.h"
 #include "tensor/parallel.h"
 
@@ -25,31 +26,23 @@ constexpr int64_t kUpdateGrain = 16384;
 // momentum buffer, its first step, Nesterov) compiled to scalar code that reloaded the double
 // options every element: 7 ns per element, the optimizer a sixth of a DDP step's time. Each
 // combination of options is its own loop here, over restrict pointers with the options already
-// in T, which the compiler vectorizes. The arithmetic per element is unchanged (same operations
-// in the same order, in T), so results are bit for bit what they were.
+// in T and passed to rule::sgd (src/optim/update_rule.h) as constants, which the compiler
+// vectorizes. The arithmetic per element is the rule's, the same on every device.
 template <typename T, bool kDecay, bool kMomentum, bool kFirst, bool kNesterov>
 void sgd_range(T* __restrict p, const T* __restrict g, T* __restrict buf, int64_t begin,
-               int64_t end, T lr, T wd, T mom, T one_minus_damp) {
+               int64_t end, const rule::Sgd<T>& c) {
   for (int64_t k = begin; k < end; ++k) {
-    T d = g[k];
-    if constexpr (kDecay) d += wd * p[k];
-    if constexpr (kMomentum) {
-      const T b = kFirst ? d : mom * buf[k] + one_minus_damp * d;
-      buf[k] = b;
-      d = kNesterov ? d + mom * b : b;
-    }
-    p[k] -= lr * d;
+    rule::sgd(p[k], g[k], kMomentum ? buf + k : nullptr, c, kDecay, kMomentum, kFirst, kNesterov);
   }
 }
 
 template <typename T>
 void sgd_update(T* p, const T* g, T* buf, int64_t n, double lr, double wd, double mom, double damp,
                 bool nesterov, bool first) {
-  const T lr_t = static_cast<T>(lr), wd_t = static_cast<T>(wd), mom_t = static_cast<T>(mom);
-  const T keep = static_cast<T>(1 - damp);
+  const rule::Sgd<T> c = rule::sgd_scalars<T>(lr, wd, mom, damp);
   auto run = [&]<bool kDecay, bool kMomentum, bool kFirst, bool kNesterov>() {
     cpu::parallel_for(0, n, kUpdateGrain, [&](int64_t b, int64_t e) {
-      sgd_range<T, kDecay, kMomentum, kFirst, kNesterov>(p, g, buf, b, e, lr_t, wd_t, mom_t, keep);
+      sgd_range<T, kDecay, kMomentum, kFirst, kNesterov>(p, g, buf, b, e, c);
     });
   };
   auto with_decay = [&]<bool kMomentum, bool kFirst, bool kNesterov>() {
@@ -86,7 +79,8 @@ void check_param(const Tensor& p, const char* name) {
 // On the CPU each parameter is updated by its own parallel loop (the loop is the fusion). On a
 // device, one launch per parameter would cost more than the arithmetic, so a step gathers its
 // group's parameters per device and runs the multi-tensor kernel of the device's table once
-// (sgd_update, adamw_update in src/ops/kernels.h), with the same formulas as the loops here.
+// (sgd_update, adamw_update in src/ops/kernels.h); both sides apply the per-element rules of
+// src/optim/update_rule.h.
 struct DeviceList {
   std::vector<Tensor> params, grads, bufs, bufs2;
   std::vector<uint8_t> first;
@@ -275,8 +269,8 @@ namespace {
 // Note [AdamW on AVX2]
 // The f32 update compiled as a scalar loop: std::sqrt may set errno, so GCC kept a compare and
 // branch per element, and it re-read the step's scalars through the lambda's references each
-// time (1.8% of an f32 train_gpt step). adamw_f32_avx2 runs the same IEEE operations in the same
-// order on 8 lanes; its target has AVX2 but not FMA, so nothing is contracted into a fused
+// time (1.8% of an f32 train_gpt step). adamw_f32_avx2 runs rule::adamw's IEEE operations in the
+// same order on 8 lanes; its target has AVX2 but not FMA, so nothing is contracted into a fused
 // multiply-add and every element gets the bits of the scalar loop (the tail still runs there).
 // The tests compare it bit for bit with that scalar loop, written out in the test.
 #if defined(__GNUC__) && !defined(__clang__)
@@ -285,18 +279,16 @@ namespace {
 #define LS_NO_FMA_CONTRACTION
 #endif
 
+// An f32 parameter's step: the rule's scalars and this step's bias corrections.
 struct AdamWF32 {
-  float decay, b1, one_minus_b1, b2, one_minus_b2, bc2_sqrt, eps, step_size;
+  rule::AdamW<float> c;
+  float step_size, bc2_sqrt;
 };
 
-// The update of element k, as AdamW has always computed it in f32.
+// The update of element k, rule::adamw in f32.
 [[LS_NO_FMA_CONTRACTION]] inline void adamw_f32_one(float* p, const float* g, float* m, float* v,
-                                                    int64_t k, const AdamWF32& c) {
-  p[k] *= c.decay;
-  m[k] = c.b1 * m[k] + c.one_minus_b1 * g[k];
-  v[k] = c.b2 * v[k] + c.one_minus_b2 * g[k] * g[k];
-  const float denom = std::sqrt(v[k]) / c.bc2_sqrt + c.eps;
-  p[k] -= c.step_size * m[k] / denom;
+                                                    int64_t k, const AdamWF32& s) {
+  rule::adamw(p[k], g[k], m[k], v[k], s.c, s.step_size, s.bc2_sqrt);
 }
 
 #if LS_HAVE_AVX2
@@ -304,11 +296,11 @@ struct AdamWF32 {
 [[gnu::target("avx2"), LS_NO_FMA_CONTRACTION]] int64_t adamw_f32_avx2(float* p, const float* g,
                                                                       float* m, float* v, int64_t b,
                                                                       int64_t e,
-                                                                      const AdamWF32& c) {
-  const __m256 decay = _mm256_set1_ps(c.decay), b1 = _mm256_set1_ps(c.b1),
-               nb1 = _mm256_set1_ps(c.one_minus_b1), b2 = _mm256_set1_ps(c.b2),
-               nb2 = _mm256_set1_ps(c.one_minus_b2), bc2 = _mm256_set1_ps(c.bc2_sqrt),
-               eps = _mm256_set1_ps(c.eps), step = _mm256_set1_ps(c.step_size);
+                                                                      const AdamWF32& s) {
+  const __m256 decay = _mm256_set1_ps(s.c.decay), b1 = _mm256_set1_ps(s.c.beta1),
+               nb1 = _mm256_set1_ps(s.c.one_minus_beta1), b2 = _mm256_set1_ps(s.c.beta2),
+               nb2 = _mm256_set1_ps(s.c.one_minus_beta2), bc2 = _mm256_set1_ps(s.bc2_sqrt),
+               eps = _mm256_set1_ps(s.c.eps), step = _mm256_set1_ps(s.step_size);
   int64_t k = b;
   for (; k + 8 <= e; k += 8) {
     const __m256 gk = _mm256_loadu_ps(g + k);
@@ -328,12 +320,12 @@ struct AdamWF32 {
 
 // One f32 parameter's update over [b, e).
 void adamw_f32(float* p, const float* g, float* m, float* v, int64_t b, int64_t e,
-               const AdamWF32& c) {
+               const AdamWF32& s) {
   int64_t k = b;
 #if LS_HAVE_AVX2
-  if (cpu::cpu_has_avx2()) k = adamw_f32_avx2(p, g, m, v, b, e, c);
+  if (cpu::cpu_has_avx2()) k = adamw_f32_avx2(p, g, m, v, b, e, s);
 #endif
-  for (; k < e; ++k) adamw_f32_one(p, g, m, v, k, c);
+  for (; k < e; ++k) adamw_f32_one(p, g, m, v, k, s);
 }
 
 }  // namespace
@@ -364,31 +356,25 @@ void AdamW::step() {
         continue;
       }
       if (p.dtype() == kFloat32) {  // Note [AdamW on AVX2]
-        const AdamWF32 c{static_cast<float>(1 - lr * wd), static_cast<float>(b1),
-                         static_cast<float>(1 - b1),      static_cast<float>(b2),
-                         static_cast<float>(1 - b2),      static_cast<float>(bc2_sqrt),
-                         static_cast<float>(eps),         static_cast<float>(step_size)};
+        const AdamWF32 s{rule::adamw_scalars<float>(lr, wd, b1, b2, eps),
+                         static_cast<float>(step_size), static_cast<float>(bc2_sqrt)};
         float* pp = p.data<float>();
         const float* gp = g.data<float>();
         float* mp = m.data<float>();
         float* vp = v.data<float>();
         cpu::parallel_for(0, p.numel(), kUpdateGrain,
-                          [&](int64_t b, int64_t e) { adamw_f32(pp, gp, mp, vp, b, e, c); });
+                          [&](int64_t b, int64_t e) { adamw_f32(pp, gp, mp, vp, b, e, s); });
         continue;
       }
       cpu::dispatch_float(p.dtype(), "AdamW", [&]<typename T>() {
+        const rule::AdamW<T> c = rule::adamw_scalars<T>(lr, wd, b1, b2, eps);
+        const T step = static_cast<T>(step_size), bc2_root = static_cast<T>(bc2_sqrt);
         T* pp = p.data<T>();
         const T* gp = g.data<T>();
         T* mp = m.data<T>();
         T* vp = v.data<T>();
         cpu::parallel_for(0, p.numel(), kUpdateGrain, [&](int64_t b, int64_t e) {
-          for (int64_t k = b; k < e; ++k) {
-            pp[k] *= static_cast<T>(1 - lr * wd);
-            mp[k] = static_cast<T>(b1) * mp[k] + static_cast<T>(1 - b1) * gp[k];
-            vp[k] = static_cast<T>(b2) * vp[k] + static_cast<T>(1 - b2) * gp[k] * gp[k];
-            const T denom = std::sqrt(vp[k]) / static_cast<T>(bc2_sqrt) + static_cast<T>(eps);
-            pp[k] -= static_cast<T>(step_size) * mp[k] / denom;
-          }
+          for (int64_t k = b; k < e; ++k) rule::adamw(pp[k], gp[k], mp[k], vp[k], c, step, bc2_root);
         });
       });
     }

@@ -6,6 +6,7 @@
 
 #include "ops/cuda/kernels.h"
 #include "ops/cuda/loops.cuh"
+#include "optim/update_rule.h"
 
 namespace lockstep::cuda_ops {
 
@@ -140,6 +141,7 @@ __global__ void unscale_check_kernel(Table table, double inv, float* found) {
   if (__syncthreads_or(bad) && threadIdx.x == 0) *found = 1.f;
 }
 
+// The formulas are rule::sgd and rule::adamw (src/optim/update_rule.h), as on the CPU.
 template <typename T>
 __global__ void sgd_kernel(Table table, SgdScalars o) {
   const ChunkEntry c = table.chunks[blockIdx.x];
@@ -147,16 +149,12 @@ __global__ void sgd_kernel(Table table, SgdScalars o) {
   T* p = static_cast<T*>(t.ptr[0]);
   const T* g = static_cast<const T*>(t.ptr[1]);
   T* buf = static_cast<T*>(t.ptr[2]);
-  const T lr = static_cast<T>(o.lr), wd = static_cast<T>(o.weight_decay);
-  const T mom = static_cast<T>(o.momentum), damp1 = static_cast<T>(1 - o.dampening);
+  const optim::rule::Sgd<T> s =
+      optim::rule::sgd_scalars<T>(o.lr, o.weight_decay, o.momentum, o.dampening);
+  const bool decay = o.weight_decay != 0, momentum = buf != nullptr;
   for (int64_t k = c.begin + threadIdx.x; k < c.begin + c.count; k += blockDim.x) {
-    T d = g[k];
-    if (o.weight_decay != 0) d += wd * p[k];
-    if (buf != nullptr) {
-      buf[k] = t.first ? d : mom * buf[k] + damp1 * d;
-      d = o.nesterov ? d + mom * buf[k] : buf[k];
-    }
-    p[k] -= lr * d;
+    optim::rule::sgd(p[k], g[k], momentum ? buf + k : nullptr, s, decay, momentum, t.first != 0,
+                     o.nesterov);
   }
 }
 
@@ -168,10 +166,8 @@ __global__ void adamw_kernel(Table table, AdamWScalars o) {
   const T* g = static_cast<const T*>(t.ptr[1]);
   T* m = static_cast<T*>(t.ptr[2]);
   T* v = static_cast<T*>(t.ptr[3]);
-  const T decay = static_cast<T>(1 - o.lr * o.weight_decay);
-  const T b1 = static_cast<T>(o.beta1), b2 = static_cast<T>(o.beta2);
-  const T one_b1 = static_cast<T>(1 - o.beta1), one_b2 = static_cast<T>(1 - o.beta2);
-  const T eps = static_cast<T>(o.eps);
+  const optim::rule::AdamW<T> s =
+      optim::rule::adamw_scalars<T>(o.lr, o.weight_decay, o.beta1, o.beta2, o.eps);
   T step_size, bc2_sqrt;
   if constexpr (std::is_same_v<T, double>) {
     step_size = t.step_size_d;
@@ -181,12 +177,7 @@ __global__ void adamw_kernel(Table table, AdamWScalars o) {
     bc2_sqrt = t.bc2_sqrt;
   }
   for (int64_t k = c.begin + threadIdx.x; k < c.begin + c.count; k += blockDim.x) {
-    const T gk = g[k];
-    p[k] *= decay;
-    m[k] = b1 * m[k] + one_b1 * gk;
-    v[k] = b2 * v[k] + one_b2 * gk * gk;
-    const T denom = sqrt(v[k]) / bc2_sqrt + eps;
-    p[k] -= step_size * m[k] / denom;
+    optim::rule::adamw(p[k], g[k], m[k], v[k], s, step_size, bc2_sqrt);
   }
 }
 

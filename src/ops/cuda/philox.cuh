@@ -7,11 +7,7 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define LS_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define LS_HOST_DEVICE inline
-#endif
+#include "base/host_device.h"
 
 namespace lockstep::philox {
 
