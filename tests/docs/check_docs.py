@@ -17,8 +17,9 @@ Reads FILE... (default: README.md and docs/*.md of REPO) and prints each problem
             PROGRAM; the flags of any other program (cmake, srun, torchrun, python...) are not
             checked. A `span` that starts with a flag (`--zero 1`, a table's `-o, --output`)
             names no program: its flags must belong to one of them, or to FOREIGN_FLAGS.
-  sentence  a prose sentence (not code, tables or headings) of more than MAX_WORDS words, in a
-            file of CONFORMING; other files' counts are printed as a warning.
+  sentence  a prose sentence (not code, tables or headings) of more than MAX_WORDS words, in
+            README.md, docs/*.md or a file given with --conforming; other files' counts are
+            printed as a warning.
   run       a fenced or indented code block after a line `<!-- doc-test: run -->` that exits
             non-zero or takes over RUN_TIMEOUT seconds. It runs under bash -e -o pipefail in a
             scratch directory that links the repository's directories and files above and has
@@ -37,13 +38,8 @@ import subprocess
 import sys
 import tempfile
 
-# Files whose every prose sentence has at most MAX_WORDS words: a longer one fails the test. The
-# other files' long sentences are counted and printed as a warning. One line adds a file.
-CONFORMING = [
-    "README.md",
-    "docs/ARCHITECTURE.md",
-    "docs/GPU.md",
-]
+# Every prose sentence of README.md and docs/*.md has at most MAX_WORDS words: a longer one fails
+# the test. Other files' long sentences are counted and printed as a warning.
 MAX_WORDS = 40
 
 # Seconds a runnable block may take.
@@ -568,7 +564,7 @@ def check_file(doc, repo, build, programs, conforming, run, problems, warnings, 
     if doc in conforming:
         for n, words in long:
             problems.add("%s:%d" % (doc, n), "sentence",
-                         "a sentence of %d words (at most %d in a file of CONFORMING)"
+                         "a sentence of %d words (at most %d in README.md and docs/)"
                          % (words, MAX_WORDS, ))
     elif long:
         warnings.append("%s: %d sentences over %d words (lines %s)"
@@ -588,13 +584,10 @@ def main():
     args = parser.parse_args()
     repo = os.path.abspath(args.repo)
     build = os.path.abspath(args.build)
-    files = args.files or ["README.md"] + sorted(
+    docs = ["README.md"] + sorted(
         os.path.relpath(p, repo) for p in glob.glob(os.path.join(repo, "docs", "*.md")))
-    conforming = set(CONFORMING) | set(args.conforming)
-    for c in CONFORMING:
-        if not os.path.exists(os.path.join(repo, c)):
-            print("check_docs.py: CONFORMING names %s, which does not exist" % c, file=sys.stderr)
-            return 1
+    files = args.files or docs
+    conforming = set(docs) | set(args.conforming)
 
     problems, warnings, anchor_cache = Problems(), [], {}
     programs = read_help(build, problems)
