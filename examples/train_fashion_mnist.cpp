@@ -16,7 +16,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -25,7 +24,6 @@
 #include <functional>
 #include <memory>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <utility>
@@ -49,6 +47,7 @@
 #include "lockstep/optim/optimizer.h"
 #include "test_sample_log.h"
 #include "train_fashion_mnist_flags.h"
+#include "train_fashion_mnist_position.h"
 #include "train_fashion_mnist_setup.h"
 
 using namespace lockstep;
@@ -64,11 +63,16 @@ using examples::build_optimizer;
 using examples::check_job_settings;
 using examples::Config;
 using examples::effective_batch_of;
+using examples::epoch_loss_of;
+using examples::EpochLoss;
 using examples::first_attempt;
 using examples::load_split;
 using examples::longest_rank_batches;
 using examples::Model;
 using examples::number_text;
+using examples::Position;
+using examples::put_position;
+using examples::recorded_scaled_lr;
 using examples::run_metadata;
 using examples::scaled_lr;
 using examples::schedule_of;
@@ -137,24 +141,6 @@ double test_accuracy(nn::Module& model, const data::MnistDataset& test, dist::Pr
 
 // ---------------------------------------------------------------------------------------------
 // The run
-
-// Where training stands: optimizer steps taken in all; within `epoch`, the samples all ranks
-// together consumed and the losses of its optimizer steps so far, which the epoch's train_loss
-// averages (so a resumed epoch reports the uninterrupted one's). A checkpoint stores exactly this.
-struct Position {
-  int64_t step = 0;
-  int64_t epoch = 0;
-  int64_t epoch_consumed = 0;
-  double epoch_loss_sum = 0;  // this rank's
-  int64_t epoch_loss_steps = 0;
-};
-
-// The checkpoint's user metadata that holds Position's loss sums (one per rank, %.17g) and count.
-constexpr const char* kLossSumsKey = "epoch_loss_sums";
-constexpr const char* kLossStepsKey = "epoch_loss_steps";
-// The user metadata that holds the learning rate --lr-scaling gave the writing run's world, before
-// the schedule (%.17g): Note [Rescaling].
-constexpr const char* kScaledLrKey = "scaled_lr";
 
 // What one optimizer step ran with.
 struct StepResult {
@@ -345,7 +331,7 @@ void Trainer::load(const std::string& path) {
   pos_ = {.step = ckpt.step, .epoch = ckpt.epoch, .epoch_consumed = ckpt.epoch_samples};
   load_epoch_loss(ckpt, path);
   // The optimizer state brought back the writing run's learning rate; this puts this world's
-  // (Note [Rescaling]).
+  // (Note [Rescaling] in train_fashion_mnist_position.h).
   scheduler_.set_step(pos_.step);
   log_rank0(LogLevel::kInfo, "resumed ", path, ": step ", pos_.step, ", epoch ", pos_.epoch,
             " after ", pos_.epoch_consumed, " of its samples (written by ", ckpt.world_size,
@@ -353,36 +339,14 @@ void Trainer::load(const std::string& path) {
   report_rescaled_lr(ckpt, path);
 }
 
-// Note [Rescaling]
-// A checkpoint resumed with another number of ranks continues the epoch exactly: the sampler
-// deals out the rest of the epoch's order to the new ranks (DistributedSampler::set_start_index),
-// so no sample is skipped or seen twice (but for the padding when the rest does not split evenly
-// over the new ranks), and the learning rate is the one --lr-scaling gives the new world's
-// effective batch. The optimizer's state dict holds each group's learning rate
-// ("group.<g>.lr"), so loading it brings back the writing run's; the scheduler then sets this
-// run's base rate (scaled_lr() of this world, taken when it was built, before the load) times
-// the schedule at the resumed step, and every step from there on uses it. The checkpoint
-// records the writing run's base rate (user.scaled_lr), so that rank 0 can say that the rate
-// changed and by how much: "learning rate rescaled from 0.05 to 0.075 (world size 2 -> 3,
-// --lr-scaling linear)". The metrics' train records carry world_size, so the change shows there
-// too. What stays approximate: the schedule counts optimizer steps, and a step covers another
-// number of samples in the new world (a cosine decay reaches its end at this world's count of
-// steps per epoch, from the resumed step on).
-
 // Rank 0 says when the base learning rate differs from the checkpoint's run's (Note
-// [Rescaling]). A checkpoint without user.scaled_lr (written before it was recorded) is taken to
-// have been written with this run's flags at its own world size.
+// [Rescaling] in train_fashion_mnist_position.h).
 void Trainer::report_rescaled_lr(const io::TrainingCheckpoint& ckpt,
                                  const std::string& path) const {
   if (!main_rank_) return;
-  double before = scaled_lr(cfg_, effective_batch_of(cfg_, static_cast<int>(ckpt.world_size)));
-  if (auto it = ckpt.user.find(kScaledLrKey); it != ckpt.user.end()) {
-    char* end = nullptr;
-    before = std::strtod(it->second.c_str(), &end);
-    LS_CHECK(!it->second.empty() && end == it->second.c_str() + it->second.size(), "--resume ",
-             path, ": metadata user.", kScaledLrKey, " should be a number, found '", it->second,
-             "'");
-  }
+  // A checkpoint without user.scaled_lr was written with this run's flags at its world size.
+  const double before = recorded_scaled_lr(ckpt, path).value_or(
+      scaled_lr(cfg_, effective_batch_of(cfg_, static_cast<int>(ckpt.world_size))));
   if (before == lr_) return;
   if (ckpt.world_size != world_) {
     log_info("learning rate rescaled from ", before, " to ", lr_, " (world size ", ckpt.world_size,
@@ -398,36 +362,19 @@ void Trainer::report_rescaled_lr(const io::TrainingCheckpoint& ckpt,
 // mean of them (the epoch's train_loss is their mean either way). A checkpoint written before
 // they were recorded has none: the epoch's train_loss then covers the steps from here on.
 void Trainer::load_epoch_loss(const io::TrainingCheckpoint& ckpt, const std::string& path) {
-  const auto sums_it = ckpt.user.find(kLossSumsKey);
-  const auto steps_it = ckpt.user.find(kLossStepsKey);
-  if (sums_it == ckpt.user.end() || steps_it == ckpt.user.end()) {
+  const std::optional<EpochLoss> loss = epoch_loss_of(ckpt, path);
+  if (!loss) {
     if (pos_.epoch_consumed > 0)
       log_rank0(LogLevel::kInfo, "--resume ", path, " records no losses of epoch ", pos_.epoch,
                 " (an older checkpoint): its train_loss will cover the steps from here on");
     return;
   }
-  // strtod, not operator>>: a run whose loss diverged has written "nan" or "inf".
-  std::vector<double> sums;
-  std::istringstream in(sums_it->second);
-  bool numbers = true;
-  for (std::string word; in >> word;) {
-    char* end = nullptr;
-    sums.push_back(std::strtod(word.c_str(), &end));
-    numbers = numbers && end == word.c_str() + word.size();
-  }
-  int64_t steps = -1;
-  const std::string& steps_text = steps_it->second;
-  const auto [end, ec] =
-      std::from_chars(steps_text.data(), steps_text.data() + steps_text.size(), steps);
-  LS_CHECK(numbers && !sums.empty() && ec == std::errc() &&
-               end == steps_text.data() + steps_text.size() && steps >= 0,
-           "--resume ", path, ": metadata user.", kLossSumsKey, " should be numbers and user.",
-           kLossStepsKey, " a count, found '", sums_it->second, "' and '", steps_text, "'");
   double mean = 0;
-  for (double v : sums) mean += v;
-  mean /= static_cast<double>(sums.size());
-  pos_.epoch_loss_sum = static_cast<int>(sums.size()) == world_ ? sums[pg_->rank()] : mean;
-  pos_.epoch_loss_steps = steps;
+  for (double v : loss->sums) mean += v;
+  mean /= static_cast<double>(loss->sums.size());
+  pos_.epoch_loss_sum =
+      static_cast<int>(loss->sums.size()) == world_ ? loss->sums[pg_->rank()] : mean;
+  pos_.epoch_loss_steps = loss->steps;
 }
 
 // Periodic checkpoints of later steps (another run's, or an older checkpoint resumed on purpose)
@@ -684,17 +631,7 @@ io::TrainingCheckpoint Trainer::checkpoint(const Position& at) {
   ckpt.world_size = world_;
   ckpt.rng["init"] = {gen_.seed(), gen_.offset()};
   ckpt.user = run_metadata(cfg_);
-  std::string text;
-  for (int r = 0; r < world_; ++r) {
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "%s%.17g", r ? " " : "", sums.at({r}));
-    text += buf;
-  }
-  ckpt.user[kLossSumsKey] = text;
-  ckpt.user[kLossStepsKey] = std::to_string(at.epoch_loss_steps);
-  char lr[32];
-  std::snprintf(lr, sizeof lr, "%.17g", lr_);
-  ckpt.user[kScaledLrKey] = lr;
+  put_position(ckpt.user, sums.to_vector<double>(), at.epoch_loss_steps, lr_);
   return ckpt;
 }
 

@@ -1,5 +1,5 @@
 """What the final model trained on, from the sample logs of train_fashion_mnist's
---test-sample-log (Note [Sample log] in examples/train_fashion_mnist.cpp).
+--test-sample-log (Note [Sample log] in examples/test_sample_log.h).
 
 A run is one restart count of one file (separate `lockstep run` invocations each count from 0, so
 each has its own file). Run by run in order, the run's records are kept less those of steps after
