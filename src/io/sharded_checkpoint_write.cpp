@@ -63,18 +63,12 @@ namespace fs = std::filesystem;
 constexpr auto kPollInterval = std::chrono::milliseconds(20);
 constexpr const char* kOldInfix = ".old-";
 
-// Writes `text` to `path` through a temporary file, fsynced and renamed: `path` exists only whole.
+// Writes `text` to `path` through a temporary file, fsynced and renamed: `path` exists only whole
+// (AtomicFile, whose temporary name is the writer's own, so two writers never share one).
 void write_file_atomic(const std::string& path, const std::string& text, const std::string& what) {
-  const std::string tmp = path + ".part";
-  {
-    Fd f(LS_SYSCHECK_MSG(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644), what,
-                         ": cannot create ", tmp));
-    write_all(f.get(), text.data(), text.size(), what + ": writing " + tmp);
-    LS_SYSCHECK_MSG(::fsync(f.get()), what, ": fsync of ", tmp, " failed");
-    LS_SYSCHECK_MSG(f.close(), what, ": closing ", tmp);
-  }
-  LS_SYSCHECK_MSG(::rename(tmp.c_str(), path.c_str()), what, ": renaming ", tmp, " to ", path);
-  fsync_directory(parent_directory(path), what);
+  AtomicFile f(path, what);
+  f.write(text.data(), text.size());
+  f.commit();
 }
 
 // "run/ckpt/" names the directory "run/ckpt", whose parent is "run".
