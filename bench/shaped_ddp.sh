@@ -13,45 +13,35 @@
 #   NODES=4 RATES="1gbit" REPS=3 STEPS=60 MODEL=mlp bench/shaped_ddp.sh
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-build=$(realpath "${1:-$root/build/release}")
-tool=$build/tools/lockstep bench=$build/bench/ddp
-fail() { echo "FAIL: $*" >&2; exit 1; }
-[ -x "$tool" ] && [ -x "$bench" ] || fail "build lockstep and bench/ddp first"
+source "$root/bench/shaped_common.sh"
 /usr/bin/python3 -c 'import torch' 2> /dev/null || fail "PyTorch is missing: apt-get install python3-torch"
-source "$root/tests/cluster/shaped_cluster.sh"
-nodes=${NODES:-4} rates=${RATES:-1gbit} reps=${REPS:-3} steps=${STEPS:-60} warmup=${WARMUP:-5}
+rates=${RATES:-1gbit} reps=${REPS:-3} steps=${STEPS:-60} warmup=${WARMUP:-5}
 model=${MODEL:-mlp} hook_config=${CONFIG:-1}
-work=$(mktemp -d)
-shaped_cluster_up "$nodes"
-trap 'shaped_cluster_down; rm -rf "$work"' EXIT
-(umask 077 && head -c 24 /dev/urandom | base64 > "$work/token")
-port=$((29000 + $$ % 1000)) runs=0
+shaped_start "${NODES:-4}" "${1:-$root/build/release}" bench/ddp
 
 # run_job KIND: one job on every node; prints rank 0's line: samples/s and ms per step (and for
 # lockstep: forward, backward, optimizer, exposed communication and all-reduce-alone ms, gradient
 # bytes, buckets).
 run_job() {
-  local kind=$1 i pids=() out
-  runs=$((runs + 1)) out=$work/out$runs.txt
-  for ((i = 0; i < nodes; i++)); do
-    if [ "$kind" = lockstep ]; then
-      LOCKSTEP_BENCH_DDP="$hook_config:$model:64:$warmup:$steps:$out" LOCKSTEP_BACKEND=gloo \
-        OMP_NUM_THREADS=1 sc_exec "$i" timeout 600 "$tool" run \
-        --nnodes "$nodes" --node-rank "$i" --master-addr "${sc_addr[0]}" \
-        --master-port "$((port + runs))" --nproc-per-node 1 --token-file "$work/token" \
-        --run-id "r$runs" "$bench" > "$work/r$runs.$i.log" 2>&1 &
-    else
+  local kind=$1 i pids=() out run
+  out=$(mktemp "$work/$kind.XXXXXX")
+  if [ "$kind" = lockstep ]; then
+    shaped_run lockstep 1 LOCKSTEP_BENCH_DDP="$hook_config:$model:64:$warmup:$steps:$out" \
+      LOCKSTEP_BACKEND=gloo -- "$build/bench/ddp"
+  else
+    run=$(shaped_next_run)
+    for ((i = 0; i < nodes; i++)); do
       GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 sc_exec "$i" timeout 600 /usr/bin/python3 -m \
-        torch.distributed.run --redirects 0:1 --tee 0:1 --nnodes "$nodes" --node_rank "$i" --nproc_per_node 1 \
-        --master_addr "${sc_addr[0]}" --master_port "$((port + runs))" \
+        torch.distributed.run --redirects 0:1 --tee 0:1 --nnodes "$nodes" --node_rank "$i" \
+        --nproc_per_node 1 --master_addr "${sc_addr[0]}" --master_port "$((port + run))" \
         "$root/bench/pytorch_ddp.py" --worker "$model" 64 "$warmup" "$steps" "$out" \
-        > "$work/r$runs.$i.log" 2>&1 &
-    fi
-    pids+=($!)
-  done
-  for ((i = 0; i < nodes; i++)); do
-    wait "${pids[i]}" || { cat "$work/r$runs.$i.log" >&2; fail "$kind: node $i's job failed"; }
-  done
+        > "$work/pytorch.$i.log" 2>&1 &
+      pids+=($!)
+    done
+    for ((i = 0; i < nodes; i++)); do
+      wait "${pids[i]}" || { cat "$work/pytorch.$i.log" >&2; fail "pytorch: node $i's job failed"; }
+    done
+  fi
   cat "$out"
 }
 

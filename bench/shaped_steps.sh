@@ -9,34 +9,17 @@
 #   NODES=4 RATES="1gbit none" REPS=2 BACKEND=gloo bench/shaped_steps.sh
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-build=$(realpath "${1:-$root/build/release}")
-tool=$build/tools/lockstep mnist=$build/examples/train_fashion_mnist
-fail() { echo "FAIL: $*" >&2; exit 1; }
-[ -x "$tool" ] && [ -x "$mnist" ] || fail "build lockstep and the example first (make build)"
-source "$root/tests/cluster/shaped_cluster.sh"
-nodes=${NODES:-4} rates=${RATES:-1gbit none} reps=${REPS:-2}
-work=$(mktemp -d)
-shaped_cluster_up "$nodes"
-trap 'shaped_cluster_down; rm -rf "$work"' EXIT
-(umask 077 && head -c 24 /dev/urandom | base64 > "$work/token")
-port=$((29000 + $$ % 1000)) runs=0
+source "$root/bench/shaped_common.sh"
+rates=${RATES:-1gbit none} reps=${REPS:-2}
+shaped_start "${NODES:-4}" "${1:-$root/build/release}" examples/train_fashion_mnist
 
 # seconds STEPS: wall seconds of one job of STEPS steps on every node.
 seconds() {
-  local steps=$1 i pids=() t0
-  runs=$((runs + 1))
+  local t0
   t0=$(date +%s.%N)
-  for ((i = 0; i < nodes; i++)); do
-    LOCKSTEP_BACKEND=${BACKEND:-gloo} OMP_NUM_THREADS=1 sc_exec "$i" timeout 600 "$tool" run \
-      --nnodes "$nodes" --node-rank "$i" --master-addr "${sc_addr[0]}" --master-port "$port" \
-      --nproc-per-node 1 --token-file "$work/token" --run-id "r$runs" \
-      "$mnist" --no-eval --log-every 0 --threads 1 --epochs 1 --max-steps "$steps" \
-      > "$work/r$runs.$i.log" 2>&1 &
-    pids+=($!)
-  done
-  for ((i = 0; i < nodes; i++)); do
-    wait "${pids[i]}" || { cat "$work/r$runs.$i.log"; fail "node $i's job failed"; }
-  done
+  shaped_run "steps$1" 1 LOCKSTEP_BACKEND="${BACKEND:-gloo}" -- \
+    "$build/examples/train_fashion_mnist" --no-eval --log-every 0 --threads 1 --epochs 1 \
+    --max-steps "$1"
   awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.3f", b - a }'
 }
 
