@@ -34,7 +34,7 @@ namespace lockstep::examples {
 // ---------------------------------------------------------------------------------------------
 // Choices made once, before training
 
-// The learning rate for an effective batch: the article's rule, more devices -> larger batch ->
+// The learning rate for an effective batch: the usual rule, more devices -> larger batch ->
 // larger rate (linear, or sqrt for adaptive optimizers), relative to the batch `lr` was tuned at.
 inline double scaled_lr(const Config& cfg, int64_t effective_batch) {
   const double ratio = static_cast<double>(effective_batch) / static_cast<double>(cfg.base_batch);
@@ -221,7 +221,7 @@ inline Model build_model(const Config& cfg, const std::shared_ptr<dist::ProcessG
   if (cfg.sync_bn) m.params = dist::convert_sync_batchnorm(m.params, pg);
   if (cfg.dp > 1 && cfg.device == "cuda") {
     // --dp K --device cuda: one replica per GPU, cuda:0..K-1, the batch split across them and
-    // the gradients summed on cuda:0 (the article's DataParallel).
+    // the gradients summed on cuda:0 (DataParallel as PyTorch does it).
     std::vector<Device> devices;
     for (int k = 0; k < static_cast<int>(cfg.dp); ++k) devices.push_back(cuda_device(k));
     m.dp = std::make_unique<dist::DataParallel>(

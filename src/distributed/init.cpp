@@ -109,7 +109,7 @@ std::string join_ranks(const std::vector<int>& ranks) {
   return s;
 }
 
-// The process-wide default group (DESIGN.md: the only global mutable state besides the
+// The process-wide default group (the only global mutable state besides the
 // per-thread grad/autocast modes).
 struct Default {
   std::mutex mu;
@@ -128,7 +128,7 @@ World& default_world_locked(Default& d) {
 }
 
 // Note [A GPU per rank]
-// The article's pitfall: every process forgets set_device(local_rank) and all of them allocate
+// The classic pitfall: every process forgets set_device(local_rank) and all of them allocate
 // on GPU 0. connect_world therefore binds the calling thread (the CUDA runtime's current device
 // is per thread, like lockstep::cuda's) to cuda:LOCAL_RANK whenever GPUs exist, before the
 // backend builds its communicator there. It binds even if the program called set_device before:

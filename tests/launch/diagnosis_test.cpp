@@ -214,7 +214,7 @@ TEST_F(Launcher, WorkerKilledByTheOomKillerIsSaidSo) {
   EXPECT_THAT(own, Not(HasSubstr("touched 1024 MiB"))) << o.describe();
 }
 
-// ---- Issue 18: the verdict, the stall warning and SIGUSR1 (Note [Verdict], Note [Stall watch]) --
+// ---- The verdict, the stall warning and SIGUSR1 (Note [Verdict], Note [Stall watch]) --
 
 // The position of `what` in `text` (npos when absent), for checking the order of lines.
 size_t at(const std::string& text, const std::string& what) { return text.find(what); }

@@ -695,7 +695,7 @@ std::vector<std::string> listening_addresses(const char* table, uint16_t port) {
   return found;
 }
 
-// Issue 15: --standalone's store listened on every interface. It is reachable from this machine
+// Once, --standalone's store listened on every interface. It is reachable from this machine
 // only; without --standalone it listens on the address toward --master-addr (here 127.0.0.1).
 TEST_F(Launcher, StoreListensOnLoopbackForOneMachine) {
   for (const bool standalone : {true, false}) {
@@ -837,7 +837,7 @@ class Flood {
   std::thread thread_;
 };
 
-// Issue 15: with thousands of idle connections to its store, a launcher that had to restart its
+// Once, with thousands of idle connections to its store, a launcher that had to restart its
 // workers could not create their pipes (EMFILE). Under a descriptor limit that the flood alone
 // would exhaust, the job restarts a SIGKILLed rank and finishes.
 TEST_F(Launcher, JobRestartsAndFinishesWhileItsStoreIsFlooded) {

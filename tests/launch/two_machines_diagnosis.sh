@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Diagnosis across machines (issue 18), two agents in two network namespaces (--nnodes 2):
+# Diagnosis across machines: two agents in two network namespaces (--nnodes 2):
 # 1. rank 1, on node 1, stops itself (SIGSTOP) while rank 0, on node 0, waits for it in an
 #    all_reduce: node 0's launcher must warn, naming rank 1 as stopped, from the view node 1's
 #    agent published through the store, and start the failure summary with the same verdict.

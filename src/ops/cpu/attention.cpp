@@ -24,7 +24,7 @@ namespace {
 // Query rows and key columns of one tile of scores: the only (T, T)-like buffer a head holds,
 // 16 KiB in f32, so that it and the q, k, v rows it multiplies stay in L1/L2. Measured at
 // (B, H, T, D) = (8, 4, 128, 32) on the 2-core VM: 64 x 64 ran the forward fastest; 128 x 64,
-// 128 x 128 and 32 x 64 were 5-40% slower (docs/PERFORMANCE.md, issue 19). Nothing else assumes
+// 128 x 128 and 32 x 64 were 5-40% slower (docs/PERFORMANCE.md). Nothing else assumes
 // the two are equal.
 constexpr int64_t kRows = 64, kCols = 64;
 

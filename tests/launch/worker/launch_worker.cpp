@@ -327,7 +327,7 @@ int skip_collective() {
   return 95;  // the all_reduce cannot succeed without rank 1
 }
 
-// Issue 18's hangs, each under the launcher's stall watch and verdict (Note [Verdict]):
+// The hangs the diagnosis names, each under the launcher's stall watch and verdict (Note [Verdict]):
 // "stop": rank 1 stops itself (SIGSTOP) after the first all_reduce, rank 0 goes on to the
 // second; "mismatch-size": rank 0 all-reduces 1024 elements, rank 1 512; "mismatch-op": rank 1
 // broadcasts instead; "die": rank 1 SIGKILLs itself a moment after rank 0 issued its all_reduce.
