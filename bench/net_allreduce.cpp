@@ -89,16 +89,14 @@ int main(int argc, char** argv) {
     }
   }
   bool first = true;
-  // The algorithm each size ran, as the group chose it (rank 0's settings, which are this
-  // process's: every rank here runs with the same environment).
+  // The algorithm each size ran: the gloo group's own choice (rank 0's link and setting); for
+  // another backend, what a gloo group would choose from this process's settings.
+  const auto* gloo = dynamic_cast<const dist::ProcessGroupGloo*>(pg.get());
   const dist::LinkModel settings = dist::link_from_env();
   const dist::AlgorithmSetting forced = dist::algorithm_setting_from_env();
   auto algorithm_of = [&](int64_t bytes) {
-    if (size == 2 || forced == dist::AlgorithmSetting::kWhole) {
-      return dist::AllReduceAlgorithm::kWhole;
-    }
-    if (forced == dist::AlgorithmSetting::kDirect) return dist::AllReduceAlgorithm::kDirect;
-    return dist::choose_all_reduce(bytes, size, settings);
+    if (gloo != nullptr) return gloo->all_reduce_algorithm(bytes);
+    return dist::gloo_all_reduce_algorithm(bytes, size, settings, forced);
   };
   std::vector<dist::LinkSample> samples;
   for (int64_t bytes = min_bytes; bytes <= max_bytes; bytes *= 4) {

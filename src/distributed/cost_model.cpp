@@ -22,7 +22,9 @@ namespace lockstep::dist {
 //                                                    is whole: the same bytes, one round less)
 //   ring              2 (n - 1) alpha + 2 (n - 1) / n N beta
 //   halving-doubling  2 log2(n) alpha + 2 (n - 1) / n N beta, and for n not a power of two a fold
-//                     of the extra ranks first and an unfold last: 2 alpha + N beta more
+//                     of the extra ranks first and an unfold last: 2 alpha + 2 N beta more (each
+//                     extra rank sends its whole vector to a partner and receives the whole
+//                     result back, as Rabenseifner's and Thakur's algorithm does)
 //   hier              shared memory inside a machine (reduce-scatter and all-gather: 2 alpha_shm
 //                     + 2 (L - 1) / L N beta_shm), then the network between M machines on N / L
 //                     per rank, the machine's L ranks sharing its link (beta_net x L)
@@ -58,8 +60,8 @@ Terms terms(AllReduceAlgorithm a, int n) {
       const int p = 1 << static_cast<int>(std::floor(std::log2(n)));
       Terms t{2.0 * std::log2(p), 2.0 * (p - 1) / p};
       if (p != n) {
-        t.rounds += 2;
-        t.bytes_factor += 1;
+        t.rounds += 2;        // the fold and the unfold
+        t.bytes_factor += 2;  // N to the partner, N back
       }
       return t;
     }
@@ -103,6 +105,20 @@ double predict_hier_all_reduce(int64_t bytes, int machines, int local, const Lin
     t += predict_all_reduce(a, per_rank, machines, shared);
   }
   return t;
+}
+
+AllReduceAlgorithm gloo_all_reduce_algorithm(int64_t bytes, int ranks, const LinkModel& link,
+                                             AlgorithmSetting setting) {
+  if (ranks == 2) return AllReduceAlgorithm::kWhole;
+  switch (setting) {
+    case AlgorithmSetting::kWhole:
+      return AllReduceAlgorithm::kWhole;
+    case AlgorithmSetting::kDirect:
+      return AllReduceAlgorithm::kDirect;
+    case AlgorithmSetting::kAuto:
+      break;
+  }
+  return choose_all_reduce(bytes, ranks, link);
 }
 
 AllReduceAlgorithm choose_all_reduce(int64_t bytes, int ranks, const LinkModel& link,

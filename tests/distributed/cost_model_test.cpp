@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "lockstep/base/worker_env.h"
 #include "testing.h"
 
 using namespace lockstep;
@@ -28,9 +29,10 @@ TEST(CostModel, PredictsRoundsAndBytesOfEachAlgorithm) {
                    6 * 50e-6 + 1.5 * n * 8e-9);
   EXPECT_DOUBLE_EQ(predict_all_reduce(AllReduceAlgorithm::kHalvingDoubling, n, 4, kGigabit),
                    4 * 50e-6 + 1.5 * n * 8e-9);
-  // Six ranks are not a power of two: halving-doubling folds 2 of them first (N more, 2 rounds).
+  // Six ranks are not a power of two: halving-doubling folds 2 of them into partners first and
+  // unfolds them last, N bytes each way (2 N and 2 rounds more than four ranks).
   EXPECT_DOUBLE_EQ(predict_all_reduce(AllReduceAlgorithm::kHalvingDoubling, n, 6, kGigabit),
-                   (4 + 2) * 50e-6 + (1.5 + 1) * n * 8e-9);
+                   (4 + 2) * 50e-6 + (1.5 + 2) * n * 8e-9);
   // Two ranks: direct is whole (the same bytes, the same rounds).
   EXPECT_DOUBLE_EQ(predict_all_reduce(AllReduceAlgorithm::kDirect, n, 2, kGigabit),
                    predict_all_reduce(AllReduceAlgorithm::kWhole, n, 2, kGigabit));
@@ -53,6 +55,23 @@ TEST(CostModel, ChoosesWholeForSmallTensorsAndDirectForLargeOnes) {
   EXPECT_EQ(choose_all_reduce(64 * kMiB, 8, kGigabit, false), AllReduceAlgorithm::kDirect);
   // Two ranks: whole, at every size.
   EXPECT_EQ(choose_all_reduce(64 * kMiB, 2, kGigabit), AllReduceAlgorithm::kWhole);
+}
+
+TEST(CostModel, TheGlooChoiceIsWholeForTwoRanksElseTheSettingElseTheModel) {
+  // Two ranks: whole whatever the setting or the size.
+  for (AlgorithmSetting s : {AlgorithmSetting::kAuto, AlgorithmSetting::kDirect}) {
+    EXPECT_EQ(gloo_all_reduce_algorithm(64 * kMiB, 2, kGigabit, s), AllReduceAlgorithm::kWhole);
+  }
+  // A forced algorithm wins over the model at sizes where the model picks the other one.
+  EXPECT_EQ(gloo_all_reduce_algorithm(64 * kMiB, 4, kGigabit, AlgorithmSetting::kWhole),
+            AllReduceAlgorithm::kWhole);
+  EXPECT_EQ(gloo_all_reduce_algorithm(4 * kKiB, 4, kGigabit, AlgorithmSetting::kDirect),
+            AllReduceAlgorithm::kDirect);
+  // Auto: the model's choice, on both sides of the crossover.
+  EXPECT_EQ(gloo_all_reduce_algorithm(4 * kKiB, 4, kGigabit, AlgorithmSetting::kAuto),
+            AllReduceAlgorithm::kWhole);
+  EXPECT_EQ(gloo_all_reduce_algorithm(64 * kMiB, 4, kGigabit, AlgorithmSetting::kAuto),
+            AllReduceAlgorithm::kDirect);
 }
 
 TEST(CostModel, TheDefaultLinkKeepsSmallGradientsWhole) {
@@ -119,12 +138,18 @@ TEST(CostModel, FitRecoversAlphaAndBetaFromMeasurements) {
 }
 
 // Settings: read by the gloo backend when a group is made (rank 0's are used by every rank).
+// Cleared before each test as well as after, so that the caller's environment cannot change
+// what a test sees.
 class CostModelEnv : public ::testing::Test {
  protected:
-  void TearDown() override {
-    ::unsetenv("LOCKSTEP_NET_ALPHA_US");
-    ::unsetenv("LOCKSTEP_NET_GBPS");
-    ::unsetenv("LOCKSTEP_ALLREDUCE_ALGO");
+  void SetUp() override { clear(); }
+  void TearDown() override { clear(); }
+
+ private:
+  static void clear() {
+    for (const char* name : {env::kNetAlphaUs, env::kNetGbps, env::kAllReduceAlgo}) {
+      ::unsetenv(name);
+    }
   }
 };
 

@@ -40,6 +40,17 @@ double predict_hier_all_reduce(int64_t bytes, int machines, int local, const Lin
 AllReduceAlgorithm choose_all_reduce(int64_t bytes, int ranks, const LinkModel& link,
                                      bool rank_order = true);
 
+// LOCKSTEP_ALLREDUCE_ALGO: "auto" (unset: the model's choice), "whole" or "direct" (the gloo
+// backend's rank-order algorithms). Anything else is an Error listing these.
+enum class AlgorithmSetting { kAuto, kWhole, kDirect };
+AlgorithmSetting algorithm_setting_from_env();
+
+// The algorithm the gloo backend's all_reduce of `bytes` runs over `ranks` ranks: whole with two
+// ranks (the same bytes as direct, one round less), else the one `setting` forces, else the
+// model's rank-order choice for `link`. The backend and bench/net_allreduce both ask here.
+AllReduceAlgorithm gloo_all_reduce_algorithm(int64_t bytes, int ranks, const LinkModel& link,
+                                             AlgorithmSetting setting);
+
 // The smallest bucket whose all_reduce spends at most `overhead` of its time on latency (direct
 // algorithm), rounded up to a MiB: DDP's bucket cap that this link makes worth it.
 int64_t bucket_bytes_for(const LinkModel& link, int ranks, double overhead = 0.05);
@@ -58,10 +69,5 @@ LinkModel fit_link(int ranks, const std::vector<LinkSample>& samples);
 // LOCKSTEP_NET_GBPS (Gbit/s per rank, 0.001 to 1e5), each defaulting to LinkModel's. Another value
 // is an Error naming the variable, what it holds and what was expected (lockstep/base/env_var.h).
 LinkModel link_from_env();
-
-// LOCKSTEP_ALLREDUCE_ALGO: "auto" (unset: the model's choice), "whole" or "direct" (the gloo
-// backend's rank-order algorithms). Anything else is an Error listing these.
-enum class AlgorithmSetting { kAuto, kWhole, kDirect };
-AlgorithmSetting algorithm_setting_from_env();
 
 }  // namespace lockstep::dist

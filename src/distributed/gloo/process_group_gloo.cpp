@@ -222,20 +222,22 @@ class ProcessGroupGloo::Impl : public std::enable_shared_from_this<ProcessGroupG
 
   const std::string& address() const { return address_; }
 
-  // Whether an all_reduce of `bytes` sends whole tensors (else reduce-scatter + all-gather): the
-  // cost model's choice (Note [Cost model] in src/distributed/cost_model.cpp) or the setting's.
-  // Two ranks always send whole tensors: the same bytes, one round less.
-  bool all_reduce_whole(int64_t bytes) const {
-    if (size_ == 2) return true;
-    switch (algorithm_) {
-      case AlgorithmSetting::kWhole:
-        return true;
-      case AlgorithmSetting::kDirect:
-        return false;
-      case AlgorithmSetting::kAuto:
-        break;
-    }
-    return choose_all_reduce(bytes, size_, link_) == AllReduceAlgorithm::kWhole;
+  const LinkModel& link() const { return link_; }
+
+  // The cost model's choice (Note [Cost model] in src/distributed/cost_model.cpp) or the
+  // setting's, from rank 0's link and setting: every rank chooses alike.
+  AllReduceAlgorithm all_reduce_algorithm(int64_t bytes) const {
+    return gloo_all_reduce_algorithm(bytes, size_, link_, algorithm_);
+  }
+
+  // Counts an all_reduce that ran with `a`; read from any thread.
+  void count_all_reduce(AllReduceAlgorithm a) {
+    (a == AllReduceAlgorithm::kWhole ? whole_calls_ : direct_calls_)
+        .fetch_add(1, std::memory_order_relaxed);
+  }
+  ProcessGroupGloo::AllReduceCounts all_reduce_counts() const {
+    return {whole_calls_.load(std::memory_order_relaxed),
+            direct_calls_.load(std::memory_order_relaxed)};
   }
 
   // What a rank-order collective receives into (Note [Gloo rank-order reduction]); used by
@@ -358,6 +360,8 @@ class ProcessGroupGloo::Impl : public std::enable_shared_from_this<ProcessGroupG
   std::vector<uint8_t> scratch_;
   LinkModel link_;
   AlgorithmSetting algorithm_ = AlgorithmSetting::kAuto;
+  std::atomic<int64_t> whole_calls_{0};
+  std::atomic<int64_t> direct_calls_{0};
 
   std::mutex exec_mu_;  // held while a task runs (Note [Caller runs])
   std::mutex mu_;       // guards the queue
@@ -391,22 +395,34 @@ ProcessGroupGloo::~ProcessGroupGloo() {
 
 const std::string& ProcessGroupGloo::address() const { return impl_->address(); }
 
+const LinkModel& ProcessGroupGloo::link() const { return impl_->link(); }
+
+AllReduceAlgorithm ProcessGroupGloo::all_reduce_algorithm(int64_t bytes) const {
+  return impl_->all_reduce_algorithm(bytes);
+}
+
+ProcessGroupGloo::AllReduceCounts ProcessGroupGloo::all_reduce_counts() const {
+  return impl_->all_reduce_counts();
+}
+
 void ProcessGroupGloo::do_all_reduce(Tensor tensor, ReduceOp op, std::chrono::milliseconds timeout,
                                      const WorkPtr& work) {
   const auto tag = static_cast<uint32_t>(work->seq());
-  auto* scratch = &impl_->scratch();
-  const bool whole = impl_->all_reduce_whole(tensor.nbytes());
-  impl_->run(work, timeout,
-             [tensor, op, timeout, tag, scratch, whole](const std::shared_ptr<gloo::Context>& ctx) {
-               const auto deadline = Clock::now() + timeout;
-               detail::check_signatures(
-                   ctx, detail::signature(detail::CallKind::all_reduce, &tensor, op), tag, timeout);
-               // Rank order, as the shm backend and this backend's reduce_scatter add (Note [Gloo
-               // rank-order reduction]); avg divides inside.
-               detail::rank_order_all_reduce(ctx, tensor.data_ptr(),
-                                             static_cast<size_t>(tensor.numel()), tensor.dtype(),
-                                             op, whole, tag, detail::time_left(deadline), *scratch);
-             });
+  Impl* impl = impl_.get();  // outlives the task: ~Impl runs the queue before it ends
+  const AllReduceAlgorithm algorithm = impl->all_reduce_algorithm(tensor.nbytes());
+  impl->run(work, timeout,
+            [tensor, op, timeout, tag, impl, algorithm](const std::shared_ptr<gloo::Context>& ctx) {
+              const auto deadline = Clock::now() + timeout;
+              detail::check_signatures(
+                  ctx, detail::signature(detail::CallKind::all_reduce, &tensor, op), tag, timeout);
+              // Rank order, as the shm backend and this backend's reduce_scatter add (Note [Gloo
+              // rank-order reduction]); avg divides inside.
+              detail::rank_order_all_reduce(ctx, tensor.data_ptr(),
+                                            static_cast<size_t>(tensor.numel()), tensor.dtype(), op,
+                                            algorithm == AllReduceAlgorithm::kWhole, tag,
+                                            detail::time_left(deadline), impl->scratch());
+              impl->count_all_reduce(algorithm);
+            });
 }
 
 void ProcessGroupGloo::do_broadcast(Tensor tensor, int root, std::chrono::milliseconds timeout,

@@ -7,11 +7,13 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "distributed/thread_ranks.h"
+#include "lockstep/base/worker_env.h"
 #include "lockstep/lockstep.h"
 #include "testing.h"
 
@@ -36,15 +38,39 @@ std::vector<uint32_t> bits(const std::vector<float>& v) {
   return b;
 }
 
-// Every rank's all_reduce result on `backend` (one vector per rank).
+// The algorithm a gloo all_reduce of `bytes` over `world` ranks must run under
+// LOCKSTEP_ALLREDUCE_ALGO=`setting`: the forced one (two ranks: always whole), else the model's
+// choice for the default link. Written out here rather than asked of the library, so that a
+// backend that ignored the setting would fail.
+AllReduceAlgorithm expected_algorithm(int world, int64_t bytes, const std::string& setting) {
+  if (world == 2 || setting == "whole") return AllReduceAlgorithm::kWhole;
+  if (setting == "direct") return AllReduceAlgorithm::kDirect;
+  return choose_all_reduce(bytes, world, LinkModel{});
+}
+
+// Fails unless `pg` is a gloo group whose `calls` all_reduce calls so far all ran `want`.
+void expect_ran(const ProcessGroupPtr& pg, AllReduceAlgorithm want, int64_t calls, int rank) {
+  const auto* gloo = dynamic_cast<const ProcessGroupGloo*>(pg.get());
+  ASSERT_NE(gloo, nullptr) << "rank " << rank << ": expected a gloo group, got " << pg->backend();
+  const auto ran = gloo->all_reduce_counts();
+  EXPECT_EQ(ran.whole, want == AllReduceAlgorithm::kWhole ? calls : 0)
+      << "rank " << rank << " expected " << algorithm_name(want);
+  EXPECT_EQ(ran.direct, want == AllReduceAlgorithm::kDirect ? calls : 0)
+      << "rank " << rank << " expected " << algorithm_name(want);
+}
+
+// Every rank's all_reduce result on `backend` (one vector per rank); with `ran`, each rank's
+// group must have run that algorithm.
 std::vector<std::vector<float>> all_reduce_on(const std::string& backend, int world, int64_t n,
-                                              ReduceOp op, uint64_t salt) {
+                                              ReduceOp op, uint64_t salt,
+                                              std::optional<AllReduceAlgorithm> ran = {}) {
   std::vector<std::vector<float>> out(static_cast<size_t>(world));
   const auto errors =
       lockstep::testing::run_ranks_on(backend, world, [&](int r, ProcessGroupPtr pg) {
         Tensor t = from_vector(input_of(r, n, salt), {n});
         pg->all_reduce(t, AllReduceOptions{.op = op})->wait();
         out[r] = t.to_vector<float>();
+        if (ran) expect_ran(pg, *ran, 1, r);
       });
   for (int r = 0; r < world; ++r) EXPECT_EQ(errors[r], "") << backend << " rank " << r;
   return out;
@@ -71,10 +97,22 @@ struct Sizes {
   const char* algorithm;
 };
 
+// The link settings are cleared, so that "auto" means the default link whatever the caller's
+// environment holds.
 class GlooRankOrder : public ::testing::TestWithParam<Sizes> {
  protected:
-  void SetUp() override { ::setenv("LOCKSTEP_ALLREDUCE_ALGO", GetParam().algorithm, 1); }
-  void TearDown() override { ::unsetenv("LOCKSTEP_ALLREDUCE_ALGO"); }
+  void SetUp() override {
+    clear();
+    ::setenv(env::kAllReduceAlgo, GetParam().algorithm, 1);
+  }
+  void TearDown() override { clear(); }
+
+ private:
+  static void clear() {
+    for (const char* name : {env::kNetAlphaUs, env::kNetGbps, env::kAllReduceAlgo}) {
+      ::unsetenv(name);
+    }
+  }
 };
 
 TEST_P(GlooRankOrder, AllReduceIsBitwiseTheSerialRankOrderSumAndShms) {
@@ -82,7 +120,8 @@ TEST_P(GlooRankOrder, AllReduceIsBitwiseTheSerialRankOrderSumAndShms) {
   for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg}) {
     const uint64_t salt = static_cast<uint64_t>(n) * 7 + static_cast<uint64_t>(op);
     const auto want = bits(serial_sum(world, n, op, salt));
-    const auto gloo = all_reduce_on("gloo", world, n, op, salt);
+    const auto gloo =
+        all_reduce_on("gloo", world, n, op, salt, expected_algorithm(world, n * 4, algorithm));
     const auto shm = all_reduce_on("shm", world, n, op, salt);
     for (int r = 0; r < world; ++r) {
       EXPECT_EQ(bits(gloo[r]), want) << "gloo rank " << r << " op " << static_cast<int>(op);
@@ -105,6 +144,7 @@ TEST_P(GlooRankOrder, ReduceScatterThenAllGatherIsBitwiseAllReduce) {
         Tensor gathered = zeros({per * world});
         pg->all_gather(gathered, reduced)->wait();
         pg->all_reduce(in)->wait();
+        expect_ran(pg, expected_algorithm(world, per * world * 4, algorithm), 1, r);
         EXPECT_EQ(bits(gathered.to_vector<float>()), bits(in.to_vector<float>())) << "rank " << r;
         EXPECT_EQ(bits(in.to_vector<float>()),
                   bits(serial_sum(world, per * world, ReduceOp::sum, salt)))
@@ -115,7 +155,8 @@ TEST_P(GlooRankOrder, ReduceScatterThenAllGatherIsBitwiseAllReduce) {
 
 // Sizes: empty, smaller than the world, not a multiple of it, one 64-byte chunk plus a bit, more
 // than one 1 MiB piece per chunk (pieces arrive and are reduced in order); each sent whole and
-// reduce-scattered (two ranks always send whole tensors), and as the cost model chooses.
+// reduce-scattered (two ranks always send whole tensors), and as the cost model chooses (whole
+// for 16 KiB over four ranks, direct for 4 MiB).
 std::vector<Sizes> sizes() {
   std::vector<Sizes> s;
   for (int world : {2, 3, 4}) {
@@ -129,6 +170,7 @@ std::vector<Sizes> sizes() {
     }
   }
   s.push_back({4, 4099, "auto"});
+  s.push_back({4, (1 << 20) + 5, "auto"});
   return s;
 }
 

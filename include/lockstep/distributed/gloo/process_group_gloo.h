@@ -1,8 +1,10 @@
 // ProcessGroupGloo: collectives on CPU tensors over TCP, with the Gloo library as the engine.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 
+#include "lockstep/distributed/cost_model.h"
 #include "lockstep/distributed/process_group.h"
 
 namespace lockstep::dist {
@@ -29,6 +31,20 @@ class ProcessGroupGloo : public ProcessGroup {
   std::string_view backend() const override { return "gloo"; }
   // The address the transport listens on ("127.0.0.1").
   const std::string& address() const;
+
+  // The link the group's cost model uses (Note [Cost model] in src/distributed/cost_model.cpp):
+  // rank 0's, agreed when the group was made, so the same on every rank.
+  const LinkModel& link() const;
+  // The algorithm an all_reduce of `bytes` runs: gloo_all_reduce_algorithm with the group's link
+  // and rank 0's LOCKSTEP_ALLREDUCE_ALGO. Each call asks here.
+  AllReduceAlgorithm all_reduce_algorithm(int64_t bytes) const;
+  // How many all_reduce calls this rank has finished with each algorithm (whole, direct): what
+  // ran, for tests and benchmarks to check against what was asked for.
+  struct AllReduceCounts {
+    int64_t whole = 0;
+    int64_t direct = 0;
+  };
+  AllReduceCounts all_reduce_counts() const;
 
  protected:
   void do_all_reduce(Tensor tensor, ReduceOp op, std::chrono::milliseconds timeout,
