@@ -3,9 +3,11 @@
 // 64 MiB and rank 0 prints, per size, the median time per call, the algorithm bandwidth, and
 // the time a bandwidth-optimal ring needs on links of --gbps (2 (n - 1) / n x bytes / rate, no
 // latency): "of limit" is the ring's time over the measured one (1.0: as fast as the link allows).
-// Then the cost model (Note [Cost model]): alpha and beta fitted to all rows, and per size the
-// algorithm the group ran (the model's choice from the settings, or LOCKSTEP_ALLREDUCE_ALGO), the
-// model's time and measured / predicted.
+// Then the cost model (Note [Cost model]), per size: the algorithm the group ran (the model's
+// choice, or LOCKSTEP_ALLREDUCE_ALGO) and measured / predicted, first for the link the group
+// runs with (the settings LOCKSTEP_NET_ALPHA_US and LOCKSTEP_NET_GBPS, or its calibration), then
+// for alpha and beta fitted to these rows. Under the hier backend (several ranks per machine) the
+// prediction is the hierarchical one, with shared memory at kShmLink; no fit is made there.
 //
 //   lockstep run ... net_allreduce [--gbps 1] [--min-bytes 4096] [--max-bytes 67108864]
 //                                  [--rounds 5] [--json PATH]
@@ -31,6 +33,9 @@ namespace {
 // Each round moves about this many bytes per rank (fewer calls for big messages).
 constexpr int64_t kBytesPerRound = 16 << 20;
 constexpr int kMaxIters = 100;
+// Shared memory between the ranks of one machine, for the hier prediction: about 5 us a round and
+// 5 GB/s, the 2-process shm all_reduce of docs/PERFORMANCE.md on the 2-core VM.
+constexpr dist::LinkModel kShmLink{.alpha = 5e-6, .beta = 0.2e-9};
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -123,7 +128,30 @@ int main(int argc, char** argv) {
       first = false;
     }
   }
-  if (rank == 0 && size > 1 && samples.size() >= 2) {
+  const bool hier = pg->backend() == "hier";
+  const int local = dist::local_world_size();
+  const dist::LinkModel group_link = gloo != nullptr ? gloo->link() : settings;
+  if (rank == 0 && size > 1 && !samples.empty()) {
+    auto predict = [&](const dist::LinkSample& x, const dist::LinkModel& link) {
+      if (hier && local > 1 && size % local == 0)
+        return dist::predict_hier_all_reduce(x.bytes, size / local, local, kShmLink, link);
+      return dist::predict_all_reduce(x.algorithm, x.bytes, size, link);
+    };
+    std::printf("cost model with the group's link: alpha %.1f us, %.3g Gbit/s%s\n",
+                group_link.alpha * 1e6, 8 / group_link.beta / 1e9,
+                hier ? (", hier: " + std::to_string(size / local) + " machines x " +
+                        std::to_string(local) + " ranks, shm 5 us and 5 GB/s").c_str()
+                     : "");
+    std::printf("%10s %10s %12s %12s %9s\n", "bytes", "algorithm", "us/call", "model us",
+                "measured/model");
+    for (const dist::LinkSample& x : samples) {
+      const double p = predict(x, group_link);
+      std::printf("%10lld %10s %12.1f %12.1f %9.2f\n", static_cast<long long>(x.bytes),
+                  hier ? "hier" : std::string(dist::algorithm_name(x.algorithm)).c_str(),
+                  x.seconds * 1e6, p * 1e6, x.seconds / p);
+    }
+  }
+  if (rank == 0 && size > 1 && samples.size() >= 2 && !hier) {
     const dist::LinkModel fit = dist::fit_link(size, samples);
     std::printf("cost model fitted to these rows: alpha %.1f us, beta %.3f ns/byte (%.3g Gbit/s)\n",
                 fit.alpha * 1e6, fit.beta * 1e9, fit.beta > 0 ? 8 / fit.beta / 1e9 : 0.0);
