@@ -74,6 +74,10 @@ inline constexpr const char* kAllowTf32 = "LOCKSTEP_ALLOW_TF32";
 // src/distributed/cost_model.cpp): microseconds per message round, and Gbit/s per rank.
 inline constexpr const char* kNetAlphaUs = "LOCKSTEP_NET_ALPHA_US";
 inline constexpr const char* kNetGbps = "LOCKSTEP_NET_GBPS";
+// "1": a gloo group of more than two ranks times a few all_reduces when it is made and uses the
+// link fitted to them instead (Note [Link calibration] in
+// src/distributed/gloo/process_group_gloo.cpp). Default 0.
+inline constexpr const char* kNetCalibrate = "LOCKSTEP_NET_CALIBRATE";
 // The gloo backend's all_reduce algorithm: auto (the cost model's choice), whole or direct.
 inline constexpr const char* kAllReduceAlgo = "LOCKSTEP_ALLREDUCE_ALGO";
 

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
@@ -24,7 +25,10 @@
 #include "distributed/gloo/p2p.h"
 #include "distributed/gloo/register.h"
 #include "distributed/gloo/store_adapter.h"
+#include "lockstep/base/env_var.h"
 #include "lockstep/base/error.h"
+#include "lockstep/base/log.h"
+#include "lockstep/base/worker_env.h"
 #include "lockstep/distributed/cost_model.h"
 
 namespace lockstep::dist {
@@ -148,6 +152,7 @@ class ProcessGroupGloo::Impl : public std::enable_shared_from_this<ProcessGroupG
         // rank's connect, which tells the others; rank 0's are the ones used, below.
         link_ = link_from_env();
         algorithm_ = algorithm_setting_from_env();
+        calibrate_ = env_flag(env::kNetCalibrate).value_or(false);
         auto context = std::make_shared<gloo::rendezvous::Context>(rank_, size_);
         context->setTimeout(config.timeout);
         detail::GlooStoreAdapter adapter(config.store, config.timeout);
@@ -159,6 +164,7 @@ class ProcessGroupGloo::Impl : public std::enable_shared_from_this<ProcessGroupG
           LS_THROW(who_, ": connecting to the other ", size_ - 1, " ranks failed: ", e.what());
         }
         agree_on_cost_model(*config.store);
+        if (calibrate_ && size_ > 2) calibrate(context, *config.store, config.timeout);
         context_ = std::move(context);
         done->set_value();
       } catch (...) {
@@ -246,21 +252,116 @@ class ProcessGroupGloo::Impl : public std::enable_shared_from_this<ProcessGroupG
 
  private:
   // Every rank must choose the same algorithm for a call, or their messages would not match:
-  // all take rank 0's link model and setting, published through the group's store.
+  // all take rank 0's link model and settings (calibration included: every rank must take part
+  // in it or none), published through the group's store.
   void agree_on_cost_model(Store& store) {
     static const std::string kKey = "lockstep/cost_model";
     if (rank_ == 0) {
       char text[96];
-      std::snprintf(text, sizeof(text), "%.17g %.17g %d", link_.alpha, link_.beta,
-                    static_cast<int>(algorithm_));
+      std::snprintf(text, sizeof(text), "%.17g %.17g %d %d", link_.alpha, link_.beta,
+                    static_cast<int>(algorithm_), calibrate_ ? 1 : 0);
       store.set(kKey, std::string_view(text));
       return;
     }
     const std::string text = store.get_string(kKey);
-    int algorithm = 0;
-    LS_CHECK(std::sscanf(text.c_str(), "%lf %lf %d", &link_.alpha, &link_.beta, &algorithm) == 3,
-             who_, ": rank 0's cost model settings are unreadable: '", text, "'");
+    int algorithm = 0, calibrate = 0;
+    LS_CHECK(std::sscanf(text.c_str(), "%lf %lf %d %d", &link_.alpha, &link_.beta, &algorithm,
+                         &calibrate) == 4,
+             who_, ": rank 0's cost model settings are unreadable: '", text,
+             "'; expected alpha, beta, algorithm and calibration");
     algorithm_ = static_cast<AlgorithmSetting>(algorithm);
+    calibrate_ = calibrate != 0;
+  }
+
+  // Note [Link calibration]
+  // The link settings (LOCKSTEP_NET_ALPHA_US, LOCKSTEP_NET_GBPS) are guesses unless someone ran
+  // bench/net_allreduce. With LOCKSTEP_NET_CALIBRATE=1 a group measures instead, once, right
+  // after it connects: direct all_reduces of 4 KiB and of 1 MiB, each with its signature
+  // exchange as a real call has, so that the fit counts the rounds the model counts (Note [Cost
+  // model] in src/distributed/cost_model.cpp). Each size's time is the median of
+  // kCalibrationReps calls, the slowest rank's (a collective waits for it), so every rank holds
+  // the same numbers and takes the same steps.
+  // Where a round costs milliseconds (a loaded machine's wake-ups), 1 MiB can take no longer
+  // than 4 KiB and beta would fit to 0: the large size then grows fourfold, up to 64 MiB, until
+  // it takes kCalibrationSpread times the small one. On a real network 1 MiB already suffices;
+  // on the loopback of a loaded two-core machine the whole calibration took 0.15 to 0.5 s.
+  // fit_link fits the two medians. Rank 0's fit is published through the store and every rank
+  // takes it, so that the ranks never choose apart. A fit that is not positive and finite is
+  // dropped with a warning and the settings' link kept. Two ranks skip all of this: they always
+  // send whole tensors, so no link would change their choice.
+  static constexpr int64_t kCalibrationSmall = 4 << 10;
+  static constexpr int64_t kCalibrationLarge = 1 << 20;
+  static constexpr int64_t kCalibrationLargest = 64 << 20;
+  static constexpr double kCalibrationSpread = 2;
+  static constexpr int kCalibrationWarmups = 1;
+  static constexpr int kCalibrationReps = 5;
+  // Tags of the calibration's calls: far above any sequence number a group reaches.
+  static constexpr uint32_t kCalibrationTag = 0xFFFF0000u;
+
+  // The median time of kCalibrationReps direct all_reduces of `bytes`, the slowest rank's.
+  double time_all_reduce(const std::shared_ptr<gloo::Context>& ctx, int64_t bytes, uint32_t& tag,
+                         std::chrono::milliseconds timeout) {
+    Tensor t = zeros({bytes / 4});  // (bytes / 4) f32
+    const auto sig = detail::signature(detail::CallKind::all_reduce, &t, ReduceOp::sum);
+    std::vector<double> seconds;
+    for (int i = 0; i < kCalibrationWarmups + kCalibrationReps; ++i, ++tag) {
+      const auto t0 = Clock::now();
+      detail::check_signatures(ctx, sig, tag, timeout);
+      detail::rank_order_all_reduce(ctx, t.data_ptr(), static_cast<size_t>(t.numel()), t.dtype(),
+                                    ReduceOp::sum, /*whole=*/false, tag, timeout, scratch_);
+      if (i >= kCalibrationWarmups) {
+        seconds.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+      }
+    }
+    std::sort(seconds.begin(), seconds.end());
+    double median = seconds[seconds.size() / 2];
+    detail::rank_order_all_reduce(ctx, &median, 1, kFloat64, ReduceOp::max, /*whole=*/true, tag++,
+                                  timeout, scratch_);
+    return median;
+  }
+
+  void calibrate(const std::shared_ptr<gloo::Context>& ctx, Store& store,
+                 std::chrono::milliseconds timeout) {
+    const auto started = Clock::now();
+    uint32_t tag = kCalibrationTag;
+    const LinkSample small{kCalibrationSmall, time_all_reduce(ctx, kCalibrationSmall, tag, timeout),
+                           AllReduceAlgorithm::kDirect};
+    LinkSample large{kCalibrationLarge, time_all_reduce(ctx, kCalibrationLarge, tag, timeout),
+                     AllReduceAlgorithm::kDirect};
+    while (large.seconds < kCalibrationSpread * small.seconds &&
+           large.bytes < kCalibrationLargest) {
+      large.bytes *= 4;
+      large.seconds = time_all_reduce(ctx, large.bytes, tag, timeout);
+    }
+    const std::vector<LinkSample> samples = {small, large};
+    static const std::string kKey = "lockstep/cost_model/calibrated";
+    if (rank_ != 0) {
+      const std::string text = store.get_string(kKey);
+      LS_CHECK(std::sscanf(text.c_str(), "%lf %lf", &link_.alpha, &link_.beta) == 2, who_,
+               ": rank 0's calibrated link is unreadable: '", text, "'; expected alpha and beta");
+      return;
+    }
+    const LinkModel fit = fit_link(size_, samples);
+    const bool usable =
+        std::isfinite(fit.alpha) && std::isfinite(fit.beta) && fit.alpha > 0 && fit.beta > 0;
+    const std::string measured = lockstep::detail::str_cat(
+        "all_reduce of ", samples[0].bytes, " bytes took ", samples[0].seconds * 1e6, " us, of ",
+        samples[1].bytes, " bytes ", samples[1].seconds * 1e6, " us (direct, the median of ",
+        kCalibrationReps, " calls on the slowest rank; ",
+        std::chrono::duration<double>(Clock::now() - started).count() * 1e3, " ms in all)");
+    if (usable) {
+      link_ = fit;
+      log_info(who_, ": ", env::kNetCalibrate, "=1: ", measured, "; the cost model uses alpha ",
+               fit.alpha * 1e6, " us, ", 8 / fit.beta / 1e9, " Gbit/s");
+    } else {
+      log_warning(who_, ": ", env::kNetCalibrate, "=1: ", measured, "; the fit (alpha ",
+                  fit.alpha * 1e6, " us, beta ", fit.beta * 1e9,
+                  " ns/byte) is not positive, so the cost model keeps alpha ", link_.alpha * 1e6,
+                  " us, ", 8 / link_.beta / 1e9, " Gbit/s");
+    }
+    char text[64];
+    std::snprintf(text, sizeof(text), "%.17g %.17g", link_.alpha, link_.beta);
+    store.set(kKey, std::string_view(text));
   }
 
   void post(std::function<void()> task) {
@@ -360,6 +461,7 @@ class ProcessGroupGloo::Impl : public std::enable_shared_from_this<ProcessGroupG
   std::vector<uint8_t> scratch_;
   LinkModel link_;
   AlgorithmSetting algorithm_ = AlgorithmSetting::kAuto;
+  bool calibrate_ = false;  // LOCKSTEP_NET_CALIBRATE, rank 0's (Note [Link calibration])
   std::atomic<int64_t> whole_calls_{0};
   std::atomic<int64_t> direct_calls_{0};
 
