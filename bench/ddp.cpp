@@ -34,6 +34,7 @@
 #include "lockstep/distributed/data_parallel.h"
 #include "lockstep/distributed/ddp.h"
 #include "lockstep/distributed/init.h"
+#include "lockstep/distributed/zero.h"
 #include "lockstep/lockstep.h"
 
 using namespace lockstep;
@@ -55,10 +56,13 @@ struct Config {
   int64_t batch_factor;   // global batch = batch x this
   std::string hook = "";  // DDP communication hook: "" (all_reduce) or "bf16"
   std::string backend = "gloo";  // LOCKSTEP_BACKEND for the job
+  bool zero = false;  // DDP's optimizer sharded (ZeRO-1): each rank steps half the model
 };
 
-// The configurations of one model, in table order (kShmDDP: the gloo DDP row's twin over shm).
+// The configurations of one model, in table order (kShmDDP: the gloo DDP row's twin over shm;
+// kShmZero: that row with ZeRO-1).
 constexpr size_t kShmDDP = 5;
+constexpr size_t kShmZero = 6;
 const std::vector<Config>& configs() {
   static const std::vector<Config> c = {
       {"1 process, 1 thread", Mode::kSingle, 1, 1, 1},
@@ -67,6 +71,7 @@ const std::vector<Config>& configs() {
       {"DataParallel, 2 replicas x 1 thread", Mode::kDP, 1, 1, 2},
       {"1 process, 2 threads", Mode::kSingle, 1, 2, 2},
       {"DDP over shm, 2 processes x 1 thread", Mode::kDDP, 2, 1, 2, "", "shm"},
+      {"DDP shm + ZeRO-1, 2 processes x 1 thread", Mode::kDDP, 2, 1, 2, "", "shm", true},
   };
   return c;
 }
@@ -130,7 +135,17 @@ int run_worker(const Role& role) {
     ddp = std::make_shared<dist::DistributedDataParallel>(model, pg, opts);
   }
   nn::Module& net = ddp ? static_cast<nn::Module&>(*ddp) : *model;
-  optim::SGD opt(model->parameters(), {.lr = 0.05, .momentum = 0.9});
+  const optim::SGDOptions sgd{.lr = 0.05, .momentum = 0.9};
+  std::unique_ptr<optim::Optimizer> optimizer;
+  if (cfg.zero) {
+    optimizer = std::make_unique<dist::ZeroRedundancyOptimizer>(
+        model->parameters(), pg, [sgd](std::vector<optim::ParamGroup> groups) {
+          return std::make_unique<optim::SGD>(std::move(groups), sgd);
+        });
+  } else {
+    optimizer = std::make_unique<optim::SGD>(model->parameters(), sgd);
+  }
+  optim::Optimizer& opt = *optimizer;
   // Per-step phase times (ms); DataParallel's forward and backward are one call, counted as
   // backward.
   std::vector<double> fwd_ms, bwd_ms, opt_ms;
@@ -321,7 +336,8 @@ int main(int argc, char** argv) {
   for (size_t mi = 0; mi < models.size(); ++mi) {
     const std::string& model = models[mi];
     std::vector<std::vector<Result>> res(nc);
-    std::vector<double> efficiency, dp_ratio, shm_efficiency, shm_over_gloo;
+    std::vector<double> efficiency, dp_ratio, shm_efficiency, shm_over_gloo, shm_dp, zero_dp,
+        zero_efficiency;
     for (int r = 0; r < rounds; ++r) {
       std::vector<Result> round(nc);
       for (size_t k = 0; k < nc; ++k) {
@@ -333,6 +349,9 @@ int main(int argc, char** argv) {
       dp_ratio.push_back(round[1].samples_per_s / round[3].samples_per_s);
       shm_efficiency.push_back(round[kShmDDP].samples_per_s / (2 * round[0].samples_per_s));
       shm_over_gloo.push_back(round[kShmDDP].samples_per_s / round[1].samples_per_s);
+      shm_dp.push_back(round[kShmDDP].samples_per_s / round[3].samples_per_s);
+      zero_efficiency.push_back(round[kShmZero].samples_per_s / (2 * round[0].samples_per_s));
+      zero_dp.push_back(round[kShmZero].samples_per_s / round[3].samples_per_s);
     }
     std::printf("\n%s\n%-40s %6s %10s %8s %7s %7s %7s %8s %9s\n", model.c_str(), "configuration",
                 "global", "samples/s", "step ms", "fwd", "bwd", "opt", "exposed", "vs 1 proc");
@@ -381,11 +400,18 @@ int main(int argc, char** argv) {
     std::printf(
         "scaling efficiency (DDP 2 procs / (2 x 1 proc)): %.2f; DDP / DataParallel: %.2fx\n",
         median(efficiency), median(dp_ratio));
-    std::printf("over shm: scaling efficiency %.2f; DDP shm / DDP gloo: %.2fx\n",
-                median(shm_efficiency), median(shm_over_gloo));
+    std::printf(
+        "over shm: scaling efficiency %.2f; DDP shm / DDP gloo: %.2fx; DDP shm / DataParallel: "
+        "%.2fx\n",
+        median(shm_efficiency), median(shm_over_gloo), median(shm_dp));
+    std::printf("over shm with ZeRO-1: scaling efficiency %.2f; / DataParallel: %.2fx\n",
+                median(zero_efficiency), median(zero_dp));
     js << "  ], \"scaling_efficiency\": " << median(efficiency)
        << ", \"shm_scaling_efficiency\": " << median(shm_efficiency)
        << ", \"shm_over_gloo\": " << median(shm_over_gloo)
+       << ", \"shm_over_dataparallel\": " << median(shm_dp)
+       << ", \"zero1_scaling_efficiency\": " << median(zero_efficiency)
+       << ", \"zero1_over_dataparallel\": " << median(zero_dp)
        << ", \"ddp_over_dataparallel\": " << median(dp_ratio) << "}"
        << (mi + 1 < models.size() ? "," : "") << "\n";
     std::fflush(stdout);
