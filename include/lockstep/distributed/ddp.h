@@ -19,14 +19,23 @@ namespace lockstep::dist {
 // backward pass, then large ones so that per-collective latency is paid rarely.
 inline constexpr int64_t kDefaultFirstBucketBytes = int64_t{1} << 20;
 inline constexpr int64_t kDefaultBucketBytes = int64_t{25} << 20;
+// DDPOptions::bucket_bytes = kBucketBytesFromGroup: the cap bucket_bytes_from_group gives.
+inline constexpr int64_t kBucketBytesFromGroup = -1;
 // The slow-rank warning (Note [Slow rank], src/distributed/diagnosis/slow_rank.h): a rank whose
 // compute time is more than this many times the median ...
 inline constexpr double kDefaultSlowRankRatio = 1.5;
 // ... in this many synchronized steps in a row.
 inline constexpr int64_t kDefaultSlowRankSteps = 20;
 
+// The bucket cap the group's link makes worth it: for a gloo group, bucket_bytes_for its link
+// (Note [Cost model] in src/distributed/cost_model.cpp, LOCKSTEP_NET_CALIBRATE included) and size,
+// within [kDefaultFirstBucketBytes, kDefaultBucketBytes]; for another group, kDefaultBucketBytes.
+// The same on every rank: a gloo group's link is rank 0's.
+int64_t bucket_bytes_from_group(const ProcessGroup& pg);
+
 struct DDPOptions {
   int64_t first_bucket_bytes = kDefaultFirstBucketBytes;
+  // A cap in bytes, or kBucketBytesFromGroup to take bucket_bytes_from_group's.
   int64_t bucket_bytes = kDefaultBucketBytes;
   // Parameters that took no part in an iteration's backward are reduced with zero contribution.
   // Without it such a parameter is an error on every rank, naming it.

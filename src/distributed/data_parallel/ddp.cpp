@@ -11,10 +11,19 @@
 #include "distributed/object_text.h"
 #include "lockstep/autograd/grad_mode.h"
 #include "lockstep/base/error.h"
+#include "lockstep/distributed/cost_model.h"
+#include "lockstep/distributed/gloo/process_group_gloo.h"
 #include "lockstep/distributed/join.h"
 #include "lockstep/optim/optimizer.h"
 
 namespace lockstep::dist {
+
+int64_t bucket_bytes_from_group(const ProcessGroup& pg) {
+  const auto* gloo = dynamic_cast<const ProcessGroupGloo*>(&pg);
+  if (gloo == nullptr) return kDefaultBucketBytes;
+  return std::clamp(bucket_bytes_for(gloo->link(), gloo->size()), kDefaultFirstBucketBytes,
+                    kDefaultBucketBytes);
+}
 
 std::string DDPStats::str() const {
   std::ostringstream os;

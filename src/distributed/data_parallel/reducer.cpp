@@ -25,8 +25,12 @@ Reducer::Reducer(std::vector<std::pair<std::string, Tensor>> params, ProcessGrou
       pg_(std::move(pg)),
       opts_(opts),
       slow_rank_(opts_.slow_rank_ratio, opts_.slow_rank_steps) {
+  if (opts_.bucket_bytes == kBucketBytesFromGroup) {
+    opts_.bucket_bytes = bucket_bytes_from_group(*pg_);
+  }
   LS_CHECK(opts_.first_bucket_bytes > 0 && opts_.bucket_bytes > 0,
-           "DistributedDataParallel: bucket caps must be > 0 bytes, got first_bucket_bytes ",
+           "DistributedDataParallel: bucket caps must be > 0 bytes (or bucket_bytes = "
+           "kBucketBytesFromGroup), got first_bucket_bytes ",
            opts_.first_bucket_bytes, " and bucket_bytes ", opts_.bucket_bytes);
   LS_CHECK(opts_.comm_hook.start != nullptr, "DistributedDataParallel: the comm hook '",
            opts_.comm_hook.name, "' has no start function");

@@ -8,6 +8,8 @@
 
 #include "distributed/ddp_helpers.h"
 #include "distributed/thread_ranks.h"
+#include "lockstep/base/worker_env.h"
+#include "lockstep/distributed/cost_model.h"
 #include "lockstep/distributed/data_parallel.h"
 #include "lockstep/distributed/ddp.h"
 #include "lockstep/distributed/gloo/process_group_gloo.h"
@@ -107,6 +109,82 @@ TEST_P(DDPEquivalence, RanksOnShardsEqualOneProcessOnTheWholeBatch) {
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, DDPEquivalence, ::testing::Values(1, 2, 4));
+
+// bucket_bytes = kBucketBytesFromGroup (bucket_bytes_from_group): the cap a gloo group's link
+// makes worth it. The link settings are cleared around each test, so that the caller's
+// environment cannot change the caps.
+class DDPBucketsFromGroup : public ::testing::Test {
+ protected:
+  void SetUp() override { clear(); }
+  void TearDown() override { clear(); }
+
+ private:
+  static void clear() {
+    for (const char* name :
+         {env::kNetAlphaUs, env::kNetGbps, env::kAllReduceAlgo, env::kNetCalibrate}) {
+      ::unsetenv(name);
+    }
+  }
+};
+
+// Six 512 x 512 layers: 1 MiB weights, 6 MiB in all, more than the default link's cap.
+std::shared_ptr<nn::Module> six_layers() {
+  Generator gen(3);
+  auto s = std::make_shared<nn::Sequential>();
+  for (int i = 0; i < 6; ++i) s->push_back(std::make_shared<nn::Linear>(512, 512, gen));
+  return s;
+}
+
+TEST_F(DDPBucketsFromGroup, BucketsAreThoseOfTheCapTheGroupsLinkGives) {
+  constexpr int64_t kMiB = int64_t{1} << 20;
+  const auto errors = run_ranks(4, [&](int r, ProcessGroupPtr pg) {
+    // The default link (50 us, 10 Gbit/s) over four ranks: 3 alpha is 5% of a 2.4 MB call.
+    const int64_t cap = bucket_bytes_from_group(*pg);
+    EXPECT_EQ(cap, 3 * kMiB) << "rank " << r;
+    DDPOptions from_group;
+    from_group.bucket_bytes = kBucketBytesFromGroup;
+    DDPOptions explicit_cap;
+    explicit_cap.bucket_bytes = cap;
+    auto buckets_with = [&](const DDPOptions& o) {
+      return std::make_shared<DistributedDataParallel>(six_layers(), pg, o)->stats().bucket_bytes;
+    };
+    const auto got = buckets_with(from_group);
+    const auto want = buckets_with(explicit_cap);
+    const auto by_default = buckets_with(DDPOptions{});
+    EXPECT_EQ(got, want) << "rank " << r;
+    EXPECT_NE(got, by_default) << "rank " << r;  // the default's 25 MiB holds all but the first
+    for (int64_t b : got) EXPECT_LE(b, cap) << "rank " << r;
+  });
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
+TEST_F(DDPBucketsFromGroup, FollowTheLinkWithinOneAnd25MiBAndOtherBackendsKeepTheDefault) {
+  constexpr int64_t kMiB = int64_t{1} << 20;
+  auto cap_on = [](const std::string& backend) {
+    std::vector<int64_t> caps(3);
+    const auto errors = lockstep::testing::run_ranks_on(
+        backend, 3, [&](int r, ProcessGroupPtr pg) { caps[r] = bucket_bytes_from_group(*pg); });
+    for (int r = 0; r < 3; ++r) EXPECT_EQ(errors[r], "") << backend << " rank " << r;
+    for (int r = 1; r < 3; ++r) EXPECT_EQ(caps[r], caps[0]) << backend << " rank " << r;
+    return caps[0];
+  };
+  // 2 ms rounds at 1 Gbit/s over three ranks: bucket_bytes_for's own answer, inside the range.
+  ::setenv(env::kNetAlphaUs, "2000", 1);
+  ::setenv(env::kNetGbps, "1", 1);
+  const int64_t slow = bucket_bytes_for(LinkModel{2e-3, 8e-9}, 3);
+  EXPECT_GT(slow, kMiB);
+  EXPECT_LT(slow, kDefaultBucketBytes);
+  EXPECT_EQ(cap_on("gloo"), slow);
+  // One-second rounds would want gigabyte buckets: capped at the default.
+  ::setenv(env::kNetAlphaUs, "1000000", 1);
+  EXPECT_EQ(cap_on("gloo"), kDefaultBucketBytes);
+  // A fast link would want less than a MiB: the first bucket's size is the floor.
+  ::setenv(env::kNetAlphaUs, "1", 1);
+  ::setenv(env::kNetGbps, "100", 1);
+  EXPECT_EQ(cap_on("gloo"), kMiB);
+  // Shared memory has no link model: the default.
+  EXPECT_EQ(cap_on("shm"), kDefaultBucketBytes);
+}
 
 TEST(DDP, NoSyncAccumulatesLocallyThenReducesOnce) {
   // 3 micro-batches per rank, the first two inside no_sync(), loss / 3: one step on the
