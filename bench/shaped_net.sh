@@ -6,6 +6,8 @@
 #
 #   bench/shaped_net.sh [BUILD_DIR]     (root; BUILD_DIR defaults to build/release)
 #   NODES=4 NPROC=1 RATES="1gbit" BACKEND=gloo ARGS="--max-bytes 16777216" bench/shaped_net.sh
+# The cost model's settings (LOCKSTEP_NET_ALPHA_US, LOCKSTEP_NET_GBPS, LOCKSTEP_ALLREDUCE_ALGO,
+# LOCKSTEP_NET_CALIBRATE) are passed on to every node.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 source "$root/bench/shaped_common.sh"
@@ -17,7 +19,8 @@ for rate in $rates; do
   gbps=$(awk -v r="$rate" 'BEGIN { if (r ~ /gbit$/) print r + 0; else if (r ~ /mbit$/) print (r + 0) / 1000; else print 100 }')
   shaped_run "$rate" "$nproc" LOCKSTEP_BACKEND="${BACKEND:-auto}" \
     LOCKSTEP_NET_ALPHA_US="${LOCKSTEP_NET_ALPHA_US:-}" LOCKSTEP_NET_GBPS="${LOCKSTEP_NET_GBPS:-}" \
-    LOCKSTEP_ALLREDUCE_ALGO="${LOCKSTEP_ALLREDUCE_ALGO:-}" -- \
+    LOCKSTEP_ALLREDUCE_ALGO="${LOCKSTEP_ALLREDUCE_ALGO:-}" \
+    LOCKSTEP_NET_CALIBRATE="${LOCKSTEP_NET_CALIBRATE:-0}" -- \
     "$build/bench/net_allreduce" --gbps "$gbps" ${ARGS:-}
   echo "# $nodes nodes x $nproc ranks, rate $rate, $(nproc) cores, $(date -u +%FT%TZ)"
   cat "$work/$rate.0.log"
