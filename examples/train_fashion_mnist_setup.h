@@ -291,7 +291,9 @@ inline Model build_model(const Config& cfg, const std::shared_ptr<dist::ProcessG
     return m;
   } else {
     dist::DDPOptions dopts;
-    dopts.bucket_bytes = std::max<int64_t>(1, static_cast<int64_t>(cfg.bucket_mb * (1 << 20)));
+    dopts.bucket_bytes =
+        cfg.bucket_auto ? dist::kBucketBytesFromGroup
+                        : std::max<int64_t>(1, static_cast<int64_t>(cfg.bucket_mb * (1 << 20)));
     dopts.comm_hook = comm_hook_of(cfg);
     dopts.check_sync_every = cfg.check_sync_every;
     if (pg->rank() == cfg.test_slow_rank) test_slow_forward(*m.params);
@@ -359,7 +361,7 @@ inline bool check_job_settings(const Config& cfg, dist::ProcessGroup& pg,
        {"--stop-signals", stop_signals_text(cfg.stop_signals)},  // the stop check: a collective
        {"--resume", cfg.resume},
        {"--check-sync-every", text(cfg.check_sync_every)},
-       {"--bucket-mb", number_text(cfg.bucket_mb)},
+       {"--bucket-mb", cfg.bucket_auto ? std::string("auto") : number_text(cfg.bucket_mb)},
        {"--comm-hook", cfg.comm_hook},
        {"--powersgd-rank", text(cfg.powersgd_rank)},
        {"--powersgd-start", text(cfg.powersgd_start)},
