@@ -109,7 +109,8 @@ class GlooRankOrder : public ::testing::TestWithParam<Sizes> {
 
  private:
   static void clear() {
-    for (const char* name : {env::kNetAlphaUs, env::kNetGbps, env::kAllReduceAlgo}) {
+    for (const char* name :
+         {env::kNetAlphaUs, env::kNetGbps, env::kAllReduceAlgo, env::kNetCalibrate}) {
       ::unsetenv(name);
     }
   }
