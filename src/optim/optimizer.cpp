@@ -11,7 +11,7 @@
 #include "lockstep/optim/exact_sum.h"
 #include "ops/cpu/avx2_math.h"
 #include "ops/kernels.h"
-#include "optim/update_rule.h"
+#include "ops/update_rule.h"
 #include "tensor/dispatch.h"
 #include "tensor/parallel.h"
 
@@ -26,20 +26,21 @@ constexpr int64_t kUpdateGrain = 16384;
 // momentum buffer, its first step, Nesterov) compiled to scalar code that reloaded the double
 // options every element: 7 ns per element, the optimizer a sixth of a DDP step's time. Each
 // combination of options is its own loop here, over restrict pointers with the options already
-// in T and passed to rule::sgd (src/optim/update_rule.h) as constants, which the compiler
-// vectorizes. The arithmetic per element is the rule's, the same on every device.
+// in T and passed to update_rule::sgd (src/ops/update_rule.h) as constants, which the
+// compiler vectorizes. The arithmetic per element is the rule's, the same on every device.
 template <typename T, bool kDecay, bool kMomentum, bool kFirst, bool kNesterov>
 void sgd_range(T* __restrict p, const T* __restrict g, T* __restrict buf, int64_t begin,
-               int64_t end, const rule::Sgd<T>& c) {
+               int64_t end, const update_rule::Sgd<T>& c) {
   for (int64_t k = begin; k < end; ++k) {
-    rule::sgd(p[k], g[k], kMomentum ? buf + k : nullptr, c, kDecay, kMomentum, kFirst, kNesterov);
+    update_rule::sgd(p[k], g[k], kMomentum ? buf + k : nullptr, c, kDecay, kMomentum, kFirst,
+                     kNesterov);
   }
 }
 
 template <typename T>
 void sgd_update(T* p, const T* g, T* buf, int64_t n, double lr, double wd, double mom, double damp,
                 bool nesterov, bool first) {
-  const rule::Sgd<T> c = rule::sgd_scalars<T>(lr, wd, mom, damp);
+  const update_rule::Sgd<T> c = update_rule::sgd_scalars<T>(lr, wd, mom, damp);
   auto run = [&]<bool kDecay, bool kMomentum, bool kFirst, bool kNesterov>() {
     cpu::parallel_for(0, n, kUpdateGrain, [&](int64_t b, int64_t e) {
       sgd_range<T, kDecay, kMomentum, kFirst, kNesterov>(p, g, buf, b, e, c);
@@ -80,7 +81,7 @@ void check_param(const Tensor& p, const char* name) {
 // device, one launch per parameter would cost more than the arithmetic, so a step gathers its
 // group's parameters per device and runs the multi-tensor kernel of the device's table once
 // (sgd_update, adamw_update in src/ops/kernels.h); both sides apply the per-element rules of
-// src/optim/update_rule.h.
+// src/ops/update_rule.h.
 struct DeviceList {
   std::vector<Tensor> params, grads, bufs, bufs2;
   std::vector<uint8_t> first;
@@ -269,9 +270,10 @@ namespace {
 // Note [AdamW on AVX2]
 // The f32 update compiled as a scalar loop: std::sqrt may set errno, so GCC kept a compare and
 // branch per element, and it re-read the step's scalars through the lambda's references each
-// time (1.8% of an f32 train_gpt step). adamw_f32_avx2 runs rule::adamw's IEEE operations in the
-// same order on 8 lanes; its target has AVX2 but not FMA, so nothing is contracted into a fused
-// multiply-add and every element gets the bits of the scalar loop (the tail still runs there).
+// time (1.8% of an f32 train_gpt step). adamw_f32_avx2 runs update_rule::adamw's IEEE
+// operations in the same order on 8 lanes; its target has AVX2 but not FMA, so nothing is
+// contracted into a fused multiply-add and every element gets the bits of the scalar loop (the
+// tail still runs there).
 // The tests compare it bit for bit with that scalar loop, written out in the test.
 #if defined(__GNUC__) && !defined(__clang__)
 #define LS_NO_FMA_CONTRACTION gnu::optimize("fp-contract=off")  // also under LOCKSTEP_NATIVE
@@ -281,14 +283,14 @@ namespace {
 
 // An f32 parameter's step: the rule's scalars and this step's bias corrections.
 struct AdamWF32 {
-  rule::AdamW<float> c;
+  update_rule::AdamW<float> c;
   float step_size, bc2_sqrt;
 };
 
-// The update of element k, rule::adamw in f32.
+// The update of element k, update_rule::adamw in f32.
 [[LS_NO_FMA_CONTRACTION]] inline void adamw_f32_one(float* p, const float* g, float* m, float* v,
                                                     int64_t k, const AdamWF32& s) {
-  rule::adamw(p[k], g[k], m[k], v[k], s.c, s.step_size, s.bc2_sqrt);
+  update_rule::adamw(p[k], g[k], m[k], v[k], s.c, s.step_size, s.bc2_sqrt);
 }
 
 #if LS_HAVE_AVX2
@@ -356,7 +358,7 @@ void AdamW::step() {
         continue;
       }
       if (p.dtype() == kFloat32) {  // Note [AdamW on AVX2]
-        const AdamWF32 s{rule::adamw_scalars<float>(lr, wd, b1, b2, eps),
+        const AdamWF32 s{update_rule::adamw_scalars<float>(lr, wd, b1, b2, eps),
                          static_cast<float>(step_size), static_cast<float>(bc2_sqrt)};
         float* pp = p.data<float>();
         const float* gp = g.data<float>();
@@ -367,14 +369,16 @@ void AdamW::step() {
         continue;
       }
       cpu::dispatch_float(p.dtype(), "AdamW", [&]<typename T>() {
-        const rule::AdamW<T> c = rule::adamw_scalars<T>(lr, wd, b1, b2, eps);
+        const update_rule::AdamW<T> c = update_rule::adamw_scalars<T>(lr, wd, b1, b2, eps);
         const T step = static_cast<T>(step_size), bc2_root = static_cast<T>(bc2_sqrt);
         T* pp = p.data<T>();
         const T* gp = g.data<T>();
         T* mp = m.data<T>();
         T* vp = v.data<T>();
         cpu::parallel_for(0, p.numel(), kUpdateGrain, [&](int64_t b, int64_t e) {
-          for (int64_t k = b; k < e; ++k) rule::adamw(pp[k], gp[k], mp[k], vp[k], c, step, bc2_root);
+          for (int64_t k = b; k < e; ++k) {
+            update_rule::adamw(pp[k], gp[k], mp[k], vp[k], c, step, bc2_root);
+          }
         });
       });
     }

@@ -6,7 +6,7 @@
 
 #include "ops/cuda/kernels.h"
 #include "ops/cuda/loops.cuh"
-#include "optim/update_rule.h"
+#include "ops/update_rule.h"
 
 namespace lockstep::cuda_ops {
 
@@ -141,7 +141,7 @@ __global__ void unscale_check_kernel(Table table, double inv, float* found) {
   if (__syncthreads_or(bad) && threadIdx.x == 0) *found = 1.f;
 }
 
-// The formulas are rule::sgd and rule::adamw (src/optim/update_rule.h), as on the CPU.
+// The formulas are update_rule::sgd and update_rule::adamw (src/ops/update_rule.h), as on the CPU.
 template <typename T>
 __global__ void sgd_kernel(Table table, SgdScalars o) {
   const ChunkEntry c = table.chunks[blockIdx.x];
@@ -149,11 +149,11 @@ __global__ void sgd_kernel(Table table, SgdScalars o) {
   T* p = static_cast<T*>(t.ptr[0]);
   const T* g = static_cast<const T*>(t.ptr[1]);
   T* buf = static_cast<T*>(t.ptr[2]);
-  const optim::rule::Sgd<T> s =
-      optim::rule::sgd_scalars<T>(o.lr, o.weight_decay, o.momentum, o.dampening);
+  const update_rule::Sgd<T> s =
+      update_rule::sgd_scalars<T>(o.lr, o.weight_decay, o.momentum, o.dampening);
   const bool decay = o.weight_decay != 0, momentum = buf != nullptr;
   for (int64_t k = c.begin + threadIdx.x; k < c.begin + c.count; k += blockDim.x) {
-    optim::rule::sgd(p[k], g[k], momentum ? buf + k : nullptr, s, decay, momentum, t.first != 0,
+    update_rule::sgd(p[k], g[k], momentum ? buf + k : nullptr, s, decay, momentum, t.first != 0,
                      o.nesterov);
   }
 }
@@ -166,8 +166,8 @@ __global__ void adamw_kernel(Table table, AdamWScalars o) {
   const T* g = static_cast<const T*>(t.ptr[1]);
   T* m = static_cast<T*>(t.ptr[2]);
   T* v = static_cast<T*>(t.ptr[3]);
-  const optim::rule::AdamW<T> s =
-      optim::rule::adamw_scalars<T>(o.lr, o.weight_decay, o.beta1, o.beta2, o.eps);
+  const update_rule::AdamW<T> s =
+      update_rule::adamw_scalars<T>(o.lr, o.weight_decay, o.beta1, o.beta2, o.eps);
   T step_size, bc2_sqrt;
   if constexpr (std::is_same_v<T, double>) {
     step_size = t.step_size_d;
@@ -177,7 +177,7 @@ __global__ void adamw_kernel(Table table, AdamWScalars o) {
     bc2_sqrt = t.bc2_sqrt;
   }
   for (int64_t k = c.begin + threadIdx.x; k < c.begin + c.count; k += blockDim.x) {
-    optim::rule::adamw(p[k], g[k], m[k], v[k], s, step_size, bc2_sqrt);
+    update_rule::adamw(p[k], g[k], m[k], v[k], s, step_size, bc2_sqrt);
   }
 }
 

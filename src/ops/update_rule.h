@@ -8,7 +8,7 @@
 
 #include "base/host_device.h"
 
-namespace lockstep::optim::rule {
+namespace lockstep::update_rule {
 
 // SGD's scalars in T.
 template <typename T>
@@ -70,4 +70,4 @@ LS_HOST_DEVICE void adamw(T& p, T g, T& m, T& v, const AdamW<T>& c, T step_size,
   p -= step_size * m / denom;
 }
 
-}  // namespace lockstep::optim::rule
+}  // namespace lockstep::update_rule
