@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "distributed/cost_model_settings.h"
 #include "lockstep/base/worker_env.h"
 #include "testing.h"
 
@@ -142,15 +143,9 @@ TEST(CostModel, FitRecoversAlphaAndBetaFromMeasurements) {
 // what a test sees.
 class CostModelEnv : public ::testing::Test {
  protected:
-  void SetUp() override { clear(); }
-  void TearDown() override { clear(); }
+  void SetUp() override { lockstep::testing::clear_cost_model_settings(); }
+  void TearDown() override { lockstep::testing::clear_cost_model_settings(); }
 
- private:
-  static void clear() {
-    for (const char* name : {env::kNetAlphaUs, env::kNetGbps, env::kAllReduceAlgo}) {
-      ::unsetenv(name);
-    }
-  }
 };
 
 TEST_F(CostModelEnv, SettingsSetTheLinkAndForceAnAlgorithm) {

@@ -6,6 +6,7 @@
 #include <mutex>
 #include <thread>
 
+#include "distributed/cost_model_settings.h"
 #include "distributed/ddp_helpers.h"
 #include "distributed/thread_ranks.h"
 #include "lockstep/base/worker_env.h"
@@ -115,16 +116,9 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, DDPEquivalence, ::testing::Values(1, 2, 4))
 // environment cannot change the caps.
 class DDPBucketsFromGroup : public ::testing::Test {
  protected:
-  void SetUp() override { clear(); }
-  void TearDown() override { clear(); }
+  void SetUp() override { lockstep::testing::clear_cost_model_settings(); }
+  void TearDown() override { lockstep::testing::clear_cost_model_settings(); }
 
- private:
-  static void clear() {
-    for (const char* name :
-         {env::kNetAlphaUs, env::kNetGbps, env::kAllReduceAlgo, env::kNetCalibrate}) {
-      ::unsetenv(name);
-    }
-  }
 };
 
 // Six 512 x 512 layers: 1 MiB weights, 6 MiB in all, more than the default link's cap.

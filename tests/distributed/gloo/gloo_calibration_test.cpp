@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "distributed/cost_model_settings.h"
 #include "distributed/thread_ranks.h"
 #include "lockstep/base/log.h"
 #include "lockstep/base/worker_env.h"
@@ -24,23 +25,17 @@ namespace {
 class GlooCalibration : public ::testing::Test {
  protected:
   void SetUp() override {
-    clear();
+    lockstep::testing::clear_cost_model_settings();
     level_ = log_level();
     set_log_level(LogLevel::kInfo);
   }
   void TearDown() override {
-    clear();
+    lockstep::testing::clear_cost_model_settings();
     set_log_level(level_);
     set_log_sink({});
   }
 
  private:
-  static void clear() {
-    for (const char* name :
-         {env::kNetAlphaUs, env::kNetGbps, env::kAllReduceAlgo, env::kNetCalibrate}) {
-      ::unsetenv(name);
-    }
-  }
   LogLevel level_ = LogLevel::kInfo;
 };
 

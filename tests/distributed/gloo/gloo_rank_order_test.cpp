@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "distributed/cost_model_settings.h"
 #include "distributed/thread_ranks.h"
 #include "lockstep/base/worker_env.h"
 #include "lockstep/lockstep.h"
@@ -102,18 +103,11 @@ struct Sizes {
 class GlooRankOrder : public ::testing::TestWithParam<Sizes> {
  protected:
   void SetUp() override {
-    clear();
+    lockstep::testing::clear_cost_model_settings();
     ::setenv(env::kAllReduceAlgo, GetParam().algorithm, 1);
   }
-  void TearDown() override { clear(); }
+  void TearDown() override { lockstep::testing::clear_cost_model_settings(); }
 
- private:
-  static void clear() {
-    for (const char* name :
-         {env::kNetAlphaUs, env::kNetGbps, env::kAllReduceAlgo, env::kNetCalibrate}) {
-      ::unsetenv(name);
-    }
-  }
 };
 
 TEST_P(GlooRankOrder, AllReduceIsBitwiseTheSerialRankOrderSumAndShms) {
